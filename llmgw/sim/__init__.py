@@ -1,0 +1,1 @@
+"""Simulated engine and simulated GPU fixtures for the demo, tests and benchmarks."""
