@@ -1,1 +1,4 @@
-"""The block hashing and KV event decoding of vLLM (the KV-index issue builds it). Imports nothing else of llmgw."""
+"""vLLM block hashing and KV event decoding (the KV-index issue).
+
+Imports nothing else of llmgw.
+"""

@@ -275,9 +275,7 @@ class ApplyDeploymentRequest(betterproto2.Message):
     """
 
 
-default_message_pool.register_message(
-    "llmgw.v1", "ApplyDeploymentRequest", ApplyDeploymentRequest
-)
+default_message_pool.register_message("llmgw.v1", "ApplyDeploymentRequest", ApplyDeploymentRequest)
 
 
 @dataclass(eq=False, repr=False)
@@ -298,17 +296,11 @@ default_message_pool.register_message("llmgw.v1", "AuditEvent", AuditEvent)
 
 @dataclass(eq=False, repr=False)
 class Cluster(betterproto2.Message):
-    nodes: "list[Node]" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    nodes: "list[Node]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
 
-    replicas: "list[Replica]" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    replicas: "list[Replica]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
 
-    shards: "list[Shard]" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    shards: "list[Shard]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
 
     deployments: "list[Deployment]" = betterproto2.field(
         4, betterproto2.TYPE_MESSAGE, repeated=True
@@ -382,9 +374,7 @@ class Deployment(betterproto2.Message):
     labels: "dict[str, str]" = betterproto2.field(
         5,
         betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_STRING, betterproto2.TYPE_STRING
-        ),
+        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING),
     )
 
     updated_unix_ms: "int" = betterproto2.field(6, betterproto2.TYPE_INT64)
@@ -430,18 +420,14 @@ class EngineProfile(betterproto2.Message):
     env: "dict[str, str]" = betterproto2.field(
         9,
         betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_STRING, betterproto2.TYPE_STRING
-        ),
+        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING),
     )
 
     model_path: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
 
     served_model_name: "str" = betterproto2.field(11, betterproto2.TYPE_STRING)
 
-    adapters: "list[LoraAdapter]" = betterproto2.field(
-        12, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    adapters: "list[LoraAdapter]" = betterproto2.field(12, betterproto2.TYPE_MESSAGE, repeated=True)
 
     kv_events: "bool" = betterproto2.field(13, betterproto2.TYPE_BOOL)
 
@@ -494,9 +480,7 @@ class GetClusterRequest(betterproto2.Message):
     pass
 
 
-default_message_pool.register_message(
-    "llmgw.v1", "GetClusterRequest", GetClusterRequest
-)
+default_message_pool.register_message("llmgw.v1", "GetClusterRequest", GetClusterRequest)
 
 
 @dataclass(eq=False, repr=False)
@@ -504,9 +488,7 @@ class GetRouterStatsRequest(betterproto2.Message):
     pass
 
 
-default_message_pool.register_message(
-    "llmgw.v1", "GetRouterStatsRequest", GetRouterStatsRequest
-)
+default_message_pool.register_message("llmgw.v1", "GetRouterStatsRequest", GetRouterStatsRequest)
 
 
 @dataclass(eq=False, repr=False)
@@ -558,34 +540,22 @@ class Gpu(betterproto2.Message):
 
     utilization_pct: "int" = betterproto2.field(12, betterproto2.TYPE_UINT32)
 
-    nvlink_peers: "list[int]" = betterproto2.field(
-        13, betterproto2.TYPE_UINT32, repeated=True
-    )
+    nvlink_peers: "list[int]" = betterproto2.field(13, betterproto2.TYPE_UINT32, repeated=True)
     """
     indices of the GPUs reachable over NVLink
     """
 
-    nvlinks: "list[NvLink]" = betterproto2.field(
-        14, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    nvlinks: "list[NvLink]" = betterproto2.field(14, betterproto2.TYPE_MESSAGE, repeated=True)
 
-    nic_paths: "list[NicPath]" = betterproto2.field(
-        15, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    nic_paths: "list[NicPath]" = betterproto2.field(15, betterproto2.TYPE_MESSAGE, repeated=True)
 
-    fabric: "NvLinkFabric | None" = betterproto2.field(
-        16, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    fabric: "NvLinkFabric | None" = betterproto2.field(16, betterproto2.TYPE_MESSAGE, optional=True)
 
-    health: "GpuHealth | None" = betterproto2.field(
-        17, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    health: "GpuHealth | None" = betterproto2.field(17, betterproto2.TYPE_MESSAGE, optional=True)
 
     mig_enabled: "bool" = betterproto2.field(18, betterproto2.TYPE_BOOL)
 
-    mig: "MigDevice | None" = betterproto2.field(
-        19, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    mig: "MigDevice | None" = betterproto2.field(19, betterproto2.TYPE_MESSAGE, optional=True)
     """
     set only on MIG devices
     """
@@ -610,9 +580,7 @@ class GpuHealth(betterproto2.Message):
 
     temperature_c: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
 
-    problems: "list[str]" = betterproto2.field(
-        6, betterproto2.TYPE_STRING, repeated=True
-    )
+    problems: "list[str]" = betterproto2.field(6, betterproto2.TYPE_STRING, repeated=True)
     """
     why it is unhealthy or unknown, in words
     """
@@ -641,9 +609,7 @@ class GpuTelemetry(betterproto2.Message):
         5, betterproto2.TYPE_ENUM, default_factory=lambda: Health(0)
     )
 
-    problems: "list[str]" = betterproto2.field(
-        6, betterproto2.TYPE_STRING, repeated=True
-    )
+    problems: "list[str]" = betterproto2.field(6, betterproto2.TYPE_STRING, repeated=True)
 
     power_watts: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
 
@@ -655,18 +621,17 @@ default_message_pool.register_message("llmgw.v1", "GpuTelemetry", GpuTelemetry)
 class Heartbeat(betterproto2.Message):
     seq: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
 
-    sent_unix_ms: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+    sent_at_ms: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+    """
+    the agent's own monotonic clock, echoed in the ack
+    """
 
-    gpus: "list[GpuTelemetry]" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    gpus: "list[GpuTelemetry]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     only the GPUs that changed since the last heartbeat
     """
 
-    memory: "Memory | None" = betterproto2.field(
-        4, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    memory: "Memory | None" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, optional=True)
     """
     set when it changed
     """
@@ -679,7 +644,7 @@ default_message_pool.register_message("llmgw.v1", "Heartbeat", Heartbeat)
 class HeartbeatAck(betterproto2.Message):
     seq: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
 
-    sent_unix_ms: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+    sent_at_ms: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
     """
     echoed from the heartbeat, for round-trip time
     """
@@ -710,9 +675,7 @@ class HostFacts(betterproto2.Message):
     e.g. "x86_64", "aarch64"
     """
 
-    cpu_flags: "list[str]" = betterproto2.field(
-        5, betterproto2.TYPE_STRING, repeated=True
-    )
+    cpu_flags: "list[str]" = betterproto2.field(5, betterproto2.TYPE_STRING, repeated=True)
 
     kernel: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
 
@@ -739,9 +702,7 @@ class Imex(betterproto2.Message):
     "up", "down", "not_installed"
     """
 
-    channels: "list[int]" = betterproto2.field(
-        2, betterproto2.TYPE_UINT32, repeated=True
-    )
+    channels: "list[int]" = betterproto2.field(2, betterproto2.TYPE_UINT32, repeated=True)
 
     domain: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
 
@@ -779,9 +740,7 @@ class ListProfilesRequest(betterproto2.Message):
     pass
 
 
-default_message_pool.register_message(
-    "llmgw.v1", "ListProfilesRequest", ListProfilesRequest
-)
+default_message_pool.register_message("llmgw.v1", "ListProfilesRequest", ListProfilesRequest)
 
 
 @dataclass(eq=False, repr=False)
@@ -791,9 +750,7 @@ class ListProfilesResponse(betterproto2.Message):
     )
 
 
-default_message_pool.register_message(
-    "llmgw.v1", "ListProfilesResponse", ListProfilesResponse
-)
+default_message_pool.register_message("llmgw.v1", "ListProfilesResponse", ListProfilesResponse)
 
 
 @dataclass(eq=False, repr=False)
@@ -895,9 +852,7 @@ default_message_pool.register_message("llmgw.v1", "NicPath", NicPath)
 
 @dataclass(eq=False, repr=False)
 class Node(betterproto2.Message):
-    info: "NodeInfo | None" = betterproto2.field(
-        1, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    info: "NodeInfo | None" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, optional=True)
 
     state: "NodeState" = betterproto2.field(
         2, betterproto2.TYPE_ENUM, default_factory=lambda: NodeState(0)
@@ -941,50 +896,34 @@ class NodeInfo(betterproto2.Message):
     labels: "dict[str, str]" = betterproto2.field(
         4,
         betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_STRING, betterproto2.TYPE_STRING
-        ),
+        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING),
     )
 
     agent_version: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
 
-    features: "list[str]" = betterproto2.field(
-        6, betterproto2.TYPE_STRING, repeated=True
-    )
+    features: "list[str]" = betterproto2.field(6, betterproto2.TYPE_STRING, repeated=True)
 
     engine_versions: "dict[str, str]" = betterproto2.field(
         7,
         betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_STRING, betterproto2.TYPE_STRING
-        ),
+        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_STRING),
     )
 
-    host: "HostFacts | None" = betterproto2.field(
-        8, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    host: "HostFacts | None" = betterproto2.field(8, betterproto2.TYPE_MESSAGE, optional=True)
 
     gpus: "list[Gpu]" = betterproto2.field(9, betterproto2.TYPE_MESSAGE, repeated=True)
 
-    imex: "Imex | None" = betterproto2.field(
-        10, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    imex: "Imex | None" = betterproto2.field(10, betterproto2.TYPE_MESSAGE, optional=True)
 
     fabrics: "list[FabricAttachment]" = betterproto2.field(
         11, betterproto2.TYPE_MESSAGE, repeated=True
     )
 
-    weights: "list[LocalWeights]" = betterproto2.field(
-        12, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    weights: "list[LocalWeights]" = betterproto2.field(12, betterproto2.TYPE_MESSAGE, repeated=True)
 
-    storage: "list[Storage]" = betterproto2.field(
-        13, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    storage: "list[Storage]" = betterproto2.field(13, betterproto2.TYPE_MESSAGE, repeated=True)
 
-    memory: "Memory | None" = betterproto2.field(
-        14, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    memory: "Memory | None" = betterproto2.field(14, betterproto2.TYPE_MESSAGE, optional=True)
 
     cpu_count: "int" = betterproto2.field(15, betterproto2.TYPE_UINT32)
 
@@ -1015,13 +954,9 @@ class NodeTelemetry(betterproto2.Message):
 
     last_heartbeat_unix_ms: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
 
-    gpus: "list[GpuTelemetry]" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    gpus: "list[GpuTelemetry]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
 
-    memory: "Memory | None" = betterproto2.field(
-        4, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    memory: "Memory | None" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, optional=True)
 
 
 default_message_pool.register_message("llmgw.v1", "NodeTelemetry", NodeTelemetry)
@@ -1088,13 +1023,9 @@ class Register(betterproto2.Message):
     see llmgw.protocol.PROTOCOL_VERSION
     """
 
-    node: "NodeInfo | None" = betterproto2.field(
-        2, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    node: "NodeInfo | None" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, optional=True)
 
-    shards: "list[ShardStatus]" = betterproto2.field(
-        3, betterproto2.TYPE_MESSAGE, repeated=True
-    )
+    shards: "list[ShardStatus]" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, repeated=True)
     """
     shards the agent already runs, to be adopted
     """
@@ -1131,9 +1062,7 @@ class Replica(betterproto2.Message):
         6, betterproto2.TYPE_ENUM, default_factory=lambda: ShardState(0)
     )
 
-    shard_ids: "list[str]" = betterproto2.field(
-        7, betterproto2.TYPE_STRING, repeated=True
-    )
+    shard_ids: "list[str]" = betterproto2.field(7, betterproto2.TYPE_STRING, repeated=True)
 
     out_of_date: "bool" = betterproto2.field(8, betterproto2.TYPE_BOOL)
 
@@ -1172,9 +1101,7 @@ class RouterStats(betterproto2.Message):
     decisions_by_tier: "dict[str, int]" = betterproto2.field(
         2,
         betterproto2.TYPE_MAP,
-        map_meta=betterproto2.map_meta(
-            betterproto2.TYPE_STRING, betterproto2.TYPE_UINT64
-        ),
+        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_UINT64),
     )
 
 
@@ -1193,9 +1120,7 @@ class Shard(betterproto2.Message):
 
     node_id: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
 
-    status: "ShardStatus | None" = betterproto2.field(
-        4, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    status: "ShardStatus | None" = betterproto2.field(4, betterproto2.TYPE_MESSAGE, optional=True)
 
     updated_unix_ms: "int" = betterproto2.field(5, betterproto2.TYPE_INT64)
 
@@ -1238,9 +1163,7 @@ class ShardStatus(betterproto2.Message):
 
     profile_fingerprint: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
 
-    gpu_uuids: "list[str]" = betterproto2.field(
-        10, betterproto2.TYPE_STRING, repeated=True
-    )
+    gpu_uuids: "list[str]" = betterproto2.field(10, betterproto2.TYPE_STRING, repeated=True)
 
     pid: "int" = betterproto2.field(11, betterproto2.TYPE_UINT32)
 
@@ -1268,17 +1191,13 @@ class StartShard(betterproto2.Message):
 
     profile_fingerprint: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
 
-    gpu_uuids: "list[str]" = betterproto2.field(
-        6, betterproto2.TYPE_STRING, repeated=True
-    )
+    gpu_uuids: "list[str]" = betterproto2.field(6, betterproto2.TYPE_STRING, repeated=True)
 
     port: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
 
     api_key: "str" = betterproto2.field(8, betterproto2.TYPE_STRING)
 
-    multinode: "MultiNode | None" = betterproto2.field(
-        9, betterproto2.TYPE_MESSAGE, optional=True
-    )
+    multinode: "MultiNode | None" = betterproto2.field(9, betterproto2.TYPE_MESSAGE, optional=True)
 
 
 default_message_pool.register_message("llmgw.v1", "StartShard", StartShard)
@@ -1676,15 +1595,11 @@ class ControlServiceBase(betterproto2_grpclib.ServiceBase):
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
         yield WatchEvent()
 
-    async def apply_deployment(
-        self, message: "ApplyDeploymentRequest"
-    ) -> "ActionResult":
+    async def apply_deployment(self, message: "ApplyDeploymentRequest") -> "ActionResult":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
-    async def delete_deployment(
-        self, message: "DeleteDeploymentRequest"
-    ) -> "ActionResult":
+    async def delete_deployment(self, message: "DeleteDeploymentRequest") -> "ActionResult":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
@@ -1696,9 +1611,7 @@ class ControlServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
-    async def reprofile_replica(
-        self, message: "ReprofileReplicaRequest"
-    ) -> "ActionResult":
+    async def reprofile_replica(self, message: "ReprofileReplicaRequest") -> "ActionResult":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
@@ -1714,9 +1627,7 @@ class ControlServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
-    async def list_profiles(
-        self, message: "ListProfilesRequest"
-    ) -> "ListProfilesResponse":
+    async def list_profiles(self, message: "ListProfilesRequest") -> "ListProfilesResponse":
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
@@ -1732,9 +1643,7 @@ class ControlServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.get_cluster(request)
         await stream.send_message(response)
 
-    async def __rpc_watch(
-        self, stream: "grpclib.server.Stream[WatchRequest, WatchEvent]"
-    ) -> None:
+    async def __rpc_watch(self, stream: "grpclib.server.Stream[WatchRequest, WatchEvent]") -> None:
         request = await stream.recv_message()
         assert request is not None
         await self._call_rpc_handler_server_stream(

@@ -1,0 +1,1 @@
+"""The node agent: discovery and the link to the control server."""

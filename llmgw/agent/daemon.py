@@ -1,0 +1,155 @@
+"""``llmgw agent``: discover this node, then keep its stream to the control server open.
+
+The node id is chosen once and kept in the state directory (``node-id``), so an agent
+restarted with the same ``--state-dir`` comes back as the same node. Discovery is the
+simulated backend when ``--simulate`` names a fixture; otherwise the agent reports this
+host's facts and no GPUs, saying why (NVML discovery is built by the agent issue).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import re
+import signal
+import socket
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmgw import __version__
+from llmgw.agent.backoff import BackoffPolicy
+from llmgw.agent.discovery import SimulatedTelemetry, simulated_node
+from llmgw.agent.discovery.host import cpu_count, host_facts, host_memory
+from llmgw.agent.link import AgentLink, LinkConfig
+from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo
+
+log = logging.getLogger(__name__)
+
+_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
+
+
+class AgentConfigError(ValueError):
+    """A flag of ``llmgw agent`` is malformed; the message names it."""
+
+
+def default_state_dir() -> Path:
+    """``$XDG_STATE_HOME/llmgw/agent`` (``~/.local/state/llmgw/agent``)."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "llmgw" / "agent"
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """Everything ``llmgw agent`` is told on its command line."""
+
+    server_host: str
+    server_port: int
+    state_dir: Path
+    node_id: str | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    simulate: str | None = None
+    hostname: str = field(default_factory=socket.gethostname)
+    backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+
+
+def parse_server(text: str) -> tuple[str, int]:
+    """``HOST:PORT`` → (host, port); a malformed value names the flag."""
+    host, sep, port = text.rpartition(":")
+    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+        raise AgentConfigError(f"--server {text!r} is not HOST:PORT (for example 127.0.0.1:50051)")
+    return host.strip("[]"), int(port)
+
+
+def parse_labels(text: str) -> dict[str, str]:
+    """``k=v,k2=v2`` → dict; a pair without ``=`` or with an empty key is refused."""
+    labels: dict[str, str] = {}
+    for pair in filter(None, (p.strip() for p in text.split(","))):
+        key, sep, value = pair.partition("=")
+        if not sep or not key.strip():
+            raise AgentConfigError(f"--labels: {pair!r} is not key=value")
+        labels[key.strip()] = value.strip()
+    return labels
+
+
+def resolve_node_id(state_dir: Path, explicit: str | None) -> str:
+    """The node id: ``explicit``, else the one kept in the state directory, else a new one."""
+    path = state_dir / "node-id"
+    if explicit is not None:
+        node_id = explicit
+    elif path.exists():
+        node_id = path.read_text().strip()
+    else:
+        node_id = f"{socket.gethostname().split('.')[0]}-{uuid.uuid4().hex[:8]}"
+    if not _NODE_ID.match(node_id):
+        raise AgentConfigError(
+            f"node id {node_id!r} is not valid (letters, digits, '.', '_', '-'; at most 253)"
+        )
+    state_dir.mkdir(parents=True, exist_ok=True)
+    path.write_text(node_id + "\n")
+    return node_id
+
+
+def discover(config: AgentConfig, node_id: str) -> NodeInfo:
+    """What this node is: a simulated fixture, or this host without GPU discovery."""
+    if config.simulate:
+        node = simulated_node(
+            config.simulate, node_id=node_id, hostname=config.hostname, labels=config.labels
+        )
+    else:
+        node = NodeInfo(
+            node_id=node_id,
+            hostname=config.hostname,
+            labels=dict(config.labels),
+            host=host_facts(),
+            memory=host_memory(),
+            cpu_count=cpu_count(),
+            discovery="none: NVML discovery is not built into this agent yet; use --simulate",
+        )
+    node.agent_version = __version__
+    node.features = sorted({*node.features, "heartbeat-deltas"})
+    return node
+
+
+class Agent:
+    """The agent process: discovery plus the link to the server."""
+
+    def __init__(self, config: AgentConfig) -> None:
+        self.config = config
+        self.node_id = resolve_node_id(config.state_dir, config.node_id)
+        self.node = discover(config, self.node_id)
+        seed = int.from_bytes(self.node_id.encode()[-8:].rjust(8, b"\0"), "big")
+        self._telemetry = SimulatedTelemetry(self.node, seed=seed) if config.simulate else None
+        self.link = AgentLink(
+            LinkConfig(config.server_host, config.server_port, backoff=config.backoff),
+            node=lambda: self.node,
+            telemetry=self.telemetry,
+        )
+
+    def telemetry(self) -> Sequence[GpuTelemetry]:
+        return self._telemetry.sample() if self._telemetry is not None else []
+
+    async def run(self, stop: asyncio.Event | None = None) -> None:
+        """Run until SIGINT/SIGTERM (or ``stop``)."""
+        stop = stop or asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        log.info(
+            "agent %s (%s) starting; server %s:%d",
+            self.node_id,
+            self.node.discovery,
+            self.config.server_host,
+            self.config.server_port,
+        )
+        link = asyncio.create_task(self.link.run(), name="link")
+        try:
+            await stop.wait()
+        finally:
+            link.cancel()
+            await asyncio.gather(link, return_exceptions=True)
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(sig)
+        log.info("agent %s stopped", self.node_id)

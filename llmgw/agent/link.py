@@ -1,0 +1,201 @@
+"""The agent's one stream to the control server (``AgentService.Connect``).
+
+A session registers (everything the node is, plus the shards it already runs), then
+heartbeats at the interval the server asks for, each carrying only the telemetry that
+changed, and hands every command the server sends to ``on_command``. The stream has no
+read timeout but an idle watchdog: no message from the server for ``idle_timeout_s``
+ends the session. Sessions repeat with jittered, capped backoff for as long as the agent
+runs; a refused registration (an unsupported protocol version, say) is retried the same
+way, because the server may be upgraded meanwhile.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import deque
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+
+import grpclib.client
+from grpclib.const import Cardinality
+from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+
+from llmgw.agent.backoff import Backoff, BackoffPolicy
+from llmgw.agent.telemetry import telemetry_delta
+from llmgw.api.llmgw.v1 import (
+    AgentMessage,
+    ControlMessage,
+    GpuTelemetry,
+    Heartbeat,
+    NodeInfo,
+    Register,
+    ShardStatus,
+)
+from llmgw.protocol import PROTOCOL_VERSION
+
+log = logging.getLogger(__name__)
+
+CONNECT_PATH = "/llmgw.v1.AgentService/Connect"
+
+CommandHandler = Callable[[ControlMessage], Awaitable[None]]
+
+
+@dataclass(frozen=True, slots=True)
+class LinkConfig:
+    """Where the server is and how patient to be with it."""
+
+    host: str
+    port: int
+    register_timeout_s: float = 10.0
+    idle_timeout_s: float = 15.0
+    backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+
+
+class SessionEnded(Exception):
+    """A session with the server ended; the message says why."""
+
+
+@dataclass(slots=True)
+class LinkStats:
+    """What the link has seen, for logs, tests and benchmarks."""
+
+    sessions: int = 0
+    heartbeats: int = 0
+    rtt_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
+    connected: bool = False
+
+
+class AgentLink:
+    """Keeps one registered stream open to the control server."""
+
+    def __init__(
+        self,
+        config: LinkConfig,
+        *,
+        node: Callable[[], NodeInfo],
+        telemetry: Callable[[], Sequence[GpuTelemetry]],
+        shards: Callable[[], Sequence[ShardStatus]] = list,
+        on_command: CommandHandler | None = None,
+    ) -> None:
+        self.config = config
+        self._node = node
+        self._telemetry = telemetry
+        self._shards = shards
+        self._on_command = on_command
+        self.stats = LinkStats()
+        self.backoff = Backoff(config.backoff, what=f"control server {config.host}:{config.port}")
+
+    async def run(self) -> None:
+        """Run sessions forever; returns only when cancelled."""
+        async for _ in self.backoff:
+            try:
+                await self._session()
+            except asyncio.CancelledError:
+                raise
+            except (
+                SessionEnded,
+                GRPCError,
+                ProtocolError,
+                StreamTerminatedError,
+                OSError,
+                TimeoutError,
+            ) as exc:
+                self.backoff.failed(_describe(exc))
+            finally:
+                self.stats.connected = False
+
+    async def _session(self) -> None:
+        channel = grpclib.client.Channel(self.config.host, self.config.port)
+        try:
+            async with channel.request(
+                CONNECT_PATH, Cardinality.STREAM_STREAM, AgentMessage, ControlMessage
+            ) as stream:
+                interval_s = await self._register(stream)
+                self.backoff.succeeded()
+                self.stats.sessions += 1
+                self.stats.connected = True
+                async with asyncio.TaskGroup() as tasks:
+                    tasks.create_task(self._heartbeats(stream, interval_s))
+                    await self._receive(stream)
+                    raise SessionEnded("the server closed the stream")
+        except* Exception as group:
+            raise _first_leaf(group) from None
+        finally:
+            channel.close()
+
+    async def _register(self, stream: _Stream) -> float:
+        register = Register(
+            protocol_version=PROTOCOL_VERSION, node=self._node(), shards=list(self._shards())
+        )
+        async with asyncio.timeout(self.config.register_timeout_s):
+            await stream.send_message(AgentMessage(register=register))
+            reply = await stream.recv_message()
+        if reply is None or reply.registered is None:
+            await stream.recv_trailing_metadata()  # raises the server's GRPCError if any
+            raise SessionEnded("the server did not acknowledge the registration")
+        interval_ms = reply.registered.heartbeat_interval_ms or 1000
+        log.info(
+            "registered with %s:%d (heartbeat every %d ms)",
+            self.config.host,
+            self.config.port,
+            interval_ms,
+        )
+        return interval_ms / 1000
+
+    async def _heartbeats(self, stream: _Stream, interval_s: float) -> None:
+        previous: dict[str, GpuTelemetry] = {}
+        seq = 0
+        while True:
+            seq += 1
+            current = self._telemetry()
+            changed = telemetry_delta(previous, current)
+            previous.update((gpu.uuid, gpu) for gpu in changed)
+            beat = Heartbeat(seq=seq, sent_at_ms=_mono_ms(), gpus=changed)
+            await stream.send_message(AgentMessage(heartbeat=beat))
+            self.stats.heartbeats += 1
+            await asyncio.sleep(interval_s)
+
+    async def _receive(self, stream: _Stream) -> None:
+        while True:
+            async with asyncio.timeout(self.config.idle_timeout_s):
+                message = await stream.recv_message()
+            if message is None:
+                await stream.recv_trailing_metadata()
+                return
+            if message.heartbeat_ack is not None:
+                self.stats.rtt_ms.append(_mono_ms() - message.heartbeat_ack.sent_at_ms)
+            elif self._on_command is not None:
+                await self._on_command(message)
+            else:
+                log.warning("command %s received but this agent runs no engines", _kind(message))
+
+
+_Stream = grpclib.client.Stream[AgentMessage, ControlMessage]
+
+
+def _mono_ms() -> int:
+    """Monotonic milliseconds: heartbeats echo it back, so only this process reads it."""
+    return time.monotonic_ns() // 1_000_000
+
+
+def _first_leaf(group: BaseExceptionGroup[Exception]) -> Exception:
+    """The first real exception of a task group's failure (why the session ended)."""
+    first = group.exceptions[0]
+    return _first_leaf(first) if isinstance(first, BaseExceptionGroup) else first
+
+
+def _kind(message: ControlMessage) -> str:
+    for name in ("start_shard", "stop_shard", "drain_shard", "registered"):
+        if getattr(message, name) is not None:
+            return name
+    return "unknown"
+
+
+def _describe(exc: BaseException) -> str:
+    if isinstance(exc, GRPCError):
+        return f"refused: {exc.status.name}: {exc.message}"
+    if isinstance(exc, TimeoutError):
+        return "timed out"
+    return str(exc) or type(exc).__name__

@@ -1,0 +1,265 @@
+"""The ``llmgw`` command line: parse flags, run one subcommand, exit with its status.
+
+Errors a user can fix (a malformed flag, a server that does not answer) print one line on
+stderr and exit non-zero; they never show a traceback.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from llmgw import __version__
+
+DEFAULT_WEB_URL = "http://127.0.0.1:8080"
+
+Command = Callable[[argparse.Namespace], int]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run ``llmgw`` with ``argv`` (default: the process's arguments)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    _setup_logging(args.log_level)
+    command: Command = args.command
+    try:
+        return command(args)
+    except KeyboardInterrupt:
+        return 130
+    except CliError as exc:
+        print(f"llmgw: {exc}", file=sys.stderr)
+        return exc.exit_code
+
+
+class CliError(Exception):
+    """An error to print as one line, with the exit code to leave with."""
+
+    def __init__(self, message: str, exit_code: int = 1) -> None:
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="llmgw", description="Run a fleet of GPU nodes as one LLM service."
+    )
+    parser.add_argument("--version", action="version", version=f"llmgw {__version__}")
+    parser.add_argument(
+        "--log-level",
+        default="info",
+        choices=["debug", "info", "warning", "error"],
+        help="log verbosity on stderr (default: info)",
+    )
+    sub = parser.add_subparsers(title="commands", metavar="COMMAND", required=True)
+    _add_server(sub)
+    _add_agent(sub)
+    _add_get(sub)
+    _add_node_actions(sub)
+    _add_demo(sub)
+    return parser
+
+
+def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "server",
+        help="run the control server",
+        description="Run the control server: native gRPC for agents and "
+        "operators, gRPC-web and /healthz for the console and browsers.",
+    )
+    p.add_argument(
+        "--grpc-listen",
+        default="127.0.0.1:50051",
+        metavar="HOST:PORT",
+        help="native gRPC (HTTP/2) address (default: 127.0.0.1:50051)",
+    )
+    p.add_argument(
+        "--http-listen",
+        default="127.0.0.1:8080",
+        metavar="HOST:PORT",
+        help="gRPC-web and health (HTTP/1.1) address (default: 127.0.0.1:8080)",
+    )
+    p.add_argument(
+        "--db",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="SQLite state file (default: $XDG_STATE_HOME/llmgw/server.db)",
+    )
+    p.add_argument(
+        "--node-grace",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="a node with no heartbeat for this long is NOT_READY (default: 5)",
+    )
+    p.add_argument(
+        "--heartbeat-interval",
+        type=float,
+        default=1.0,
+        metavar="SECONDS",
+        help="how often agents are asked to heartbeat (default: 1)",
+    )
+    p.add_argument(
+        "--max-message-bytes",
+        type=int,
+        default=4 << 20,
+        metavar="N",
+        help="largest message accepted on either port (default: 4 MiB)",
+    )
+    p.set_defaults(command=_run_server)
+
+
+def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "agent",
+        help="run a node agent",
+        description="Run the node agent: discover this node's GPUs and keep "
+        "one stream to the control server, reconnecting by itself.",
+    )
+    p.add_argument(
+        "--server",
+        default="127.0.0.1:50051",
+        metavar="HOST:PORT",
+        help="the control server's gRPC address (default: 127.0.0.1:50051)",
+    )
+    p.add_argument(
+        "--node-id",
+        default=None,
+        help="this node's id (default: kept in the state directory, else "
+        "HOSTNAME-RANDOM chosen once)",
+    )
+    p.add_argument("--labels", default="", metavar="K=V,...", help="labels for placement")
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="where the agent keeps its node id and engine records "
+        "(default: $XDG_STATE_HOME/llmgw/agent)",
+    )
+    p.add_argument(
+        "--simulate",
+        default=None,
+        metavar="NAME|FILE.json",
+        help="simulated GPUs from a shipped fixture (dgx-h100, a100-mig, "
+        "gb200-nvl4, l4-pcie, cpu-only) or a fixture file",
+    )
+    p.add_argument("--hostname", default=None, help="hostname to report (default: this host's)")
+    p.add_argument(
+        "--discover", action="store_true", help="print what the agent would register and exit"
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=["json"],
+        default="json",
+        help="format for --discover: the proto3 JSON of NodeInfo",
+    )
+    p.set_defaults(command=_run_agent)
+
+
+def _add_get(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "get",
+        help="list nodes, GPUs, replicas or shards",
+        description="List what the control server knows, over gRPC-web.",
+    )
+    p.add_argument("kind", choices=["nodes", "gpus", "replicas", "shards"])
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=["table", "json"],
+        default="table",
+        help="table (default) or the proto3 JSON of the messages",
+    )
+    _add_server_url(p)
+    p.set_defaults(command=_run_get)
+
+
+def _add_node_actions(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    for verb, text in (
+        ("cordon", "place nothing new on a node"),
+        ("uncordon", "let placement use a node again"),
+    ):
+        p = sub.add_parser(verb, help=text, description=f"{text[0].upper()}{text[1:]}.")
+        p.add_argument("node_id", metavar="NODE")
+        _add_server_url(p)
+        p.set_defaults(command=_run_node_action, verb=verb)
+
+
+def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="run a server and simulated nodes on loopback",
+        description="Start a control server and three simulated GPU nodes "
+        "on loopback, print the cluster, and keep it running until Ctrl-C.",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="stop after this long instead of waiting for Ctrl-C",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep the demo's database and agent state here (default: a temp dir)",
+    )
+    p.set_defaults(command=_run_demo)
+
+
+def _add_server_url(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--server",
+        default=DEFAULT_WEB_URL,
+        metavar="URL",
+        help=f"the control server's gRPC-web URL (default: {DEFAULT_WEB_URL})",
+    )
+
+
+def _setup_logging(level: str) -> None:
+    logging.basicConfig(
+        level=getattr(logging, level.upper()),
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+    )
+    # httpx logs every request at INFO: the CLI's own output is the answer, not its requests.
+    for noisy in ("httpx", "httpcore", "hpack"):
+        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.root.level))
+
+
+def _run_server(args: argparse.Namespace) -> int:
+    from llmgw.cli.serve import run_server_command
+
+    return run_server_command(args)
+
+
+def _run_agent(args: argparse.Namespace) -> int:
+    from llmgw.cli.serve import run_agent_command
+
+    return run_agent_command(args)
+
+
+def _run_get(args: argparse.Namespace) -> int:
+    from llmgw.cli.get import run_get
+
+    return asyncio.run(run_get(args.server, args.kind, args.output))
+
+
+def _run_node_action(args: argparse.Namespace) -> int:
+    from llmgw.cli.get import run_node_action
+
+    return asyncio.run(run_node_action(args.server, args.verb, args.node_id))
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from llmgw.cli.demo import run_demo
+
+    return run_demo(args.duration, args.state_dir)

@@ -1,0 +1,72 @@
+"""``llmgw server`` and ``llmgw agent``: turn flags into configs and run the processes."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+
+from llmgw.agent.daemon import (
+    Agent,
+    AgentConfig,
+    AgentConfigError,
+    default_state_dir,
+    discover,
+    parse_labels,
+    parse_server,
+    resolve_node_id,
+)
+from llmgw.agent.discovery import DiscoveryError
+from llmgw.cli.main import CliError
+from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
+from llmgw.server.errors import ServerError
+
+
+def run_server_command(args: argparse.Namespace) -> int:
+    try:
+        config = ServerConfig(
+            grpc_listen=Listen.parse(args.grpc_listen, "--grpc-listen"),
+            http_listen=Listen.parse(args.http_listen, "--http-listen"),
+            db_path=args.db or default_db_path(),
+            node_grace_s=_positive(args.node_grace, "--node-grace"),
+            heartbeat_interval_ms=int(
+                _positive(args.heartbeat_interval, "--heartbeat-interval") * 1000
+            ),
+            max_message_bytes=int(_positive(args.max_message_bytes, "--max-message-bytes")),
+        )
+        asyncio.run(run_server(config))
+    except ServerError as exc:
+        raise CliError(str(exc)) from exc
+    except OSError as exc:
+        raise CliError(f"cannot serve: {exc}") from exc
+    return 0
+
+
+def run_agent_command(args: argparse.Namespace) -> int:
+    try:
+        host, port = parse_server(args.server)
+        state_dir = args.state_dir or default_state_dir()
+        config = AgentConfig(
+            server_host=host,
+            server_port=port,
+            state_dir=state_dir,
+            node_id=args.node_id,
+            labels=parse_labels(args.labels),
+            simulate=args.simulate,
+            **({"hostname": args.hostname} if args.hostname else {}),
+        )
+        if args.discover:
+            node = discover(config, resolve_node_id(state_dir, args.node_id))
+            sys.stdout.write(json.dumps(node.to_dict(), indent=2) + "\n")
+            return 0
+        asyncio.run(Agent(config).run())
+    except (AgentConfigError, DiscoveryError) as exc:
+        raise CliError(str(exc)) from exc
+    return 0
+
+
+def _positive(value: float, flag: str) -> float:
+    if value <= 0:
+        raise CliError(f"{flag} must be positive, not {value}")
+    return value

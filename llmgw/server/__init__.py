@@ -1,0 +1,1 @@
+"""The control plane: inventory, store, placement, reconciler, services, gRPC-web bridge."""

@@ -1,0 +1,165 @@
+"""``llmgw server``: the control server's process.
+
+One event loop serves the same service objects on two ports: native gRPC (grpclib, HTTP/2)
+for agents and operator clients, and gRPC-web plus ``/healthz`` (uvicorn, HTTP/1.1) for the
+console, browsers and ``llmgw get``. SIGINT and SIGTERM stop both ports, flush heartbeat
+times and close the database.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import signal
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpclib.server
+import uvicorn
+
+from llmgw.server.agentsvc import AgentService
+from llmgw.server.codec import CheckedProtoCodec, install_message_limit
+from llmgw.server.controlsvc import ControlService
+from llmgw.server.errors import ConfigError
+from llmgw.server.grpcweb import GrpcWebApp
+from llmgw.server.inventory import InventoryConfig
+from llmgw.server.plane import ControlPlane
+from llmgw.server.store import Store
+
+log = logging.getLogger(__name__)
+
+DEFAULT_GRPC_LISTEN = "127.0.0.1:50051"
+DEFAULT_HTTP_LISTEN = "127.0.0.1:8080"
+
+
+def default_db_path() -> Path:
+    """``$XDG_STATE_HOME/llmgw/server.db`` (``~/.local/state/llmgw/server.db``)."""
+    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
+    return Path(state) / "llmgw" / "server.db"
+
+
+@dataclass(frozen=True, slots=True)
+class Listen:
+    """A host and port to listen on."""
+
+    host: str
+    port: int
+
+    @classmethod
+    def parse(cls, text: str, flag: str) -> Listen:
+        """Parse ``HOST:PORT`` or ``[V6]:PORT``; a malformed value names the flag."""
+        host, sep, port = text.rpartition(":")
+        host = host.strip("[]")
+        if not sep or not host or not port.isdigit() or int(port) > 65535:
+            raise ConfigError(f"{flag} {text!r} is not HOST:PORT (for example 127.0.0.1:8080)")
+        return cls(host, int(port))
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Everything ``llmgw server`` is told on its command line."""
+
+    grpc_listen: Listen
+    http_listen: Listen
+    db_path: Path
+    node_grace_s: float = 5.0
+    heartbeat_interval_ms: int = 1000
+    max_message_bytes: int = 4 << 20
+    tick_s: float = 0.5
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handlers: this process handles signals once."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until SIGINT/SIGTERM (or ``stop`` is set)."""
+    stop = stop or asyncio.Event()
+    install_message_limit()
+    async with Store(config.db_path) as store:
+        plane = ControlPlane(store, InventoryConfig(grace_s=config.node_grace_s))
+        await plane.load()
+        control = ControlService(plane)
+        agents = AgentService(plane, heartbeat_interval_ms=config.heartbeat_interval_ms)
+        grpc = grpclib.server.Server(
+            [agents, control], codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes)
+        )
+        await grpc.start(config.grpc_listen.host, config.grpc_listen.port)
+        web = _EmbeddedUvicorn(_uvicorn_config(config, control))
+        try:
+            async with asyncio.TaskGroup() as tasks:
+                web_task = tasks.create_task(web.serve(), name="grpc-web")
+                tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
+                _serving_message(config)
+                with _signals_set(stop):
+                    await _first_of(stop, web_task)
+                web.should_exit = True
+                tick_task.cancel()
+        finally:
+            agents.shutdown()
+            await asyncio.sleep(0)  # let the streams send their trailers
+            grpc.close()
+            await grpc.wait_closed()
+            await plane.flush()
+    log.info("llmgw server stopped")
+
+
+def _uvicorn_config(config: ServerConfig, control: ControlService) -> uvicorn.Config:
+    app = GrpcWebApp(services=[control], max_message_bytes=config.max_message_bytes)
+    return uvicorn.Config(
+        app,
+        host=config.http_listen.host,
+        port=config.http_listen.port,
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+        timeout_graceful_shutdown=2,
+    )
+
+
+async def _ticker(plane: ControlPlane, every_s: float) -> None:
+    while True:
+        await asyncio.sleep(every_s)
+        await plane.tick()
+
+
+async def _first_of(stop: asyncio.Event, web_task: asyncio.Task[None]) -> None:
+    stop_task = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({stop_task, web_task}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stop_task.cancel()
+    if web_task.done() and not stop.is_set():
+        raise ConfigError("the gRPC-web port stopped serving (is the address in use?)")
+
+
+@contextlib.contextmanager
+def _signals_set(stop: asyncio.Event) -> Iterator[None]:
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)
+
+
+def _serving_message(config: ServerConfig) -> None:
+    log.info(
+        "llmgw server: gRPC on %s, gRPC-web on http://%s, state in %s",
+        config.grpc_listen,
+        config.http_listen,
+        config.db_path,
+    )

@@ -1,0 +1,35 @@
+"""The control server's exceptions.
+
+::
+
+    ServerError                 anything the control server raises on purpose
+    ├── StoreError              the state database cannot be opened, read or written
+    ├── ConfigError             a flag or setting is malformed (the message names it)
+    └── UnknownNode             an operator named a node that was never seen
+
+Remote failures reach clients as gRPC statuses (``grpclib.exceptions.GRPCError``): the
+services map these exceptions to statuses in one place each, ``raise … from exc``.
+Anything else escaping a handler is our bug and answers INTERNAL.
+"""
+
+from __future__ import annotations
+
+
+class ServerError(Exception):
+    """Base of the control server's own exceptions."""
+
+
+class StoreError(ServerError):
+    """The state database cannot be opened, read or written."""
+
+
+class ConfigError(ServerError):
+    """A flag or setting is malformed; the message names it."""
+
+
+class UnknownNode(ServerError):
+    """An operator named a node that was never seen."""
+
+    def __init__(self, node_id: str) -> None:
+        super().__init__(f"no node named {node_id!r} has ever registered")
+        self.node_id = node_id

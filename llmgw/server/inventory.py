@@ -1,0 +1,216 @@
+"""The fleet as the control server sees it: nodes, their GPUs and the shards they run.
+
+Pure state, no I/O: the agent service feeds it registrations, heartbeats and shard reports
+with explicit clocks, and publishes what each call returns. A node is READY while its
+agent is connected and heartbeating, NOT_READY when its stream closed or no heartbeat came
+within the grace, and CORDONED when it is heartbeating but an operator cordoned it.
+
+Connections are numbered: when an agent reconnects before the server noticed its old
+stream die, the newer connection owns the node and the end of the older one changes
+nothing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+from llmgw.api.llmgw.v1 import (
+    Cluster,
+    GpuTelemetry,
+    Heartbeat,
+    Node,
+    NodeInfo,
+    NodeState,
+    NodeTelemetry,
+    Shard,
+    ShardStatus,
+)
+from llmgw.protocol import read_shard_state
+from llmgw.server.errors import UnknownNode
+
+
+@dataclass(slots=True)
+class NodeRecord:
+    """What the server holds for one node (mutable; only the event loop touches it)."""
+
+    info: NodeInfo
+    first_seen_ms: int
+    cordoned: bool = False
+    registered_ms: int = 0
+    last_heartbeat_ms: int = 0
+    last_heartbeat_mono: float | None = None
+    connection: int = 0  # the connection that owns the node; 0 = none
+    peer: str = ""
+    protocol_version: int = 0
+    reason: str = "not connected since the server started"
+    gpu_by_uuid: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def connected(self) -> bool:
+        return self.connection != 0
+
+
+@dataclass(frozen=True, slots=True)
+class InventoryConfig:
+    """How long a node may stay silent before it is NOT_READY."""
+
+    grace_s: float = 5.0
+
+
+class Inventory:
+    """Nodes and shards, with the rules that derive a node's state."""
+
+    def __init__(self, config: InventoryConfig | None = None) -> None:
+        self.config = config or InventoryConfig()
+        self.nodes: dict[str, NodeRecord] = {}
+        self.shards: dict[str, Shard] = {}
+        self._next_connection = 0
+
+    # --- nodes -----------------------------------------------------------------------
+
+    def restore(self, node_id: str, info: NodeInfo, *, cordoned: bool, first_seen_ms: int) -> None:
+        """Bring back a node the store remembers; it is NOT_READY until its agent returns."""
+        record = NodeRecord(info=info, first_seen_ms=first_seen_ms, cordoned=cordoned)
+        _index_gpus(record)
+        self.nodes[node_id] = record
+
+    def register(
+        self, node: NodeInfo, protocol_version: int, *, peer: str, now_ms: int, now_mono: float
+    ) -> tuple[int, NodeRecord]:
+        """Accept a registration; returns the new connection's number and the record."""
+        record = self.nodes.get(node.node_id)
+        if record is None:
+            record = NodeRecord(info=node, first_seen_ms=now_ms)
+            self.nodes[node.node_id] = record
+        self._next_connection += 1
+        record.info = node
+        record.connection = self._next_connection
+        record.registered_ms = record.last_heartbeat_ms = now_ms
+        record.last_heartbeat_mono = now_mono
+        record.peer = peer
+        record.protocol_version = protocol_version
+        record.reason = ""
+        _index_gpus(record)
+        return record.connection, record
+
+    def heartbeat(
+        self, node_id: str, connection: int, beat: Heartbeat, *, now_ms: int, now_mono: float
+    ) -> tuple[NodeTelemetry | None, bool]:
+        """Apply a heartbeat. Returns the telemetry delta to publish (None when the
+        connection no longer owns the node) and whether the node's state changed."""
+        record = self.nodes.get(node_id)
+        if record is None or record.connection != connection:
+            return None, False
+        was = self.state(record, now_mono)
+        record.last_heartbeat_ms = now_ms
+        record.last_heartbeat_mono = now_mono
+        record.reason = ""
+        _apply_telemetry(record, beat.gpus)
+        if beat.memory is not None:
+            record.info.memory = beat.memory
+        delta = NodeTelemetry(
+            node_id=node_id, last_heartbeat_unix_ms=now_ms, gpus=beat.gpus, memory=beat.memory
+        )
+        return delta, was is not self.state(record, now_mono)
+
+    def disconnect(self, node_id: str, connection: int, reason: str) -> NodeRecord | None:
+        """The stream of ``connection`` ended; returns the record if that changed the node."""
+        record = self.nodes.get(node_id)
+        if record is None or record.connection != connection:
+            return None
+        record.connection = 0
+        record.last_heartbeat_mono = None
+        record.reason = reason
+        return record
+
+    def expire(self, now_mono: float) -> list[NodeRecord]:
+        """Nodes whose heartbeat is older than the grace, newly NOT_READY."""
+        expired = []
+        for record in self.nodes.values():
+            seen = record.last_heartbeat_mono
+            if seen is not None and now_mono - seen > self.config.grace_s:
+                record.last_heartbeat_mono = None
+                record.reason = f"no heartbeat for {self.config.grace_s:g}s"
+                expired.append(record)
+        return expired
+
+    def set_cordoned(self, node_id: str, cordoned: bool) -> NodeRecord:
+        """Cordon or uncordon a node; raises UnknownNode."""
+        record = self.nodes.get(node_id)
+        if record is None:
+            raise UnknownNode(node_id)
+        record.cordoned = cordoned
+        return record
+
+    def state(self, record: NodeRecord, now_mono: float) -> NodeState:
+        """A node's state, derived from its connection, heartbeat age and cordon."""
+        seen = record.last_heartbeat_mono
+        if not record.connected or seen is None or now_mono - seen > self.config.grace_s:
+            return NodeState.NOT_READY
+        return NodeState.CORDONED if record.cordoned else NodeState.READY
+
+    def node_view(self, record: NodeRecord, now_mono: float) -> Node:
+        """The operator API's view of a node."""
+        state = self.state(record, now_mono)
+        return Node(
+            info=record.info,
+            state=state,
+            cordoned=record.cordoned,
+            connected=record.connected,
+            first_seen_unix_ms=record.first_seen_ms,
+            registered_unix_ms=record.registered_ms,
+            last_heartbeat_unix_ms=record.last_heartbeat_ms,
+            peer=record.peer,
+            protocol_version=record.protocol_version,
+            state_reason=record.reason if state is NodeState.NOT_READY else "",
+        )
+
+    # --- shards ----------------------------------------------------------------------
+
+    def report_shard(self, node_id: str, status: ShardStatus, *, now_ms: int) -> Shard:
+        """Record a shard's state as its agent reports it (unknown states read FAILED)."""
+        status.state = read_shard_state(status.state)
+        shard = Shard(
+            shard_id=status.shard_id,
+            replica_id=status.replica_id,
+            node_id=node_id,
+            status=status,
+            updated_unix_ms=now_ms,
+        )
+        self.shards[status.shard_id] = shard
+        return shard
+
+    def shards_of(self, node_id: str) -> list[Shard]:
+        return [s for s in self.shards.values() if s.node_id == node_id]
+
+    # --- views -----------------------------------------------------------------------
+
+    def cluster(self, *, revision: int, now_ms: int, now_mono: float) -> Cluster:
+        """The whole cluster, as GetCluster and a Watch snapshot show it."""
+        return Cluster(
+            nodes=[self.node_view(r, now_mono) for _, r in sorted(self.nodes.items())],
+            shards=[s for _, s in sorted(self.shards.items())],
+            revision=revision,
+            server_time_unix_ms=now_ms,
+        )
+
+
+def _index_gpus(record: NodeRecord) -> None:
+    record.gpu_by_uuid = {gpu.uuid: i for i, gpu in enumerate(record.info.gpus)}
+
+
+def _apply_telemetry(record: NodeRecord, deltas: Iterable[GpuTelemetry]) -> None:
+    gpus = record.info.gpus
+    for delta in deltas:
+        index = record.gpu_by_uuid.get(delta.uuid)
+        if index is None:
+            continue
+        gpu = gpus[index]
+        gpu.memory_used_bytes = delta.memory_used_bytes
+        gpu.utilization_pct = delta.utilization_pct
+        gpu.power_watts = delta.power_watts
+        if gpu.health is not None:
+            gpu.health.temperature_c = delta.temperature_c
+            gpu.health.health = delta.health
+            gpu.health.problems = list(delta.problems)

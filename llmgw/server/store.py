@@ -1,0 +1,180 @@
+"""The control server's durable state: SQLite through aiosqlite.
+
+What is kept: every node ever seen (its last registration, whether it is cordoned, when it
+was first and last seen) and the audit log of operator actions. Later issues add
+deployments, profiles, replicas and tokens to the same file.
+
+Durability: WAL with ``synchronous=FULL``, so a write that returned survives a kill -9 of
+the server at any later moment. Heartbeat times are written in batches (they are advisory:
+a restarted server waits for agents to reconnect anyway); registrations, cordons and audit
+records are written before the RPC that caused them answers.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+from types import TracebackType
+
+import aiosqlite
+
+from llmgw.server.errors import StoreError
+
+log = logging.getLogger(__name__)
+
+SCHEMA_VERSION = 1
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id     TEXT PRIMARY KEY,
+    info        BLOB NOT NULL,          -- llmgw.v1.NodeInfo, serialized
+    cordoned    INTEGER NOT NULL DEFAULT 0,
+    first_seen  INTEGER NOT NULL,       -- Unix ms
+    last_seen   INTEGER NOT NULL        -- Unix ms
+);
+CREATE TABLE IF NOT EXISTS audit (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    at      INTEGER NOT NULL,           -- Unix ms
+    actor   TEXT NOT NULL,
+    action  TEXT NOT NULL,
+    target  TEXT NOT NULL,
+    result  TEXT NOT NULL
+);
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredNode:
+    """A node as the store remembers it."""
+
+    node_id: str
+    info: bytes
+    cordoned: bool
+    first_seen_ms: int
+    last_seen_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    """One operator action: who did what to which target, when, and how it ended."""
+
+    at_ms: int
+    actor: str
+    action: str
+    target: str
+    result: str
+
+
+def now_ms() -> int:
+    """Wall-clock Unix milliseconds, for records people read (ages use time.monotonic)."""
+    return time.time_ns() // 1_000_000
+
+
+class Store:
+    """The SQLite file behind the control server. Use as an async context manager."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._db: aiosqlite.Connection | None = None
+
+    async def __aenter__(self) -> Store:
+        await self.open()
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def open(self) -> None:
+        """Open (creating if needed) the database and bring its schema up to date."""
+        try:
+            self._path.parent.mkdir(parents=True, exist_ok=True)
+            self._db = await aiosqlite.connect(self._path)
+            await self._db.execute("PRAGMA journal_mode=WAL")
+            await self._db.execute("PRAGMA synchronous=FULL")
+            await self._migrate(self._db)
+        except (OSError, aiosqlite.Error) as exc:
+            await self.close()
+            raise StoreError(f"cannot open the state database {self._path}: {exc}") from exc
+        except BaseException:
+            await self.close()
+            raise
+
+    async def _migrate(self, db: aiosqlite.Connection) -> None:
+        async with db.execute("PRAGMA user_version") as cursor:
+            row = await cursor.fetchone()
+        version = int(row[0]) if row else 0
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"{self._path} has schema version {version}; this llmgw knows up to "
+                f"{SCHEMA_VERSION}: use a newer llmgw or another --db"
+            )
+        await db.executescript(_SCHEMA)
+        await db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        await db.commit()
+
+    async def close(self) -> None:
+        """Close the database; safe to call twice."""
+        if self._db is not None:
+            db, self._db = self._db, None
+            await db.close()
+
+    @property
+    def _conn(self) -> aiosqlite.Connection:
+        if self._db is None:
+            raise StoreError("the state database is not open")
+        return self._db
+
+    async def load_nodes(self) -> list[StoredNode]:
+        """Every node ever seen, oldest first."""
+        query = "SELECT node_id, info, cordoned, first_seen, last_seen FROM nodes ORDER BY rowid"
+        async with self._conn.execute(query) as cursor:
+            rows = await cursor.fetchall()
+        return [StoredNode(r[0], bytes(r[1]), bool(r[2]), int(r[3]), int(r[4])) for r in rows]
+
+    async def save_node(self, node: StoredNode) -> None:
+        """Insert or replace a node's registration; keeps its first-seen time and cordon."""
+        await self._conn.execute(
+            "INSERT INTO nodes (node_id, info, cordoned, first_seen, last_seen)"
+            " VALUES (?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET"
+            " info = excluded.info, last_seen = excluded.last_seen",
+            (node.node_id, node.info, int(node.cordoned), node.first_seen_ms, node.last_seen_ms),
+        )
+        await self._conn.commit()
+
+    async def set_cordoned(self, node_id: str, cordoned: bool) -> None:
+        """Record whether a node is cordoned."""
+        await self._conn.execute(
+            "UPDATE nodes SET cordoned = ? WHERE node_id = ?", (int(cordoned), node_id)
+        )
+        await self._conn.commit()
+
+    async def touch_nodes(self, seen: Iterable[tuple[str, int]]) -> None:
+        """Record last-seen times (node id, Unix ms) in one transaction."""
+        rows = [(at, node_id) for node_id, at in seen]
+        if not rows:
+            return
+        await self._conn.executemany("UPDATE nodes SET last_seen = ? WHERE node_id = ?", rows)
+        await self._conn.commit()
+
+    async def append_audit(self, record: AuditRecord) -> None:
+        """Append one operator action to the audit log."""
+        await self._conn.execute(
+            "INSERT INTO audit (at, actor, action, target, result) VALUES (?, ?, ?, ?, ?)",
+            (record.at_ms, record.actor, record.action, record.target, record.result),
+        )
+        await self._conn.commit()
+
+    async def recent_audit(self, limit: int = 100) -> list[AuditRecord]:
+        """The newest ``limit`` audit records, oldest first."""
+        query = "SELECT at, actor, action, target, result FROM audit ORDER BY id DESC LIMIT ?"
+        async with self._conn.execute(query, (limit,)) as cursor:
+            rows = await cursor.fetchall()
+        return [AuditRecord(int(r[0]), r[1], r[2], r[3], r[4]) for r in reversed(list(rows))]

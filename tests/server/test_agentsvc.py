@@ -1,0 +1,208 @@
+"""AgentService over a real grpclib server on loopback, with the agent's own link."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpclib.client
+import grpclib.server
+import pytest
+from grpclib.const import Cardinality, Status
+from grpclib.exceptions import GRPCError
+
+from llmgw.agent.backoff import BackoffPolicy
+from llmgw.agent.link import CONNECT_PATH, AgentLink, LinkConfig
+from llmgw.api.llmgw.v1 import (
+    AgentMessage,
+    ControlMessage,
+    Gpu,
+    GpuTelemetry,
+    Heartbeat,
+    NodeInfo,
+    NodeState,
+    Register,
+    ShardState,
+    ShardStatus,
+    StopShard,
+)
+from llmgw.protocol import PROTOCOL_VERSION
+from llmgw.server.agentsvc import AgentService
+from llmgw.server.codec import CheckedProtoCodec, install_message_limit
+from llmgw.server.inventory import InventoryConfig
+from llmgw.server.plane import ControlPlane
+from llmgw.server.store import Store
+
+FAST = BackoffPolicy(base_s=0.05, cap_s=0.2)
+
+
+@dataclass
+class Running:
+    plane: ControlPlane
+    service: AgentService
+    port: int
+
+
+@pytest.fixture
+async def running(tmp_path: Path) -> AsyncIterator[Running]:
+    install_message_limit()
+    async with Store(tmp_path / "s.db") as store:
+        plane = ControlPlane(store, InventoryConfig(grace_s=1.0))
+        service = AgentService(plane, heartbeat_interval_ms=50)
+        server = grpclib.server.Server([service], codec=CheckedProtoCodec())
+        await server.start("127.0.0.1", 0)
+        port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        try:
+            yield Running(plane, service, port)
+        finally:
+            server.close()
+            await server.wait_closed()
+
+
+def _node(node_id: str = "n1") -> NodeInfo:
+    return NodeInfo(node_id=node_id, gpus=[Gpu(index=0, uuid="GPU-0")])
+
+
+async def _until(predicate: Callable[[], bool], limit_s: float = 5.0) -> None:
+    """Poll a condition another task makes true (there is no event to wait on here)."""
+    async with asyncio.timeout(limit_s):
+        while not predicate():  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
+
+
+async def test_link_registers_heartbeats_and_measures_rtt(running: Running) -> None:
+    util = iter(range(0, 10_000, 5))
+    link = AgentLink(
+        LinkConfig("127.0.0.1", running.port, backoff=FAST),
+        node=_node,
+        telemetry=lambda: [GpuTelemetry(uuid="GPU-0", utilization_pct=next(util) % 100)],
+        shards=lambda: [ShardStatus(shard_id="s1", state=ShardState.READY)],
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        await _until(lambda: len(link.stats.rtt_ms) >= 3)
+        record = running.plane.inventory.nodes["n1"]
+        view = running.plane.snapshot()
+        assert view.nodes[0].state is NodeState.READY
+        assert view.shards[0].shard_id == "s1"  # adopted from Register
+        assert record.info.gpus[0].utilization_pct > 0  # telemetry deltas applied
+        assert max(link.stats.rtt_ms) < 1000
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+    await _until(lambda: running.plane.snapshot().nodes[0].state is NodeState.NOT_READY)
+
+
+async def test_link_reconnects_after_server_comes_back(tmp_path: Path) -> None:
+    install_message_limit()
+    async with Store(tmp_path / "s.db") as store:
+        plane = ControlPlane(store)
+        service = AgentService(plane, heartbeat_interval_ms=50)
+        server = grpclib.server.Server([service], codec=CheckedProtoCodec())
+        await server.start("127.0.0.1", 0)
+        port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+        link = AgentLink(LinkConfig("127.0.0.1", port, backoff=FAST), node=_node, telemetry=list)
+        task = asyncio.create_task(link.run())
+        try:
+            await _until(lambda: link.stats.sessions == 1 and link.stats.connected)
+            service.shutdown()
+            server.close()
+            await server.wait_closed()
+            await _until(lambda: link.backoff.failures >= 2)
+            server = grpclib.server.Server([service], codec=CheckedProtoCodec())
+            await server.start("127.0.0.1", port)
+            await _until(lambda: link.stats.sessions == 2 and link.stats.connected)
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            server.close()
+            await server.wait_closed()
+
+
+async def _raw_connect(port: int, *messages: AgentMessage) -> list[ControlMessage]:
+    channel = grpclib.client.Channel("127.0.0.1", port)
+    try:
+        async with channel.request(
+            CONNECT_PATH, Cardinality.STREAM_STREAM, AgentMessage, ControlMessage
+        ) as stream:
+            for m in messages:
+                await stream.send_message(m)
+            await stream.end()
+            return [m async for m in stream]
+    finally:
+        channel.close()
+
+
+@pytest.mark.parametrize("version", [0, PROTOCOL_VERSION + 1])
+async def test_unsupported_protocol_version_is_refused_clearly(
+    running: Running, version: int
+) -> None:
+    register = AgentMessage(register=Register(protocol_version=version, node=_node()))
+    with pytest.raises(GRPCError) as err:
+        await _raw_connect(running.port, register)
+    assert err.value.status is Status.FAILED_PRECONDITION
+    assert f"protocol version {version}" in (err.value.message or "")
+    assert "n1" not in running.plane.inventory.nodes  # nothing stored
+
+
+async def test_first_message_must_be_register(running: Running) -> None:
+    with pytest.raises(GRPCError) as err:
+        await _raw_connect(running.port, AgentMessage(heartbeat=Heartbeat(seq=1)))
+    assert err.value.status is Status.INVALID_ARGUMENT
+    assert "must be Register" in (err.value.message or "")
+
+
+async def test_bad_node_id_is_refused(running: Running) -> None:
+    register = AgentMessage(
+        register=Register(protocol_version=PROTOCOL_VERSION, node=NodeInfo(node_id="../etc"))
+    )
+    with pytest.raises(GRPCError) as err:
+        await _raw_connect(running.port, register)
+    assert err.value.status is Status.INVALID_ARGUMENT and "node id" in (err.value.message or "")
+
+
+async def test_commands_reach_the_agent(running: Running) -> None:
+    got: list[ControlMessage] = []
+
+    async def on_command(message: ControlMessage) -> None:
+        got.append(message)
+
+    link = AgentLink(
+        LinkConfig("127.0.0.1", running.port, backoff=FAST),
+        node=_node,
+        telemetry=list,
+        on_command=on_command,
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        await _until(lambda: "n1" in running.service.connections)
+        sent = await running.service.send("n1", ControlMessage(stop_shard=StopShard(shard_id="x")))
+        assert sent
+        await _until(lambda: bool(got))
+        assert got[0].stop_shard is not None and got[0].stop_shard.shard_id == "x"
+        assert not await running.service.send("nobody", ControlMessage())
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_reconnect_supersedes_the_old_stream(running: Running) -> None:
+    links = [
+        AgentLink(LinkConfig("127.0.0.1", running.port, backoff=FAST), node=_node, telemetry=list)
+        for _ in range(2)
+    ]
+    first = asyncio.create_task(links[0].run())
+    try:
+        await _until(lambda: links[0].stats.connected)
+        second = asyncio.create_task(links[1].run())
+        await _until(lambda: links[1].stats.connected)
+        # the older stream was closed by the server: its link counts a failure
+        await _until(lambda: links[0].backoff.failures >= 1 or links[0].stats.sessions > 1)
+        assert running.plane.snapshot().nodes[0].state is NodeState.READY
+        second.cancel()
+        await asyncio.gather(second, return_exceptions=True)
+    finally:
+        first.cancel()
+        await asyncio.gather(first, return_exceptions=True)
