@@ -19,23 +19,28 @@ from pathlib import Path
 
 from llmgw.api.llmgw.v1 import NodeState
 from llmgw.cli.get import run_get
-from llmgw.cli.main import CliError
+from llmgw.cli.main import DEFAULT_WEB_URL, CliError
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
 
 DEMO_NODES = (("dgx-1", "dgx-h100"), ("mig-1", "a100-mig"), ("l4-1", "l4-pcie"))
 READY_TIMEOUT_S = 60.0
+DEFAULT_GRPC_PORT = 50051  # the server's defaults, so `llmgw get …` works without --server
+DEFAULT_HTTP_PORT = 8080
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
+def free_port(preferred: int = 0) -> int:
+    """``preferred`` if it is free on 127.0.0.1, else any port that was free a moment ago."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        try:
+            s.bind(("127.0.0.1", preferred))
+        except OSError:
+            s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
 
 
 def run_demo(duration: float | None, state_dir: Path | None) -> int:
     with _state_dir(state_dir) as root:
-        grpc_port, http_port = free_port(), free_port()
+        grpc_port, http_port = free_port(DEFAULT_GRPC_PORT), free_port(DEFAULT_HTTP_PORT)
         url = f"http://127.0.0.1:{http_port}"
         logs = root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -118,7 +123,9 @@ def _show(url: str, root: Path) -> None:
     asyncio.run(run_get(url, "nodes", "table"))
     print()
     asyncio.run(run_get(url, "gpus", "table"))
-    print(f"\nTry: llmgw get gpus --server {url}   |   llmgw get nodes -o json --server {url}")
+    flag = "" if url == DEFAULT_WEB_URL else f" --server {url}"
+    print(f"\nTry: llmgw get gpus{flag}   |   llmgw get nodes -o json{flag}   |   "
+          f"llmgw cordon l4-1{flag}")
 
 
 def _wait(duration: float | None) -> None:
