@@ -33,6 +33,7 @@ from llmgw.api.llmgw.v1 import (
     Registered,
 )
 from llmgw.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, protocol_supported
+from llmgw.server.errors import quoted
 from llmgw.server.plane import ControlPlane
 
 log = logging.getLogger(__name__)
@@ -179,7 +180,7 @@ async def _receive_register(
         node_id = node.node_id if node is not None else ""
         raise GRPCError(
             Status.INVALID_ARGUMENT,
-            f"Register.node.node_id {node_id!r} is not a valid node id "
+            f"Register.node.node_id {quoted(node_id)} is not a valid node id "
             "(letters, digits, '.', '_', '-'; at most 253 characters)",
         )
     return register, node

@@ -14,6 +14,21 @@ Anything else escaping a handler is our bug and answers INTERNAL.
 
 from __future__ import annotations
 
+QUOTE_LIMIT = 64
+"""The most characters of a client's value that an error message repeats."""
+
+
+def quoted(value: str, limit: int = QUOTE_LIMIT) -> str:
+    """``value`` quoted for an error message, cut to ``limit`` characters.
+
+    A client's value goes back in ``grpc-message``; repeating a huge one whole makes a
+    trailer clients refuse (grpcio's limit is 16 KiB) and costs the server's one event loop
+    time that grows with the square of its length in HPACK's Huffman coder.
+    """
+    if len(value) <= limit:
+        return repr(value)
+    return f"{value[:limit]!r}… ({len(value)} characters)"
+
 
 class ServerError(Exception):
     """Base of the control server's own exceptions."""
@@ -31,5 +46,5 @@ class UnknownNode(ServerError):
     """An operator named a node that was never seen."""
 
     def __init__(self, node_id: str) -> None:
-        super().__init__(f"no node named {node_id!r} has ever registered")
+        super().__init__(f"no node named {quoted(node_id)} has ever registered")
         self.node_id = node_id

@@ -14,7 +14,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 def test_demo_starts_prints_and_stops(tmp_path: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "llmgw", "demo", "--duration", "1", "--state-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=90, check=True,
+        capture_output=True,
+        text=True,
+        timeout=90,
+        check=True,
     )
     lines = out.stdout.splitlines()
     rows = [line.split() for line in lines]
