@@ -13,7 +13,7 @@ from typing import Any
 
 import betterproto2
 
-from llmgw.api.llmgw.v1 import Cluster, Gpu, Node, Shard
+from llmgw.api.llmgw.v1 import Cluster, Gpu, GpuHealth, GpuTelemetry, Node, Shard
 from llmgw.cli.main import CliError
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel, RpcError, ServerUnreachable
 
@@ -128,12 +128,19 @@ def _gpu_rows(cluster: Cluster) -> list[list[str]]:
             "HEALTH",
         ]
     ]
-    rows.extend(_gpu_row(node, gpu) for node in cluster.nodes for gpu in _gpus(node))
+    for node in cluster.nodes:
+        live = {t.uuid: t for t in node.telemetry.gpus} if node.telemetry else {}
+        rows.extend(_gpu_row(node, gpu, live.get(gpu.uuid)) for gpu in _gpus(node))
     return rows
 
 
-def _gpu_row(node: Node, gpu: Gpu) -> list[str]:
-    health = gpu.health
+def _gpu_row(node: Node, gpu: Gpu, live: GpuTelemetry | None) -> list[str]:
+    """One GPU as registered, with its latest telemetry where the agent sent some."""
+    registered = gpu.health or GpuHealth()
+    used = live.memory_used_bytes if live else gpu.memory_used_bytes
+    util = live.utilization_pct if live else gpu.utilization_pct
+    temp = live.temperature_c if live else registered.temperature_c
+    health = live.health if live else registered.health
     index = str(gpu.index)
     if gpu.mig is not None:
         index = f"{gpu.index}/mig{gpu.mig.gpu_instance_id}:{gpu.mig.profile}"
@@ -142,13 +149,13 @@ def _gpu_row(node: Node, gpu: Gpu) -> list[str]:
         _node_id(node) or "-",
         index,
         gpu.name,
-        f"{gpu.memory_used_bytes / GiB:.0f}/{gpu.memory_total_bytes / GiB:.0f}GiB",
-        f"{gpu.utilization_pct}%",
-        f"{health.temperature_c}C" if health else "-",
+        f"{used / GiB:.0f}/{gpu.memory_total_bytes / GiB:.0f}GiB",
+        f"{util}%",
+        f"{temp}C" if temp else "-",
         str(gpu.numa_node),
         _ranges(gpu.nvlink_peers) or "-",
         ",".join(nearest) or "-",
-        (health.health.name or "UNKNOWN") if health else "UNKNOWN",
+        health.name or "UNKNOWN",
     ]
 
 

@@ -5,6 +5,10 @@ with explicit clocks, and publishes what each call returns. A node is READY whil
 agent is connected and heartbeating, NOT_READY when its stream closed or no heartbeat came
 within the grace, and CORDONED when it is heartbeating but an operator cordoned it.
 
+A node's registration is kept as registered (frozen, its encoding computed once: see
+``llmgw.server.encoded``); heartbeats only replace the latest telemetry of each GPU, which
+the operator API shows beside it in ``Node.telemetry``.
+
 Connections are numbered: when an agent reconnects before the server noticed its old
 stream die, the newer connection owns the node and the end of the older one changes
 nothing.
@@ -12,13 +16,13 @@ nothing.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llmgw.api.llmgw.v1 import (
     Cluster,
     GpuTelemetry,
     Heartbeat,
+    Memory,
     Node,
     NodeInfo,
     NodeState,
@@ -27,6 +31,7 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
 )
 from llmgw.protocol import read_shard_state
+from llmgw.server.encoded import EncodedNodeInfo, freeze_node_info
 from llmgw.server.errors import UnknownNode
 
 
@@ -34,7 +39,7 @@ from llmgw.server.errors import UnknownNode
 class NodeRecord:
     """What the server holds for one node (mutable; only the event loop touches it)."""
 
-    info: NodeInfo
+    info: EncodedNodeInfo
     first_seen_ms: int
     cordoned: bool = False
     registered_ms: int = 0
@@ -44,7 +49,8 @@ class NodeRecord:
     peer: str = ""
     protocol_version: int = 0
     reason: str = "not connected since the server started"
-    gpu_by_uuid: dict[str, int] = field(default_factory=dict)
+    telemetry: dict[str, GpuTelemetry] = field(default_factory=dict)  # by GPU UUID
+    memory: Memory | None = None  # the latest host memory reading, when one came
 
     @property
     def connected(self) -> bool:
@@ -69,29 +75,31 @@ class Inventory:
 
     # --- nodes -----------------------------------------------------------------------
 
-    def restore(self, node_id: str, info: NodeInfo, *, cordoned: bool, first_seen_ms: int) -> None:
+    def restore(
+        self, node_id: str, info: EncodedNodeInfo, *, cordoned: bool, first_seen_ms: int
+    ) -> None:
         """Bring back a node the store remembers; it is NOT_READY until its agent returns."""
-        record = NodeRecord(info=info, first_seen_ms=first_seen_ms, cordoned=cordoned)
-        _index_gpus(record)
-        self.nodes[node_id] = record
+        self.nodes[node_id] = NodeRecord(info=info, first_seen_ms=first_seen_ms, cordoned=cordoned)
 
     def register(
         self, node: NodeInfo, protocol_version: int, *, peer: str, now_ms: int, now_mono: float
     ) -> tuple[int, NodeRecord]:
         """Accept a registration; returns the new connection's number and the record."""
+        frozen = freeze_node_info(node)
         record = self.nodes.get(node.node_id)
         if record is None:
-            record = NodeRecord(info=node, first_seen_ms=now_ms)
+            record = NodeRecord(info=frozen, first_seen_ms=now_ms)
             self.nodes[node.node_id] = record
         self._next_connection += 1
-        record.info = node
+        record.info = frozen
+        record.telemetry = {}
+        record.memory = None
         record.connection = self._next_connection
         record.registered_ms = record.last_heartbeat_ms = now_ms
         record.last_heartbeat_mono = now_mono
         record.peer = peer
         record.protocol_version = protocol_version
         record.reason = ""
-        _index_gpus(record)
         return record.connection, record
 
     def heartbeat(
@@ -106,9 +114,10 @@ class Inventory:
         record.last_heartbeat_ms = now_ms
         record.last_heartbeat_mono = now_mono
         record.reason = ""
-        _apply_telemetry(record, beat.gpus)
+        known = record.info.gpu_uuids
+        record.telemetry.update((gpu.uuid, gpu) for gpu in beat.gpus if gpu.uuid in known)
         if beat.memory is not None:
-            record.info.memory = beat.memory
+            record.memory = beat.memory
         delta = NodeTelemetry(
             node_id=node_id, last_heartbeat_unix_ms=now_ms, gpus=beat.gpus, memory=beat.memory
         )
@@ -164,6 +173,12 @@ class Inventory:
             peer=record.peer,
             protocol_version=record.protocol_version,
             state_reason=record.reason if state is NodeState.NOT_READY else "",
+            telemetry=NodeTelemetry(
+                node_id=record.info.node_id,
+                last_heartbeat_unix_ms=record.last_heartbeat_ms,
+                gpus=list(record.telemetry.values()),
+                memory=record.memory,
+            ),
         )
 
     # --- shards ----------------------------------------------------------------------
@@ -194,23 +209,3 @@ class Inventory:
             revision=revision,
             server_time_unix_ms=now_ms,
         )
-
-
-def _index_gpus(record: NodeRecord) -> None:
-    record.gpu_by_uuid = {gpu.uuid: i for i, gpu in enumerate(record.info.gpus)}
-
-
-def _apply_telemetry(record: NodeRecord, deltas: Iterable[GpuTelemetry]) -> None:
-    gpus = record.info.gpus
-    for delta in deltas:
-        index = record.gpu_by_uuid.get(delta.uuid)
-        if index is None:
-            continue
-        gpu = gpus[index]
-        gpu.memory_used_bytes = delta.memory_used_bytes
-        gpu.utilization_pct = delta.utilization_pct
-        gpu.power_watts = delta.power_watts
-        if gpu.health is not None:
-            gpu.health.temperature_c = delta.temperature_c
-            gpu.health.health = delta.health
-            gpu.health.problems = list(delta.problems)

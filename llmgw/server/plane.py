@@ -19,6 +19,7 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
     WatchEvent,
 )
+from llmgw.server.encoded import freeze_node_info
 from llmgw.server.inventory import Inventory, InventoryConfig, NodeRecord
 from llmgw.server.store import AuditRecord, Store, StoredNode, now_ms
 from llmgw.server.watch import WatchHub
@@ -39,7 +40,7 @@ class ControlPlane:
         """Restore every node the store remembers (NOT_READY until their agents return)."""
         for stored in await self.store.load_nodes():
             try:
-                info = NodeInfo.parse(stored.info)
+                info = freeze_node_info(NodeInfo.parse(stored.info), wire=stored.info)
             except Exception as exc:  # a row we cannot read must not stop the server
                 log.error("node %s: stored registration unreadable (%s)", stored.node_id, exc)
                 continue
@@ -62,7 +63,7 @@ class ControlPlane:
             node, message.protocol_version, peer=peer, now_ms=at, now_mono=time.monotonic()
         )
         await self.store.save_node(
-            StoredNode(node.node_id, bytes(node), record.cordoned, record.first_seen_ms, at)
+            StoredNode(node.node_id, bytes(record.info), record.cordoned, record.first_seen_ms, at)
         )
         self._publish_node(record)
         for status in message.shards:

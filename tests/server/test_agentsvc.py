@@ -87,7 +87,7 @@ async def test_link_registers_heartbeats_and_measures_rtt(running: Running) -> N
         view = running.plane.snapshot()
         assert view.nodes[0].state is NodeState.READY
         assert view.shards[0].shard_id == "s1"  # adopted from Register
-        assert record.info.gpus[0].utilization_pct > 0  # telemetry deltas applied
+        assert record.telemetry["GPU-0"].utilization_pct > 0  # telemetry deltas applied
         assert max(link.stats.rtt_ms) < 1000
     finally:
         task.cancel()

@@ -7,6 +7,7 @@ from llmgw.api.llmgw.v1 import (
     GpuHealth,
     GpuTelemetry,
     Heartbeat,
+    Node,
     NodeInfo,
     NodeState,
     ShardState,
@@ -63,10 +64,23 @@ def test_heartbeat_telemetry_updates_the_gpus() -> None:
     )
     delta, _ = inv.heartbeat("n1", conn, beat, now_ms=5, now_mono=0.5)
     assert delta is not None and delta.last_heartbeat_unix_ms == 5
-    gpu = record.info.gpus[1]
-    assert gpu.utilization_pct == 77 and gpu.health is not None
-    assert gpu.health.temperature_c == 61
-    assert record.info.gpus[0].utilization_pct == 0
+    telemetry = inv.node_view(record, 0.5).telemetry
+    assert telemetry is not None and telemetry.last_heartbeat_unix_ms == 5
+    assert [(t.uuid, t.utilization_pct, t.temperature_c) for t in telemetry.gpus] == [
+        ("GPU-1", 77, 61)
+    ]  # the unknown UUID is dropped
+    assert record.info.gpus[1].utilization_pct == 0  # the registration stays as registered
+
+
+def test_registration_encodes_once_and_round_trips() -> None:
+    inv = Inventory()
+    node = _node()
+    _, record = inv.register(node, 1, peer="p", now_ms=1, now_mono=0.0)
+    assert bytes(record.info) == bytes(node)
+    view = inv.node_view(record, 0.0)
+    parsed = Node.parse(bytes(view))
+    assert parsed.info == node and parsed.state is NodeState.READY
+    assert view.to_dict()["info"]["nodeId"] == "n1"
 
 
 def test_restored_node_is_not_ready_until_it_registers() -> None:

@@ -852,6 +852,11 @@ default_message_pool.register_message("llmgw.v1", "NicPath", NicPath)
 
 @dataclass(eq=False, repr=False)
 class Node(betterproto2.Message):
+    """
+    A node: `info` is what its agent registered (static until it registers again);
+    `telemetry` holds the latest live values of each GPU that reported any, by UUID.
+    """
+
     info: "NodeInfo | None" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, optional=True)
 
     state: "NodeState" = betterproto2.field(
@@ -876,6 +881,10 @@ class Node(betterproto2.Message):
     protocol_version: "int" = betterproto2.field(9, betterproto2.TYPE_UINT32)
 
     state_reason: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+
+    telemetry: "NodeTelemetry | None" = betterproto2.field(
+        11, betterproto2.TYPE_MESSAGE, optional=True
+    )
 
 
 default_message_pool.register_message("llmgw.v1", "Node", Node)
