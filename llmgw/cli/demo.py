@@ -124,8 +124,10 @@ def _show(url: str, root: Path) -> None:
     print()
     asyncio.run(run_get(url, "gpus", "table"))
     flag = "" if url == DEFAULT_WEB_URL else f" --server {url}"
-    print(f"\nTry: llmgw get gpus{flag}   |   llmgw get nodes -o json{flag}   |   "
-          f"llmgw cordon l4-1{flag}")
+    print(
+        f"\nTry: llmgw get gpus{flag}   |   llmgw get nodes -o json{flag}   |   "
+        f"llmgw cordon l4-1{flag}"
+    )
 
 
 def _wait(duration: float | None) -> None:
