@@ -1,0 +1,1118 @@
+#!/usr/bin/env python3
+"""Benchmark: the gRPC-web port under uvicorn and under hypercorn, to choose between them.
+
+The same ``llmgw.server.grpcweb.GrpcWebApp`` (a real ``ControlService`` over a real
+``ControlPlane`` and SQLite ``Store``, with ``--nodes`` simulated ``dgx-h100`` nodes in its
+inventory) is served in the same run by
+
+* uvicorn (``http="httptools"``, uvloop), configured as ``llmgw server`` configures it, and
+* hypercorn (its asyncio worker on uvloop, as ``--worker-class uvloop`` runs it; h11 is
+  hypercorn's only HTTP/1.1 implementation),
+
+each in its own child process (``_serve`` mode) pinned to ``--server-cpu``. This process is
+the load generator, pinned to ``--client-cpu``: a raw asyncio HTTP/1.1 client on uvloop that
+keeps its connections alive, writes one pre-encoded request per round trip and reads each
+response by its content-length or chunked framing. The client is the same for both servers.
+
+Cells (each run ``--reps`` times, servers alternating which goes first; medians reported):
+
+* ``GetCluster`` (an empty gRPC-web frame in, a ``Cluster`` of ``--nodes`` nodes out) over one
+  connection: latency p50/p99 and requests/s;
+* ``GetCluster`` over ``--conns`` connections: requests/s and latency;
+* ``GetCluster`` of an empty cluster (a second server process of each kind) over ``--conns``
+  connections: HTTP plus the gRPC-web bridge with almost no message to build;
+* ``GET /healthz`` over ``--conns`` connections: requests/s and latency;
+
+and for every cell the server's CPU seconds (``utime + stime`` from ``/proc/PID/stat``) over
+the measured window, per request, with this process's own CPU to show whether the load
+generator, rather than the server, was the limit. Every reply is checked (HTTP 200 and
+``grpc-status:0`` in the trailer frame, or ``ok`` for ``/healthz``). Other processes' use of
+the server's CPU is measured from ``/proc/stat``; a cell where they took more than
+``--max-others`` percent of it is run again (at most ``--attempts`` runs, the quietest kept).
+
+Everything listens on 127.0.0.1 only; each cell is bounded in time and requests; every child
+process is stopped on exit (Ctrl-C included) and also dies with this process.
+
+    .venv/bin/python scripts/bench_http.py              # 3 reps x 4 cells x 2 servers, ~3 min
+    .venv/bin/python scripts/bench_http.py --quick      # 1 rep, 2 s cells
+    .venv/bin/python scripts/bench_http.py --markdown   # also a BENCHMARKS.md section
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ctypes
+import math
+import os
+import platform
+import re
+import selectors
+import shlex
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Final, TextIO, cast
+
+HOST: Final = "127.0.0.1"
+FIXTURE: Final = "dgx-h100"
+SERVERS: Final = ("uvicorn", "hypercorn")
+CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
+GET_CLUSTER: Final = "/llmgw.v1.ControlService/GetCluster"
+MAX_MESSAGE_BYTES: Final = 4 << 20  # as ``llmgw server`` defaults
+HYPERCORN_KEEPALIVE_REQUESTS: Final = 1 << 30  # its default (1,000) closes every 1,000th reply
+CELL_GRACE_S: Final = 30.0  # beyond warmup + window, how long a cell may take at most
+START_TIMEOUT_S: Final = 30.0
+PR_SET_PDEATHSIG: Final = 1
+
+
+# ======================================================================================
+# Server mode `_serve`: one ASGI server around the real control service
+# ======================================================================================
+
+
+def parse_serve(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="bench_http.py _serve")
+    p.add_argument("--server", choices=SERVERS, required=True)
+    p.add_argument("--db", type=Path, required=True)
+    p.add_argument("--nodes", type=int, default=2)
+    return p.parse_args(argv)
+
+
+async def build_app(store: Any, nodes: int) -> Any:
+    """The gRPC-web app as ``llmgw server`` builds it, with ``nodes`` registered nodes."""
+    from llmgw.agent.discovery import simulated_node
+    from llmgw.server.controlsvc import ControlService
+    from llmgw.server.grpcweb import GrpcWebApp
+    from llmgw.server.inventory import InventoryConfig
+    from llmgw.server.plane import ControlPlane
+    from llmgw.server.store import now_ms
+
+    # A grace longer than any run keeps the nodes READY, as if they were heartbeating.
+    plane = ControlPlane(store, InventoryConfig(grace_s=10.0 * 24 * 3600))
+    for i in range(nodes):
+        node = simulated_node(FIXTURE, node_id=f"n{i}", hostname=f"n{i}.bench")
+        plane.inventory.register(node, 1, peer="bench", now_ms=now_ms(), now_mono=time.monotonic())
+    return GrpcWebApp(services=[ControlService(plane)], max_message_bytes=MAX_MESSAGE_BYTES)
+
+
+def listening_socket() -> socket.socket:
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind((HOST, 0))
+    sock.listen(1024)
+    sock.set_inheritable(True)
+    return sock
+
+
+async def serve_uvicorn(app: Any, sock: socket.socket, stop: asyncio.Event) -> None:
+    import uvicorn
+
+    class Embedded(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Any:  # this process handles the signals
+            yield
+
+    config = uvicorn.Config(
+        app,
+        http="httptools",
+        loop="uvloop",
+        ws="none",
+        lifespan="off",
+        access_log=False,
+        log_level="warning",
+        timeout_graceful_shutdown=2,
+    )
+    server = Embedded(config)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    stopper = asyncio.create_task(stop.wait())
+    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    server.should_exit = True
+    stopper.cancel()
+    await task
+
+
+async def serve_hypercorn(app: Any, sock: socket.socket, stop: asyncio.Event) -> None:
+    from hypercorn.asyncio import serve
+    from hypercorn.config import Config
+
+    config = Config()
+    config.bind = [f"fd://{sock.fileno()}"]
+    config.accesslog = None
+    config.loglevel = "WARNING"
+    config.keep_alive_max_requests = HYPERCORN_KEEPALIVE_REQUESTS
+    config.graceful_timeout = 2
+    await serve(app, config, shutdown_trigger=stop.wait, mode="asgi")
+
+
+async def run_serve(args: argparse.Namespace) -> None:
+    from llmgw.server.store import Store
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    async with Store(args.db) as store:
+        app = await build_app(store, args.nodes)
+        sock = listening_socket()
+        print(f"PORT {sock.getsockname()[1]}", flush=True)
+        if args.server == "uvicorn":
+            await serve_uvicorn(app, sock, stop)
+        else:
+            await serve_hypercorn(app, sock, stop)
+
+
+# ======================================================================================
+# The client: keep-alive HTTP/1.1 over asyncio protocols
+# ======================================================================================
+
+
+_CONTENT_LENGTH: Final = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
+_CHUNKED: Final = re.compile(rb"\r\ntransfer-encoding:[^\r]*chunked", re.IGNORECASE)
+_CLOSE: Final = re.compile(rb"\r\nconnection:[ \t]*close", re.IGNORECASE)
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    status: int
+    body: bytes
+    close: bool
+
+
+def _parse_chunked(buf: bytearray, start: int) -> tuple[bytes, int] | None:
+    """A chunked body starting at ``buf[start:]``: (body, end offset), or None if partial."""
+    body = bytearray()
+    at = start
+    while True:
+        eol = buf.find(b"\r\n", at)
+        if eol < 0:
+            return None
+        size = int(bytes(buf[at:eol]).split(b";", 1)[0], 16)
+        at = eol + 2
+        if size == 0:  # trailer section: header lines up to an empty line
+            while True:
+                eol = buf.find(b"\r\n", at)
+                if eol < 0:
+                    return None
+                if eol == at:
+                    return bytes(body), eol + 2
+                at = eol + 2
+        if len(buf) < at + size + 2:
+            return None
+        body += buf[at : at + size]
+        at += size + 2
+
+
+class Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection; one request in flight at a time."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.buf = bytearray()
+        self.waiter: asyncio.Future[Reply] | None = None
+        self.lost = False
+
+    @classmethod
+    async def open(cls, port: int) -> Connection:
+        loop = asyncio.get_running_loop()
+        _, conn = await loop.create_connection(cls, HOST, port)
+        return conn
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.waiter is not None and not self.waiter.done():
+            self.waiter.set_exception(ConnectionError(f"server closed the connection ({exc})"))
+
+    def data_received(self, data: bytes) -> None:
+        self.buf += data
+        reply = self._parse()
+        if reply is not None and self.waiter is not None and not self.waiter.done():
+            self.waiter.set_result(reply)
+
+    def _parse(self) -> Reply | None:
+        buf = self.buf
+        head_end = buf.find(b"\r\n\r\n")
+        if head_end < 0:
+            return None
+        head = bytes(buf[: head_end + 2])
+        status = int(head[9:12])
+        length = _CONTENT_LENGTH.search(head)
+        if length is not None:
+            end = head_end + 4 + int(length.group(1))
+            if len(buf) < end:
+                return None
+            body = bytes(buf[head_end + 4 : end])
+        elif _CHUNKED.search(head):
+            parsed = _parse_chunked(buf, head_end + 4)
+            if parsed is None:
+                return None
+            body, end = parsed
+        else:
+            raise ValueError(f"a response without framing: {head!r}")
+        del buf[:end]
+        return Reply(status, body, _CLOSE.search(head) is not None)
+
+    async def request(self, raw: bytes) -> Reply:
+        assert self.transport is not None
+        if self.lost:
+            raise ConnectionError("connection lost")
+        self.waiter = asyncio.get_running_loop().create_future()
+        self.transport.write(raw)
+        return await self.waiter
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+
+
+@dataclass(frozen=True, slots=True)
+class Workload:
+    key: str
+    label: str
+    raw: bytes
+    check: Callable[[Reply], bool]
+    conns: int
+    nodes: int  # the cluster size of the server it runs against
+
+
+def grpc_web_post(port: int, path: str, message: bytes) -> bytes:
+    """A gRPC-web unary call, as grpc-web in a browser sends it, pre-encoded."""
+    body = b"\x00" + len(message).to_bytes(4, "big") + message
+    head = (
+        f"POST {path} HTTP/1.1\r\n"
+        f"Host: {HOST}:{port}\r\n"
+        "Content-Type: application/grpc-web+proto\r\n"
+        "X-Grpc-Web: 1\r\n"
+        "X-User-Agent: grpc-web-javascript/0.1\r\n"
+        "Accept: application/grpc-web+proto\r\n"
+        f"Content-Length: {len(body)}\r\n"
+        "\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+def http_get(port: int, path: str) -> bytes:
+    return f"GET {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nAccept: */*\r\n\r\n".encode("ascii")
+
+
+def grpc_ok(reply: Reply) -> bool:
+    return reply.status == 200 and b"grpc-status:0\r\n" in reply.body[-64:]
+
+
+def health_ok(reply: Reply) -> bool:
+    return reply.status == 200 and reply.body == b"ok"
+
+
+WORKLOADS: Final = ("cluster1", "clusterN", "emptyN", "healthN")
+
+
+def workload_label(key: str, settings: Settings) -> str:
+    n, nodes = settings.conns, settings.nodes
+    return {
+        "cluster1": f"GetCluster ({nodes} nodes), 1 conn",
+        "clusterN": f"GetCluster ({nodes} nodes), {n} conns",
+        "emptyN": f"GetCluster (0 nodes), {n} conns",
+        "healthN": f"/healthz, {n} conns",
+    }[key]
+
+
+def workload(key: str, settings: Settings, port: int) -> Workload:
+    """One of ``WORKLOADS``, against a server listening on ``port``."""
+    label = workload_label(key, settings)
+    get_cluster = grpc_web_post(port, GET_CLUSTER, b"")
+    if key == "cluster1":
+        return Workload(key, label, get_cluster, grpc_ok, 1, settings.nodes)
+    if key == "clusterN":
+        return Workload(key, label, get_cluster, grpc_ok, settings.conns, settings.nodes)
+    if key == "emptyN":
+        return Workload(key, label, get_cluster, grpc_ok, settings.conns, 0)
+    return Workload(
+        key, label, http_get(port, "/healthz"), health_ok, settings.conns, settings.nodes
+    )
+
+
+def split_frames(body: bytes) -> list[tuple[int, bytes]]:
+    frames, at = [], 0
+    while at + 5 <= len(body):
+        length = int.from_bytes(body[at + 1 : at + 5], "big")
+        frames.append((body[at], body[at + 5 : at + 5 + length]))
+        at += 5 + length
+    return frames
+
+
+async def verify(port: int, nodes: int) -> int:
+    """Check one GetCluster reply fully (a Cluster of ``nodes``); its body size in bytes."""
+    from llmgw.api.llmgw.v1 import Cluster
+
+    conn = await Connection.open(port)
+    try:
+        reply = await conn.request(grpc_web_post(port, GET_CLUSTER, b""))
+        frames = split_frames(reply.body)
+        if reply.status != 200 or len(frames) != 2 or frames[1][0] != 0x80:
+            raise RuntimeError(f"unexpected GetCluster reply: {reply.status} {reply.body[:200]!r}")
+        if b"grpc-status:0" not in frames[1][1]:
+            raise RuntimeError(f"GetCluster failed: {frames[1][1]!r}")
+        cluster = Cluster.parse(frames[0][1])
+        if len(cluster.nodes) != nodes or any(
+            n.info is None or not n.info.gpus for n in cluster.nodes
+        ):
+            raise RuntimeError(f"GetCluster returned {len(cluster.nodes)} nodes, not {nodes}")
+        health = await conn.request(http_get(port, "/healthz"))
+        if not health_ok(health):
+            raise RuntimeError(f"/healthz answered {health.status} {health.body!r}")
+        return len(reply.body)
+    finally:
+        conn.close()
+
+
+# ======================================================================================
+# One cell: a workload against one server, measured over a window
+# ======================================================================================
+
+
+@dataclass(slots=True)
+class Cell:
+    server: str
+    workload: str
+    rep: int
+    window_s: float
+    requests: int
+    latencies_s: list[float]
+    server_cpu_s: float
+    client_cpu_s: float
+    others_cpu_s: float  # what other processes used of the server's CPU meanwhile
+    reconnects: int
+    attempts: int = 1
+
+    @property
+    def others_share(self) -> float:
+        """The share of the server's CPU that other processes used during the window."""
+        return self.others_cpu_s / self.window_s
+
+    @property
+    def rps(self) -> float:
+        return self.requests / self.window_s
+
+    def latency_us(self, q: float) -> float:
+        return 1e6 * percentile(self.latencies_s, q)
+
+    @property
+    def server_us_per_request(self) -> float:
+        return 1e6 * self.server_cpu_s / self.requests if self.requests else math.nan
+
+    @property
+    def server_util(self) -> float:
+        return self.server_cpu_s / self.window_s
+
+    @property
+    def client_util(self) -> float:
+        return self.client_cpu_s / self.window_s
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Nearest-rank percentile of sorted ``values``; NaN when empty."""
+    if not values:
+        return math.nan
+    return values[max(1, math.ceil(q * len(values))) - 1]
+
+
+def cpu_busy_seconds(cpu: int) -> float:
+    """Busy (not idle, not iowait) seconds of one CPU since boot, from ``/proc/stat``."""
+    for line in Path("/proc/stat").read_text().splitlines():
+        if line.startswith(f"cpu{cpu} "):
+            ticks = [int(x) for x in line.split()[1:9]]
+            return (sum(ticks) - ticks[3] - ticks[4]) / CLK_TCK
+    return math.nan
+
+
+def proc_cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds of a process (all its threads) from ``/proc/PID/stat``."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    return (int(fields[11]) + int(fields[12])) / CLK_TCK
+
+
+@dataclass(slots=True)
+class _Window:
+    start: float = math.inf
+    end: float = math.inf
+    max_requests: int = 0
+    done: int = 0
+    latencies: list[float] = field(default_factory=list)
+    reconnects: int = 0
+
+
+async def _drive(port: int, workload: Workload, window: _Window, until: float) -> None:
+    """One connection's closed loop: request, check, record, repeat until ``until``."""
+    conn = await Connection.open(port)
+    raw, check, latencies = workload.raw, workload.check, window.latencies
+    clock = time.perf_counter
+    try:
+        while True:
+            t0 = clock()
+            if t0 >= until or window.done >= window.max_requests:
+                return
+            reply = await conn.request(raw)
+            t1 = clock()
+            if not check(reply):
+                raise RuntimeError(f"{workload.label}: bad reply {reply.status} {reply.body!r}")
+            if window.start <= t1 < window.end:
+                latencies.append(t1 - t0)
+                window.done += 1
+            if reply.close or conn.lost:
+                conn.close()
+                conn = await Connection.open(port)
+                window.reconnects += 1
+    finally:
+        conn.close()
+
+
+async def run_cell(
+    server: str, pid: int, port: int, workload: Workload, rep: int, settings: Settings
+) -> Cell:
+    window = _Window(max_requests=settings.max_requests)
+    clock = time.perf_counter
+    until = clock() + settings.warmup_s + settings.seconds + 1.0  # the loops' own bound
+    async with asyncio.timeout(settings.warmup_s + settings.seconds + CELL_GRACE_S):
+        drivers = [
+            asyncio.create_task(_drive(port, workload, window, until))
+            for _ in range(workload.conns)
+        ]
+        try:
+            await asyncio.sleep(settings.warmup_s)
+            busy0, cpu0 = cpu_busy_seconds(settings.server_cpu), proc_cpu_seconds(pid)
+            own0, window.start = time.process_time(), clock()
+            window.end = window.start + settings.seconds
+            while clock() < window.end and window.done < window.max_requests:
+                await asyncio.sleep(min(0.05, max(0.0, window.end - clock())))
+                if any(d.done() for d in drivers):
+                    break
+            stopped = min(clock(), window.end)
+            cpu1, own1 = proc_cpu_seconds(pid), time.process_time()
+            busy1 = cpu_busy_seconds(settings.server_cpu)
+            window.end = stopped
+        finally:
+            for d in drivers:
+                d.cancel()
+            results = await asyncio.gather(*drivers, return_exceptions=True)
+    errors = [r for r in results if isinstance(r, BaseException) and not _cancelled(r)]
+    if errors:
+        raise errors[0]
+    return Cell(
+        server=server,
+        workload=workload.key,
+        rep=rep,
+        window_s=window.end - window.start,
+        requests=window.done,
+        latencies_s=sorted(window.latencies),
+        server_cpu_s=cpu1 - cpu0,
+        others_cpu_s=max(0.0, (busy1 - busy0) - (cpu1 - cpu0)),
+        client_cpu_s=own1 - own0,
+        reconnects=window.reconnects,
+    )
+
+
+def _cancelled(exc: BaseException) -> bool:
+    return isinstance(exc, asyncio.CancelledError)
+
+
+# ======================================================================================
+# Orchestration: child servers, the cells, the report
+# ======================================================================================
+
+
+@dataclass(frozen=True, slots=True)
+class Settings:
+    nodes: int
+    conns: int
+    reps: int
+    seconds: float
+    warmup_s: float
+    max_requests: int
+    server_cpu: int
+    client_cpu: int
+    max_others: float  # a cell where other processes used more of the server's CPU is re-run
+    attempts: int  # at most this many runs of a cell; the quietest is kept
+
+
+@dataclass(slots=True)
+class Child:
+    name: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+    port: int = 0
+
+    def log_tail(self, lines: int = 20) -> str:
+        with contextlib.suppress(OSError):
+            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+        return ""
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+
+
+def _child_setup(cpu: int) -> Callable[[], None]:
+    """A ``preexec_fn``: pin to ``cpu``; die with this process."""
+
+    def setup() -> None:
+        os.sched_setaffinity(0, {cpu})
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+    return setup
+
+
+def start_server(name: str, nodes: int, workdir: Path, settings: Settings) -> Child:
+    log = workdir / f"{name}-{nodes}.log"
+    argv = [
+        sys.executable,
+        os.path.abspath(__file__),
+        "_serve",
+        "--server",
+        name,
+        "--db",
+        str(workdir / f"{name}-{nodes}.db"),
+        "--nodes",
+        str(nodes),
+    ]
+    with log.open("wb") as err:
+        proc = subprocess.Popen(
+            argv,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=err,
+            preexec_fn=_child_setup(settings.server_cpu),
+        )
+    child = Child(name, proc, log)
+    assert proc.stdout is not None
+    with selectors.DefaultSelector() as sel:
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline = time.monotonic() + START_TIMEOUT_S
+        line = b""
+        while not line.endswith(b"\n") and time.monotonic() < deadline:
+            if sel.select(max(0.0, deadline - time.monotonic())):
+                chunk = os.read(proc.stdout.fileno(), 1)
+                if not chunk:
+                    break
+                line += chunk
+    if not line.startswith(b"PORT "):
+        child.stop()
+        raise RuntimeError(f"{name} did not start:\n{child.log_tail()}")
+    child.port = int(line.split()[1])
+    return child
+
+
+Progress = Callable[[Cell], None]
+RETRY_PAUSE_S: Final = 5.0
+
+
+async def quietest_cell(
+    name: str, child: Child, work: Workload, rep: int, settings: Settings, progress: Progress
+) -> Cell:
+    """Run a cell, again (up to ``settings.attempts``) while other processes used more than
+    ``settings.max_others`` of the server's CPU; the quietest run is kept."""
+    best: Cell | None = None
+    for attempt in range(1, settings.attempts + 1):
+        cell = await run_cell(name, child.proc.pid, child.port, work, rep, settings)
+        cell.attempts = attempt
+        progress(cell)
+        if best is None or cell.others_share < best.others_share:
+            best = cell
+        if cell.others_share <= settings.max_others:
+            break
+        if attempt < settings.attempts:
+            await asyncio.sleep(RETRY_PAUSE_S)
+    assert best is not None
+    return best
+
+
+async def run_bench(
+    children: Mapping[tuple[str, int], Child], settings: Settings, progress: Progress
+) -> tuple[list[Cell], dict[int, int]]:
+    """Every cell ``settings.reps`` times; also the GetCluster reply size by cluster size."""
+    sizes = {nodes: await verify(c.port, nodes) for (_, nodes), c in children.items()}
+    cells = []
+    for rep in range(settings.reps):
+        order = SERVERS if rep % 2 == 0 else SERVERS[::-1]
+        for key in WORKLOADS:
+            for name in order:
+                nodes = settings.nodes if key != "emptyN" else 0
+                child = children[name, nodes]
+                work = workload(key, settings, child.port)
+                cell = await quietest_cell(name, child, work, rep, settings, progress)
+                cells.append(cell)
+                if child.proc.poll() is not None:
+                    raise RuntimeError(f"{name} exited:\n{child.log_tail()}")
+    return cells, sizes
+
+
+def _client_loop() -> Callable[[], asyncio.AbstractEventLoop]:
+    import uvloop
+
+    return uvloop.new_event_loop
+
+
+# --- the report --------------------------------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class Metric:
+    workload: str
+    label: str
+    value: Callable[[Cell], float]
+    fmt: str  # a format spec for one value
+    lower_is_better: bool
+
+
+def _p50(c: Cell) -> float:
+    return c.latency_us(0.5)
+
+
+def _p99(c: Cell) -> float:
+    return c.latency_us(0.99)
+
+
+def _rps(c: Cell) -> float:
+    return c.rps
+
+
+def _us_per_request(c: Cell) -> float:
+    return c.server_us_per_request
+
+
+def _server_pct(c: Cell) -> float:
+    return 100 * c.server_util
+
+
+def _client_pct(c: Cell) -> float:
+    return 100 * c.client_util
+
+
+# (workload, metric, value, format, lower is better); ``{n}`` is the connection count
+_METRICS: Final = (
+    ("cluster1", "latency p50 (µs)", _p50, ",.0f", True),
+    ("cluster1", "latency p99 (µs)", _p99, ",.0f", True),
+    ("cluster1", "requests/s", _rps, ",.0f", False),
+    ("cluster1", "server CPU µs/request", _us_per_request, ",.0f", True),
+    ("clusterN", "requests/s", _rps, ",.0f", False),
+    ("clusterN", "latency p50 (µs)", _p50, ",.0f", True),
+    ("clusterN", "latency p99 (µs)", _p99, ",.0f", True),
+    ("clusterN", "server CPU µs/request", _us_per_request, ",.0f", True),
+    ("clusterN", "server CPU (% of a core)", _server_pct, ".0f", False),
+    ("clusterN", "client CPU (% of a core)", _client_pct, ".0f", True),
+    ("emptyN", "requests/s", _rps, ",.0f", False),
+    ("emptyN", "latency p99 (µs)", _p99, ",.0f", True),
+    ("emptyN", "server CPU µs/request", _us_per_request, ",.0f", True),
+    ("emptyN", "server CPU (% of a core)", _server_pct, ".0f", False),
+    ("emptyN", "client CPU (% of a core)", _client_pct, ".0f", True),
+    ("healthN", "requests/s", _rps, ",.0f", False),
+    ("healthN", "latency p99 (µs)", _p99, ",.0f", True),
+    ("healthN", "server CPU µs/request", _us_per_request, ",.0f", True),
+    ("healthN", "server CPU (% of a core)", _server_pct, ".0f", False),
+    ("healthN", "client CPU (% of a core)", _client_pct, ".0f", True),
+)
+
+
+def metrics(settings: Settings) -> list[Metric]:
+    return [
+        Metric(key, f"{workload_label(key, settings)}: {name}", value, spec, lower)
+        for key, name, value, spec, lower in _METRICS
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    metric: Metric
+    values: Mapping[str, list[float]]  # server → one value per rep
+
+    def median(self, server: str) -> float:
+        values = self.values.get(server, [])
+        return statistics.median(values) if values else math.nan
+
+    def ratio(self) -> float:
+        uvicorn = self.median("uvicorn")
+        return self.median("hypercorn") / uvicorn if uvicorn else math.nan
+
+    def cell(self, server: str) -> str:
+        values = self.values.get(server, [])
+        if not values:
+            return "–"
+        spec = self.metric.fmt
+        text = format(self.median(server), spec)
+        low, high = format(min(values), spec), format(max(values), spec)
+        if low != high:
+            text += f" ({low}–{high})"
+        return text
+
+    def overlaps(self) -> bool:
+        """Whether the two servers' ranges over the reps overlap."""
+        a, b = (self.values.get(server, []) for server in SERVERS)
+        return bool(a and b) and min(a) <= max(b) and min(b) <= max(a)
+
+
+def summarize(cells: Sequence[Cell], settings: Settings) -> list[Summary]:
+    out = []
+    for metric in metrics(settings):
+        mine = [c for c in cells if c.workload == metric.workload]
+        values = {s: [metric.value(c) for c in mine if c.server == s] for s in SERVERS}
+        out.append(Summary(metric, values))
+    return out
+
+
+COLUMNS: Final = ("workload: metric", "uvicorn", "hypercorn", "hypercorn/uvicorn")
+
+
+def table(summaries: Sequence[Summary], markdown: bool) -> str:
+    rows = [
+        [s.metric.label, s.cell("uvicorn"), s.cell("hypercorn"), f"{s.ratio():.2f}×"]
+        for s in summaries
+    ]
+    if markdown:
+        lines = ["| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
+        return "\n".join([*lines, *("| " + " | ".join(r) + " |" for r in rows)])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
+    return "\n".join(_aligned(r, widths) for r in [list(COLUMNS), *rows])
+
+
+def _aligned(row: Sequence[str], widths: Sequence[int]) -> str:
+    """The first column left-aligned, the figures right-aligned."""
+    cells = [row[0].ljust(widths[0])]
+    cells += [v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)]
+    return "  ".join(cells)
+
+
+def machine() -> dict[str, str]:
+    model = "unknown"
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=False).stdout.strip()
+    return {
+        "nproc": nproc or str(os.cpu_count()),
+        "cpu": model,
+        "python": platform.python_version(),
+        "os": f"{platform.system()} {platform.release()}",
+        "versions": _versions(),
+        "llmgw": _llmgw_revision(),
+        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+    }
+
+
+def _llmgw_revision() -> str:
+    """The commit of the code measured (read-only git queries), and whether llmgw/ differs."""
+    root = Path(__file__).resolve().parent.parent
+
+    def git(*args: str) -> str:
+        done = subprocess.run(
+            ["git", "-C", str(root), *args], capture_output=True, text=True, check=False
+        )
+        return done.stdout.strip() if done.returncode == 0 else ""
+
+    head = git("rev-parse", "--short", "HEAD")
+    if not head:
+        return "unknown (not a git checkout)"
+    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "llmgw")
+    return f"git {head}" + (" + uncommitted changes in llmgw/" if dirty else "")
+
+
+def _versions() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    parts = []
+    for name in ("uvicorn", "httptools", "hypercorn", "h11", "uvloop"):
+        try:
+            parts.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            parts.append(f"{name} (missing)")
+    return ", ".join(parts)
+
+
+def command_line() -> str:
+    python = os.path.relpath(sys.executable)
+    if python.startswith(".."):
+        python = sys.executable
+    return shlex.join([python, *sys.argv])
+
+
+def settings_line(s: Settings, sizes: Mapping[int, int]) -> str:
+    bodies = ", ".join(f"{n} nodes {size:,} B" for n, size in sorted(sizes.items()))
+    return (
+        f"GetCluster of simulated {FIXTURE} nodes (gRPC-web reply body: {bodies}), "
+        "an empty request frame; "
+        f"each server in its own process pinned to CPU {s.server_cpu}, on uvloop "
+        "(uvicorn: http=httptools, lifespan off, no access log, as `llmgw server`; "
+        "hypercorn: asyncio worker on uvloop, h11, no access log, "
+        f"keep_alive_max_requests={HYPERCORN_KEEPALIVE_REQUESTS:,}); "
+        f"client: raw asyncio HTTP/1.1 keep-alive on uvloop, pinned to CPU {s.client_cpu}, "
+        f"one request in flight per connection; each cell {s.warmup_s:g} s warmup + "
+        f"{s.seconds:g} s measured (at most {s.max_requests:,} requests), {s.reps} rep(s), "
+        f"servers alternating first; a cell is re-run (at most {s.attempts} runs, the quietest "
+        f"kept) while other processes use more than {100 * s.max_others:g}% of CPU "
+        f"{s.server_cpu}; figures are medians (min–max over reps)"
+    )
+
+
+NOISE: Final = 0.05  # relative differences below this are not called a difference
+
+
+def conclusion(summaries: Sequence[Summary], settings: Settings) -> str:
+    by = {(s.metric.workload, s.metric.label.split(": ", 1)[1]): s for s in summaries}
+
+    def get(key: str, name: str) -> Summary:
+        return by[key, name]
+
+    cpu = {key: get(key, "server CPU µs/request") for key in WORKLOADS}
+    http_only = [cpu["emptyN"], cpu["healthN"]]  # where the HTTP server's own work shows
+    cheaper = {"uvicorn" if s.ratio() > 1 else "hypercorn" for s in http_only}
+    clear = len(cheaper) == 1 and all(abs(s.ratio() - 1) >= NOISE for s in http_only)
+    winner = cheaper.pop() if clear else "uvicorn"
+    other = "hypercorn" if winner == "uvicorn" else "uvicorn"
+
+    def pair(s: Summary, unit: str = "") -> str:
+        text = f"{s.median(winner):,.0f}{unit} vs {s.median(other):,.0f}{unit}"
+        return text + (" (the reps' ranges overlap)" if s.overlaps() else "")
+
+    def factor(s: Summary) -> str:
+        high, low = sorted((s.median(winner), s.median(other)), reverse=True)
+        return f"{high / low:.2f}×" if low else "n/a"
+
+    n, nodes = settings.conns, settings.nodes
+    parts = [
+        f"Choose {winner}: per request it spent less server CPU wherever the HTTP server's "
+        "own work shows."
+        if clear
+        else "The two are within noise of each other or split; keep uvicorn, which "
+        "`llmgw server` already runs.",
+        f"Server CPU per request ({winner} vs {other}): /healthz {pair(cpu['healthN'], ' µs')} "
+        f"({factor(cpu['healthN'])}); an empty GetCluster, i.e. HTTP plus the gRPC-web "
+        f"bridge, {pair(cpu['emptyN'], ' µs')} ({factor(cpu['emptyN'])}); GetCluster of "
+        f"{nodes} nodes {pair(cpu['clusterN'], ' µs')} ({factor(cpu['clusterN'])})"
+        + (
+            ", where building and serializing the Cluster message in llmgw, the same work "
+            "under both servers, dominates."
+            if min(cpu["clusterN"].median(s) for s in SERVERS)
+            > 5 * max(cpu["emptyN"].median(s) for s in SERVERS)
+            else "."
+        ),
+        f"Throughput over {n} connections (requests/s): /healthz "
+        f"{pair(get('healthN', 'requests/s'))}, empty GetCluster "
+        f"{pair(get('emptyN', 'requests/s'))}, GetCluster of {nodes} nodes "
+        f"{pair(get('clusterN', 'requests/s'))}.",
+        f"GetCluster latency over one connection: p50 "
+        f"{pair(get('cluster1', 'latency p50 (µs)'), ' µs')}, p99 "
+        f"{pair(get('cluster1', 'latency p99 (µs)'), ' µs')}.",
+        _saturation(by),
+    ]
+    return " ".join(parts)
+
+
+def _span(values: Sequence[float]) -> str:
+    low, high = f"{min(values):.0f}", f"{max(values):.0f}"
+    return low if low == high else f"{low}–{high}"
+
+
+def _saturation(by: Mapping[tuple[str, str], Summary]) -> str:
+    loaded = ("clusterN", "emptyN", "healthN")
+    server = [by[k, "server CPU (% of a core)"].median(s) for k in loaded for s in SERVERS]
+    client = [by[k, "client CPU (% of a core)"].median(s) for k in loaded for s in SERVERS]
+    text = (
+        f"In the loaded cells the server used {_span(server)}% of its core and the client "
+        f"{_span(client)}% of its own"
+    )
+    if max(client) >= 85:
+        return text + (
+            "; the client was near its limit in at least one cell, so there the requests/s "
+            "understate the faster server, while CPU per request is unaffected."
+        )
+    if min(server) < 85:
+        return text + (
+            "; where neither side is near 100%, the closed loop (one request in flight per "
+            "connection, the two processes handing batches back and forth across CPUs) set "
+            "the requests/s, not a saturated server, so CPU per request is the figure to "
+            "compare."
+        )
+    return text + ", so the servers, not the load generator, set the requests/s."
+
+
+def _others_line(cells: Sequence[Cell], settings: Settings) -> str:
+    shares = sorted(100 * c.others_share for c in cells)
+    rerun = sum(c.attempts > 1 for c in cells)
+    noisy = sum(c.others_share > settings.max_others for c in cells)
+    return (
+        f"Other processes on CPU {settings.server_cpu} (the servers' CPU) during the kept "
+        f"measurement windows: median {statistics.median(shares):.0f}% of it, at most "
+        f"{shares[-1]:.0f}% (over {len(shares)} cells); {rerun} cell(s) were re-run because "
+        f"others used more than {100 * settings.max_others:g}% of it, and {noisy} kept a "
+        "noisier run after the last attempt."
+    )
+
+
+def render(
+    settings: Settings,
+    facts: Mapping[str, str],
+    cells: Sequence[Cell],
+    sizes: Mapping[int, int],
+    markdown: bool,
+) -> str:
+    summaries = summarize(cells, settings)
+    reconnects = sum(c.reconnects for c in cells)
+    closed = [f"The servers closed {reconnects} keep-alive connection(s) mid-run.", ""]
+    out = []
+    if markdown:
+        out += [
+            "## gRPC-web HTTP server: uvicorn vs hypercorn (scripts/bench_http.py)",
+            "",
+            "```",
+            command_line(),
+            "```",
+            "",
+        ]
+        out += [f"- {k}: {v}" for k, v in facts.items()]
+        out += [f"- settings: {settings_line(settings, sizes)}", ""]
+        out += [table(summaries, True), ""]
+    else:
+        out += [f"command: {command_line()}"]
+        out += [f"{k}: {v}" for k, v in facts.items()]
+        out += [f"settings: {settings_line(settings, sizes)}", "", table(summaries, False), ""]
+    out += closed if reconnects else []
+    out += [_others_line(cells, settings), ""]
+    out += [conclusion(summaries, settings)]
+    return "\n".join(out)
+
+
+def progress(cell: Cell) -> None:
+    print(
+        f"  rep {cell.rep + 1} {cell.workload:8} {cell.server:9}: {cell.rps:8,.0f} req/s, "
+        f"p50 {cell.latency_us(0.5):7,.0f} µs, p99 {cell.latency_us(0.99):7,.0f} µs, "
+        f"server {cell.server_us_per_request:5,.0f} µs/req ({100 * cell.server_util:3.0f}%), "
+        f"client {100 * cell.client_util:3.0f}%, others on the server CPU "
+        f"{100 * cell.others_share:3.0f}%"
+        + (f" (attempt {cell.attempts})" if cell.attempts > 1 else ""),
+        file=sys.stderr,
+        flush=True,
+    )
+
+
+# ======================================================================================
+# Command line
+# ======================================================================================
+
+
+def parse_main(argv: Sequence[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--nodes", type=int, default=2, help="simulated nodes in GetCluster (2)")
+    p.add_argument("--conns", type=int, default=16, help="connections of the loaded cells (16)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions of every cell (3)")
+    p.add_argument("--seconds", type=float, default=5.0, help="measured seconds per cell (5)")
+    p.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring (1)")
+    p.add_argument("--max-requests", type=int, default=2_000_000, help="cap per cell")
+    p.add_argument("--server-cpu", type=int, default=0)
+    p.add_argument("--client-cpu", type=int, default=1)
+    p.add_argument(
+        "--max-others",
+        type=float,
+        default=10.0,
+        help="re-run a cell where other processes used more than this %% of the server's CPU (10)",
+    )
+    p.add_argument("--attempts", type=int, default=4, help="most runs of one cell (4)")
+    p.add_argument("--quick", action="store_true", help="1 rep of 2 s cells, 0.5 s warmup")
+    p.add_argument("--markdown", action="store_true", help="also print a BENCHMARKS.md section")
+    return p.parse_args(argv)
+
+
+def settings_from(args: argparse.Namespace) -> Settings:
+    reps, seconds, warmup = (1, 2.0, 0.5) if args.quick else (args.reps, args.seconds, args.warmup)
+    if not (0 < seconds <= 600 and 0 <= warmup <= 60 and 1 <= reps <= 50):
+        raise SystemExit("need 0 < --seconds <= 600, 0 <= --warmup <= 60, 1 <= --reps <= 50")
+    if not (0 <= args.max_others <= 100 and 1 <= args.attempts <= 20):
+        raise SystemExit("need 0 <= --max-others <= 100 and 1 <= --attempts <= 20")
+    if not (1 <= args.conns <= 1024 and 0 <= args.nodes <= 10_000 and args.max_requests > 0):
+        raise SystemExit("need 1 <= --conns <= 1024, 0 <= --nodes <= 10000, --max-requests > 0")
+    cpus = os.sched_getaffinity(0)
+    if {args.server_cpu, args.client_cpu} - cpus or args.server_cpu == args.client_cpu:
+        raise SystemExit(f"--server-cpu/--client-cpu: two different CPUs among {sorted(cpus)}")
+    return Settings(
+        nodes=args.nodes,
+        conns=args.conns,
+        reps=reps,
+        seconds=seconds,
+        warmup_s=warmup,
+        max_requests=args.max_requests,
+        server_cpu=args.server_cpu,
+        client_cpu=args.client_cpu,
+        max_others=args.max_others / 100,
+        attempts=max(1, args.attempts),
+    )
+
+
+def _terminate(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt
+
+
+def main_orchestrator(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+    args = parse_main(argv)
+    settings = settings_from(args)
+    facts = machine()  # before pinning: nproc counts the CPUs this process may use
+    os.sched_setaffinity(0, {settings.client_cpu})
+    signal.signal(signal.SIGTERM, _terminate)
+    print(
+        f"bench_http: {settings.reps} rep(s) x {len(WORKLOADS)} cells x 2 servers, "
+        f"{settings.warmup_s:g}+{settings.seconds:g} s each",
+        file=sys.stderr,
+        flush=True,
+    )
+    children: dict[tuple[str, int], Child] = {}
+    with tempfile.TemporaryDirectory(prefix="bench_http.") as tmp:
+        try:
+            for name in SERVERS:
+                for nodes in sorted({settings.nodes, 0}):
+                    children[name, nodes] = start_server(name, nodes, Path(tmp), settings)
+            with asyncio.Runner(loop_factory=_client_loop()) as runner:
+                cells, sizes = runner.run(run_bench(children, settings, progress))
+        except KeyboardInterrupt:
+            print("interrupted; every child process was stopped", file=sys.stderr)
+            return 130
+        finally:
+            for child in children.values():
+                child.stop()
+    print(render(settings, facts, cells, sizes, markdown=False), file=out)
+    if args.markdown:
+        print("\n" + render(settings, facts, cells, sizes, markdown=True), file=out)
+    return 0
+
+
+def main(argv: Sequence[str]) -> int:
+    if argv[:1] == ["_serve"]:
+        import uvloop
+
+        with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+            runner.run(run_serve(parse_serve(argv[1:])))
+        return 0
+    return main_orchestrator(argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
