@@ -23,6 +23,7 @@ from llmgw import __version__
 from llmgw.agent.backoff import BackoffPolicy
 from llmgw.agent.discovery import SimulatedTelemetry, simulated_node
 from llmgw.agent.discovery.host import cpu_count, host_facts, host_memory
+from llmgw.agent.engines.base import EngineBinaries
 from llmgw.agent.link import AgentLink, LinkConfig
 from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo
 
@@ -53,6 +54,7 @@ class AgentConfig:
     simulate: str | None = None
     hostname: str = field(default_factory=socket.gethostname)
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    engine_bins: EngineBinaries = field(default_factory=EngineBinaries)  # --engine-bin
 
 
 def parse_server(text: str) -> tuple[str, int]:

@@ -150,6 +150,14 @@ def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--hostname", default=None, help="hostname to report (default: this host's)")
     p.add_argument(
+        "--engine-bin",
+        action="append",
+        default=[],
+        metavar="ENGINE=CMD",
+        help="the command that runs ENGINE (vllm, sglang, llamacpp, sim), split as a shell "
+        'would; repeatable (e.g. vllm="python -m vllm.entrypoints.openai.api_server")',
+    )
+    p.add_argument(
         "--discover", action="store_true", help="print what the agent would register and exit"
     )
     p.add_argument(

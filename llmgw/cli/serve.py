@@ -18,6 +18,7 @@ from llmgw.agent.daemon import (
     resolve_node_id,
 )
 from llmgw.agent.discovery import DiscoveryError
+from llmgw.agent.engines import EngineError, engine_binaries
 from llmgw.cli.main import CliError
 from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
 from llmgw.server.errors import ServerError
@@ -54,6 +55,7 @@ def run_agent_command(args: argparse.Namespace) -> int:
             node_id=args.node_id,
             labels=parse_labels(args.labels),
             simulate=args.simulate,
+            engine_bins=engine_binaries(args.engine_bin),
             **({"hostname": args.hostname} if args.hostname else {}),
         )
         if args.discover:
@@ -61,7 +63,7 @@ def run_agent_command(args: argparse.Namespace) -> int:
             sys.stdout.write(json.dumps(node.to_dict(), indent=2) + "\n")
             return 0
         asyncio.run(Agent(config).run())
-    except (AgentConfigError, DiscoveryError) as exc:
+    except (AgentConfigError, DiscoveryError, EngineError) as exc:
         raise CliError(str(exc)) from exc
     return 0
 

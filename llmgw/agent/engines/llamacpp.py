@@ -1,0 +1,80 @@
+"""llama.cpp: ``llama-server -m MODEL.gguf --host 127.0.0.1 --port PORT …``.
+
+The command line, in order::
+
+    BIN -m MODEL.gguf --host 127.0.0.1 --port PORT --alias NAME [--api-key KEY]
+        [--threads N] --metrics  PROFILE ARGS
+
+``--threads`` comes from the profile's ``cpu_threads`` (left to llama.cpp when 0) and
+``--metrics`` turns on ``/metrics``. llama-server binds its port at once and answers
+``/health`` with 503 while it loads (spec/vllm-openai-server.md), so the supervisor's probe
+(``/health``, then ``/v1/models``) tells LOADING from READY. One process, one GPU at most:
+tp, pp and nodes above 1 are refused, and so are LoRA adapters (llama-server cannot name
+them) and KV events. How many layers go to the GPU (``-ngl``) is the profile's args.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from types import MappingProxyType
+
+from llmgw.agent.engines.base import (
+    LOOPBACK,
+    LaunchSpec,
+    ShardSpec,
+    check_port,
+    check_profile_args,
+    device_env,
+    merge_profile_env,
+    model_path,
+    refuse,
+    served_model_name,
+    shard_layout,
+)
+
+_MANAGED = ("-m", "--model", "--host", "--port", "-a", "--alias", "--api-key")
+
+
+class LlamaCppAdapter:
+    """``llama-server`` for one shard."""
+
+    name = "llamacpp"
+    default_binary: tuple[str, ...] = ("llama-server",)
+
+    def build(self, spec: ShardSpec, *, binary: Sequence[str], state_dir: Path) -> LaunchSpec:
+        _refuse_unsupported(spec)
+        shard_layout(spec)
+        model = model_path(spec)
+        if not model.lower().endswith(".gguf"):
+            raise refuse(spec, "model_path", f"{model!r} is not a GGUF file (*.gguf)")
+        threads = spec.profile.cpu_threads
+        argv = (
+            *binary,
+            *("-m", model, "--host", LOOPBACK, "--port", str(check_port(spec))),
+            *("--alias", served_model_name(spec)),
+            *(("--api-key", spec.api_key) if spec.api_key else ()),
+            *(("--threads", str(threads)) if threads else ()),
+            "--metrics",
+            *check_profile_args(spec, _MANAGED),
+        )
+        return LaunchSpec(
+            engine=self.name,
+            argv=argv,
+            env=MappingProxyType(merge_profile_env(spec, device_env(spec))),
+            port=spec.port,
+            api_key=spec.api_key,
+        )
+
+
+def _refuse_unsupported(spec: ShardSpec) -> None:
+    profile = spec.profile
+    for field, value in (("tp", profile.tp), ("pp", profile.pp), ("nodes", profile.nodes)):
+        if value > 1:
+            raise refuse(spec, field, f"{value}: llama-server runs as one process")
+    if spec.multinode is not None and spec.multinode.nnodes > 1:
+        raise refuse(spec, "nodes", "llama-server runs on one node")
+    if profile.adapters:
+        raise refuse(spec, "adapters", "LoRA adapters are served by the vllm and sim engines")
+    if profile.kv_events:
+        raise refuse(spec, "kv_events", "only the vllm and sim engines publish KV events")
