@@ -16,6 +16,12 @@ The largest step whose p99 stays under 1 s with every agent connected is the res
 grpclib bidi-stream server that only acknowledges heartbeats (``_echo`` below) is measured
 in the same run under the same client, as the baseline for CPU-per-heartbeat ratios.
 
+New agents are launched at most ``--rate`` a second with at most ``--inflight``
+registrations outstanding: a registration costs the server milliseconds (an 8 KB
+``NodeInfo`` to check, parse and store), and an uncapped storm of them on top of a large
+fleet can outrun the agents' 10 s register timeout (try ``--inflight 10000``). Each window
+also reports the CPU every other process used, since a shared machine is noisy.
+
 The server (and the baseline) run pinned to ``--server-cpu``; the agents run in
 ``--workers`` child processes of this script (``_agents`` mode) pinned to ``--client-cpu``.
 Everything listens on 127.0.0.1 only; every loop is bounded and every child process is
@@ -31,6 +37,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import hashlib
 import json
 import logging
 import math
@@ -45,7 +52,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -54,11 +61,14 @@ HOST = "127.0.0.1"
 FIXTURE = "dgx-h100"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 RTT_LIMIT_MS = 1000
-DEFAULT_STEPS = (250, 500, 1000, 1500, 2000)
-QUICK_STEPS = (50, 100)
+DEFAULT_STEPS: tuple[int, ...] = (250, 500, 1000, 1500, 2000)
+QUICK_STEPS: tuple[int, ...] = (50, 100)
+QUICK_BASELINE: tuple[int, ...] = (50,)
 READ_LIMIT = 16 << 20  # largest reply line from a worker
 LAG_TICK_S = 0.1
-REGISTER_GRACE_S = 60.0  # after the last launch, how long registrations may still take
+CLIENT_LAG_NOTE_MS = 20  # agents' loop lag above this: the load generator shows in RTT
+NOISY_OTHER_UTIL = 0.10  # other processes above 10% of a core during a window: say so
+REGISTER_STALL_S = 60.0  # a step fails when no agent registers for this long
 
 log = logging.getLogger("bench_control")
 
@@ -144,51 +154,72 @@ class Fleet:
         task = asyncio.create_task(link.run(), name=node_id)
         self.agents.append(_Agent(link, task, time.monotonic()))
 
-    async def grow(self, before: int, total: int, rate: float) -> dict[str, Any]:
-        """Launch this worker's new agents at ``rate`` per second; wait for registrations."""
+    async def grow(self, before: int, total: int, rate: float, inflight: int) -> dict[str, Any]:
+        """Launch this worker's new agents (at most ``rate`` per second and ``inflight``
+        registrations at a time) and wait until they registered or registration stalls."""
         ids = self.my_ids(before, total)
         first = len(self.agents)
         started = time.monotonic()
-        launcher = asyncio.create_task(self._launch_paced(ids, rate))
+        launcher = asyncio.create_task(self._launch_paced(ids, first, rate, inflight))
         try:
-            await self._wait_registered(first, len(ids), started + len(ids) / rate)
+            await self._wait_registered(first, len(ids), launcher)
         finally:
             launcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await launcher
         new = self.agents[first:]
-        done = [a for a in new if a.registered is not None]
-        last = max((a.registered for a in done if a.registered), default=started)
-        latencies = Counter(round(1000 * (a.registered - a.launched)) for a in done if a.registered)
+        times = [(a.launched, a.registered) for a in new if a.registered is not None]
         return {
             "started": len(new),
-            "registered": len(done),
-            "wall_s": last - started,
-            "reg_ms": latencies,
+            "registered": len(times),
+            "wall_s": max((r for _, r in times), default=started) - started,
+            "reg_ms": Counter(round(1000 * (r - launched)) for launched, r in times),
         }
 
-    async def _launch_paced(self, ids: Sequence[int], rate: float) -> None:
-        start = time.monotonic() + random.random() / rate  # workers interleave, not collide
-        for k, number in enumerate(ids):
-            delay = start + k * self.of / rate - time.monotonic()
-            if delay > 0:
-                await asyncio.sleep(delay)
+    async def _launch_paced(
+        self, ids: Sequence[int], first: int, rate: float, inflight: int
+    ) -> None:
+        next_at = time.monotonic() + random.random() * self.of / rate  # workers interleave
+        for number in ids:
+            await self._room_to_register(first, inflight)
+            next_at = max(next_at, time.monotonic())  # held back: no burst to catch up
+            await asyncio.sleep(next_at - time.monotonic())
             self.launch(number)
+            next_at += self.of / rate
 
-    async def _wait_registered(self, first: int, count: int, launched_by: float) -> None:
-        deadline = launched_by + REGISTER_GRACE_S
-        while time.monotonic() < deadline:
-            pending = 0
-            now = time.monotonic()
-            for agent in self.agents[first:]:
-                if agent.registered is None:
-                    if agent.link.stats.sessions:
-                        agent.registered = now
-                    else:
-                        pending += 1
-            if len(self.agents) - first >= count and not pending:
+    async def _room_to_register(self, first: int, inflight: int) -> None:
+        """Wait (polling: a link has no registration event) until fewer than ``inflight``
+        of the agents from ``first`` on are still registering; at most REGISTER_STALL_S."""
+        for _ in range(int(REGISTER_STALL_S / 0.01)):
+            if self._pending(first) < inflight:
+                return
+            await asyncio.sleep(0.01)
+
+    def _pending(self, first: int) -> int:
+        """Mark newly registered agents; the number still registering."""
+        pending, now = 0, time.monotonic()
+        for agent in self.agents[first:]:
+            if agent.registered is None:
+                if agent.link.stats.sessions:
+                    agent.registered = now
+                else:
+                    pending += 1
+        return pending
+
+    async def _wait_registered(self, first: int, count: int, launcher: asyncio.Task[None]) -> None:
+        """Until all ``count`` registered, or none did for ``REGISTER_STALL_S``, or (a bound
+        whatever happens) ``count`` seconds plus the stall time have passed."""
+        now = time.monotonic()
+        deadline, progress_at, done = now + count + REGISTER_STALL_S, now, 0
+        while now < deadline and now - progress_at < REGISTER_STALL_S:
+            pending = self._pending(first)
+            registered = len(self.agents) - first - pending
+            if registered > done:
+                done, progress_at = registered, now
+            if launcher.done() and not pending:
                 return
             await asyncio.sleep(0.02)
+            now = time.monotonic()
 
     def mark(self) -> None:
         """Start a measurement window."""
@@ -216,7 +247,8 @@ class Fleet:
     async def stop(self) -> None:
         for agent in self.agents:
             agent.task.cancel()
-        await asyncio.wait([a.task for a in self.agents] or [asyncio.sleep(0)], timeout=10)
+        if self.agents:
+            await asyncio.wait([a.task for a in self.agents], timeout=10)
 
 
 async def _watch_lag(fleet: Fleet, until: float) -> None:
@@ -242,7 +274,9 @@ def _reply(payload: Mapping[str, Any]) -> None:
 async def _handle(fleet: Fleet, request: Mapping[str, Any]) -> dict[str, Any]:
     op = request.get("op")
     if op == "grow":
-        return await fleet.grow(int(request["before"]), int(request["total"]), request["rate"])
+        return await fleet.grow(
+            int(request["before"]), int(request["total"]), request["rate"], request["inflight"]
+        )
     if op == "mark":
         fleet.mark()
         return {"ok": True}
@@ -339,6 +373,13 @@ def proc_cpu_seconds(pid: int) -> float:
     """User + system CPU seconds of a process (all its threads) from ``/proc/PID/stat``."""
     fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
     return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of stat(5)
+
+
+def machine_busy_seconds() -> float:
+    """CPU seconds all CPUs spent busy since boot (``/proc/stat``; idle and iowait excluded)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(f) for f in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / CLK_TCK
 
 
 def proc_rss_mib(pid: int) -> float:
@@ -470,13 +511,32 @@ class Settings:
     steps: tuple[int, ...]
     hold_s: float
     settle_s: float
-    baseline_agents: int
+    baseline_agents: tuple[int, ...]
     workers: int
     rate: float
+    inflight: int
     server_cpu: int
     client_cpu: int
     seed: int
     max_seconds: float
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    """A clock reading and CPU seconds; subtract two to get a window's usage."""
+
+    at: float
+    server_s: float
+    client_s: float
+    other_s: float
+
+    def __sub__(self, earlier: Usage) -> Usage:
+        return Usage(
+            self.at - earlier.at,
+            self.server_s - earlier.server_s,
+            self.client_s - earlier.client_s,
+            self.other_s - earlier.other_s,
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -496,6 +556,7 @@ class Step:
     server_cpu_s: float
     server_rss_mib: float
     client_cpu_s: float
+    other_cpu_s: float  # every other process on the machine (a shared machine is noisy)
     client_lag_p99_ms: int | None
     reconnects: int
     connected: int
@@ -521,6 +582,12 @@ class Step:
         return self.client_cpu_s / self.window_s
 
     @property
+    def other_util(self) -> float:
+        # /proc counts in 10 ms ticks sampled at slightly different moments: a quiet
+        # machine can come out a tick or two below zero.
+        return max(0.0, self.other_cpu_s / self.window_s)
+
+    @property
     def held(self) -> bool:
         """Every agent registered and stayed connected, and p99 stayed under the limit."""
         return (
@@ -544,45 +611,52 @@ class Rig:
 
     async def grow(self, total: int) -> list[dict[str, Any]]:
         new = total - self.size
-        timeout = new / self.settings.rate + REGISTER_GRACE_S + 30
+        timeout = new + REGISTER_STALL_S + 60  # the worker gives up first (see grow)
+        per_worker = max(1, math.ceil(self.settings.inflight / len(self.workers)))
         calls = [
-            w.call(timeout, op="grow", before=self.size, total=total, rate=self.settings.rate)
+            w.call(
+                timeout,
+                op="grow",
+                before=self.size,
+                total=total,
+                rate=self.settings.rate,
+                inflight=per_worker,
+            )
             for w in self.workers
         ]
         replies = await asyncio.gather(*calls)
         self.size = total
         return list(replies)
 
-    def client_cpu(self) -> float:
-        return sum(w.child.cpu_seconds() for w in self.workers)
+    def usage(self) -> Usage:
+        """CPU seconds used so far by the server, the workers, and everything else."""
+        server = self.server.cpu_seconds()
+        client = sum(w.child.cpu_seconds() for w in self.workers)
+        other = machine_busy_seconds() - server - client - proc_cpu_seconds(os.getpid())
+        return Usage(time.monotonic(), server, client, other)
 
-    async def window(self) -> tuple[float, float, float, list[dict[str, Any]]]:
-        """Hold for ``hold_s``: (seconds, server CPU s, client CPU s, worker collections)."""
-        server0, client0 = self.server.cpu_seconds(), self.client_cpu()
+    async def window(self) -> tuple[Usage, list[dict[str, Any]]]:
+        """Hold for ``hold_s``: what was used meanwhile, and what each worker saw."""
+        start = self.usage()
         await asyncio.gather(*(w.call(30.0, op="mark") for w in self.workers))
-        t0 = time.monotonic()
         await asyncio.sleep(self.settings.hold_s)
         collected = await asyncio.gather(*(w.call(60.0, op="collect") for w in self.workers))
-        seconds = time.monotonic() - t0
-        server_s = self.server.cpu_seconds() - server0
-        return seconds, server_s, self.client_cpu() - client0, list(collected)
+        return self.usage() - start, list(collected)
 
     async def step(self, total: int) -> Step:
         before = self.size
         grown = await self.grow(total)
-        if sum(g["registered"] for g in grown) < total - before:
-            return _unregistered_step(self.label, total, grown)
+        registered = before + sum(g["registered"] for g in grown)
+        if registered < total:
+            return _unregistered_step(self.label, total, registered, grown)
         await asyncio.sleep(self.settings.settle_s)
-        seconds, server_s, client_s, parts = await self.window()
-        return _measured_step(self, total, grown, (seconds, server_s, client_s), parts)
+        usage, parts = await self.window()
+        return _measured_step(self, total, grown, usage, parts)
 
 
-def _previous_total(grown: Sequence[Mapping[str, Any]], total: int) -> int:
-    return total - sum(g["started"] for g in grown)
-
-
-def _unregistered_step(label: str, total: int, grown: Sequence[Mapping[str, Any]]) -> Step:
-    registered = _previous_total(grown, total) + sum(g["registered"] for g in grown)
+def _unregistered_step(
+    label: str, total: int, registered: int, grown: Sequence[Mapping[str, Any]]
+) -> Step:
     reg = merge_counts([g["reg_ms"] for g in grown])
     wall = max(g["wall_s"] for g in grown)
     return Step(
@@ -599,6 +673,7 @@ def _unregistered_step(label: str, total: int, grown: Sequence[Mapping[str, Any]
         server_cpu_s=0.0,
         server_rss_mib=0.0,
         client_cpu_s=0.0,
+        other_cpu_s=0.0,
         client_lag_p99_ms=None,
         reconnects=0,
         connected=registered,
@@ -609,26 +684,26 @@ def _measured_step(
     rig: Rig,
     total: int,
     grown: Sequence[Mapping[str, Any]],
-    usage: tuple[float, float, float],
+    usage: Usage,
     parts: Sequence[Mapping[str, Any]],
 ) -> Step:
-    seconds, server_s, client_s = usage
     rtt = merge_counts([p["rtt_ms"] for p in parts])
     reg = merge_counts([g["reg_ms"] for g in grown])
     return Step(
         label=rig.label,
         agents=total,
-        registered=_previous_total(grown, total) + sum(g["registered"] for g in grown),
+        registered=total,
         reg_wall_s=max(g["wall_s"] for g in grown),
         reg_p99_ms=percentile(reg, 0.99),
-        window_s=seconds,
+        window_s=usage.at,
         heartbeats=sum(p["heartbeats"] for p in parts),
         acks=sum(p["acks"] for p in parts),
         rtt_p50_ms=percentile(rtt, 0.50),
         rtt_p99_ms=percentile(rtt, 0.99),
-        server_cpu_s=server_s,
+        server_cpu_s=usage.server_s,
         server_rss_mib=proc_rss_mib(rig.server.pid),
-        client_cpu_s=client_s,
+        client_cpu_s=usage.client_s,
+        other_cpu_s=usage.other_s,
         client_lag_p99_ms=percentile(merge_counts([p["lag_ms"] for p in parts]), 0.99),
         reconnects=sum(p["sessions"] for p in parts),
         connected=sum(p["connected"] for p in parts),
@@ -752,7 +827,7 @@ async def run_bench(
             settings,
             "bare grpclib echo",
             start_echo_server,
-            [settings.baseline_agents],
+            settings.baseline_agents,
             report,
         )
         ramp = await run_phase(
@@ -783,6 +858,7 @@ COLUMNS = (
     "srv RSS MiB",
     "client CPU %",
     "client lag p99 ms",
+    "other CPU %",
     "held",
 )
 
@@ -793,8 +869,19 @@ def _fmt(value: float | int | None, digits: int = 0) -> str:
     return f"{value:,.{digits}f}"
 
 
-def step_row(step: Step, bare_us_per_hb: float | None) -> list[str]:
-    ratio = step.us_per_heartbeat / bare_us_per_hb if bare_us_per_hb else None
+def nearest_bare(baseline: Sequence[Step], agents: int) -> Step | None:
+    """The measured baseline step closest in fleet size to ``agents``."""
+    measured = [b for b in baseline if b.heartbeats]
+    return min(measured, key=lambda b: (abs(b.agents - agents), b.agents), default=None)
+
+
+def bare_ratio(step: Step, baseline: Sequence[Step]) -> float | None:
+    bare = nearest_bare(baseline, step.agents)
+    return step.us_per_heartbeat / bare.us_per_heartbeat if bare and step.heartbeats else None
+
+
+def step_row(step: Step, baseline: Sequence[Step]) -> list[str]:
+    ratio = bare_ratio(step, baseline)
     held = "yes" if step.held else _why_not(step)
     return [
         step.label,
@@ -811,6 +898,7 @@ def step_row(step: Step, bare_us_per_hb: float | None) -> list[str]:
         _fmt(step.server_rss_mib, 0),
         _fmt(100 * step.client_util, 0),
         _fmt(step.client_lag_p99_ms),
+        _fmt(100 * step.other_util if step.heartbeats else None, 0),
         held,
     ]
 
@@ -847,8 +935,30 @@ def machine() -> dict[str, str]:
         "python": platform.python_version(),
         "os": f"{platform.system()} {platform.release()}",
         "client loop": _client_loop_name(),
+        "llmgw source": source_fingerprint(),
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
     }
+
+
+def source_fingerprint() -> str:
+    """The commit, and a hash of every ``llmgw/**/*.py`` as it is on disk (it may be
+    uncommitted work): which server and agent code the figures describe."""
+    root = Path(__file__).resolve().parent.parent
+    digest = hashlib.sha256()
+    for path in sorted((root / "llmgw").rglob("*.py")):
+        digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
+    git = ["git", "-C", str(root)]
+    head = (
+        subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+        ).stdout.strip()
+        or "unknown"
+    )
+    dirty = subprocess.run(
+        [*git, "status", "--porcelain", "--", "llmgw"], capture_output=True, text=True, check=False
+    ).stdout.strip()
+    state = f"{head} + uncommitted changes" if dirty else head
+    return f"{state}; sha256 of llmgw/**/*.py {digest.hexdigest()[:12]}"
 
 
 def _client_loop_name() -> str:
@@ -856,7 +966,7 @@ def _client_loop_name() -> str:
         import uvloop
     except ImportError:
         return "asyncio (default)"
-    return f"uvloop {uvloop.__version__}"
+    return f"uvloop {getattr(uvloop, '__version__', '?')}"
 
 
 def command_line() -> str:
@@ -870,14 +980,14 @@ def command_line() -> str:
 
 def conclusion(baseline: Sequence[Step], ramp: Sequence[Step]) -> list[str]:
     held = [s for s in ramp if s.held]
-    bare = baseline[0].us_per_heartbeat if baseline and baseline[0].heartbeats else None
     lines = []
     if held:
         best = held[-1]
         lines.append(
             f"Largest fleet held with heartbeat RTT p99 < {RTT_LIMIT_MS} ms: {best.agents:,} "
             f"agents (p99 {best.rtt_p99_ms} ms, server CPU {100 * best.server_util:.0f}% of "
-            f"one core, client CPU {100 * best.client_util:.0f}% of one core)."
+            f"one core; the agents' own event-loop lag p99 {best.client_lag_p99_ms} ms with "
+            f"client CPU {100 * best.client_util:.0f}% of one core{_client_note(best)})."
         )
         lines.append(
             f"At that size the server spent {best.us_per_heartbeat:,.0f} µs of CPU per heartbeat "
@@ -886,15 +996,39 @@ def conclusion(baseline: Sequence[Step], ramp: Sequence[Step]) -> list[str]:
         )
     else:
         lines.append(f"No step held with heartbeat RTT p99 < {RTT_LIMIT_MS} ms.")
-    if bare and held:
+    lines += [_bare_line(bare, ramp) for bare in baseline if bare.heartbeats]
+    noisy = [s for s in [*baseline, *ramp] if s.heartbeats and s.other_util > NOISY_OTHER_UTIL]
+    if noisy:
+        worst = max(noisy, key=lambda s: s.other_util)
         lines.append(
-            f"Bare grpclib echo at {baseline[0].agents:,} agents: {bare:,.0f} µs per heartbeat; "
-            f"llmgw costs {held[-1].us_per_heartbeat / bare:.2f}× that."
+            f"Other processes used up to {100 * worst.other_util:.0f}% of a core during a "
+            f"window ({worst.label}, {worst.agents:,} agents): those figures are less reliable."
         )
     stopped = [s for s in ramp if not s.held]
     if stopped:
         lines.append(f"The ramp stopped at {stopped[0].agents:,} agents: {_why_not(stopped[0])}.")
     return lines
+
+
+def _client_note(step: Step) -> str:
+    lag = step.client_lag_p99_ms or 0
+    if lag < CLIENT_LAG_NOTE_MS:
+        return ""
+    return ", so part of that round trip is queueing in the load generator, not the server"
+
+
+def _bare_line(bare: Step, ramp: Sequence[Step]) -> str:
+    text = (
+        f"Bare grpclib echo at {bare.agents:,} agents: {bare.us_per_heartbeat:,.0f} µs of server "
+        f"CPU per heartbeat (p99 {bare.rtt_p99_ms} ms)"
+    )
+    same = [s for s in ramp if s.agents == bare.agents and s.heartbeats]
+    if not same:
+        return text + "."
+    return (
+        f"{text}; llmgw at the same size: {same[0].us_per_heartbeat:,.0f} µs, "
+        f"{same[0].us_per_heartbeat / bare.us_per_heartbeat:.2f}× the bare cost."
+    )
 
 
 def render(
@@ -904,8 +1038,7 @@ def render(
     ramp: Sequence[Step],
     markdown: bool,
 ) -> str:
-    bare = baseline[0].us_per_heartbeat if baseline and baseline[0].heartbeats else None
-    rows = [step_row(s, bare) for s in [*baseline, *ramp]]
+    rows = [step_row(s, baseline) for s in [*baseline, *ramp]]
     out = []
     if markdown:
         out += [
@@ -931,9 +1064,14 @@ def _settings_line(s: Settings) -> str:
     return (
         f"{FIXTURE} agents (8 GPUs each), heartbeat every 1 s, one gRPC connection per agent; "
         f"server pinned to CPU {s.server_cpu}, {s.workers} agent worker process(es) pinned to "
-        f"CPU {s.client_cpu}; agents launched at {s.rate:g}/s; each step held {s.hold_s:g} s "
-        f"after a {s.settle_s:g} s settle; baseline at {s.baseline_agents:,} agents"
+        f"CPU {s.client_cpu}; agents launched at up to {s.rate:g}/s with up to {s.inflight} "
+        f"registrations in flight; each step held {s.hold_s:g} s "
+        f"after a {s.settle_s:g} s settle; baseline at {_sizes_text(s.baseline_agents)} agents"
     )
+
+
+def _sizes_text(sizes: Sequence[int]) -> str:
+    return ", ".join(f"{n:,}" for n in sizes) or "no"
 
 
 def progress(step: Step) -> None:
@@ -941,6 +1079,7 @@ def progress(step: Step) -> None:
         f"  {step.label}: {step.agents:,} agents, p99 {_fmt(step.rtt_p99_ms)} ms, "
         f"server CPU {_fmt(100 * step.server_util if step.heartbeats else None)}%, "
         f"client CPU {_fmt(100 * step.client_util if step.heartbeats else None)}%, "
+        f"other CPU {_fmt(100 * step.other_util if step.heartbeats else None)}%, "
         f"{'held' if step.held else _why_not(step)}",
         file=sys.stderr,
         flush=True,
@@ -963,9 +1102,22 @@ def parse_main(argv: Sequence[str]) -> argparse.Namespace:
     )
     p.add_argument("--hold", type=float, default=20.0, help="seconds measured per step")
     p.add_argument("--settle", type=float, default=3.0, help="seconds before measuring a step")
-    p.add_argument("--baseline-agents", type=int, default=500)
+    p.add_argument(
+        "--baseline-agents",
+        default="500",
+        metavar="N,N,...",
+        help="fleet sizes for the bare baseline (default 500; 0 skips it)",
+    )
+    p.add_argument(
+        "--logs",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep the server's and workers' logs (and the database) in DIR",
+    )
     p.add_argument("--workers", type=int, default=2, help="agent worker processes")
-    p.add_argument("--rate", type=float, default=40.0, help="agents launched per second")
+    p.add_argument("--rate", type=float, default=40.0, help="most agents launched per second")
+    p.add_argument("--inflight", type=int, default=8, help="most registrations at a time")
     p.add_argument("--server-cpu", type=int, default=0)
     p.add_argument("--client-cpu", type=int, default=1)
     p.add_argument("--seed", type=int, default=1)
@@ -976,34 +1128,40 @@ def parse_main(argv: Sequence[str]) -> argparse.Namespace:
 
 def settings_from(args: argparse.Namespace) -> Settings:
     if args.quick:
-        steps, hold, baseline, settle = QUICK_STEPS, 5.0, 50, 1.0
+        steps, hold, settle, baseline = QUICK_STEPS, 5.0, 1.0, QUICK_BASELINE
     else:
-        steps, hold, baseline, settle = _steps(args), args.hold, args.baseline_agents, args.settle
+        steps, hold, settle = _steps(args), args.hold, args.settle
+        baseline = _sizes(args.baseline_agents)
     if not 0 < hold <= 3600 or not steps or min(steps) <= 0 or args.rate <= 0:
         raise SystemExit("need 0 < --hold <= 3600, positive --steps and a positive --rate")
     cpus = os.sched_getaffinity(0)
     if {args.server_cpu, args.client_cpu} - cpus:
         raise SystemExit(f"--server-cpu/--client-cpu must be among the CPUs {sorted(cpus)}")
-    worst = sum(hold + settle + 40 + s / args.rate for s in steps) + 4 * (hold + 60)
+    worst = sum(hold + settle + 2 * REGISTER_STALL_S + s for s in steps) + 600
     return Settings(
-        steps,
-        hold,
-        settle,
-        baseline,
-        max(1, args.workers),
-        args.rate,
-        args.server_cpu,
-        args.client_cpu,
-        args.seed,
+        steps=steps,
+        hold_s=hold,
+        settle_s=settle,
+        baseline_agents=baseline,
+        workers=max(1, args.workers),
+        rate=args.rate,
+        inflight=max(1, args.inflight),
+        server_cpu=args.server_cpu,
+        client_cpu=args.client_cpu,
+        seed=args.seed,
         max_seconds=worst + 600,
     )
 
 
 def _steps(args: argparse.Namespace) -> tuple[int, ...]:
     if args.steps:
-        return tuple(int(n) for n in args.steps.split(","))
+        return _sizes(args.steps)
     extra = range(DEFAULT_STEPS[-1] + 500, args.max_agents + 1, 500)
     return tuple(n for n in (*DEFAULT_STEPS, *extra) if n <= args.max_agents)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in text.split(",") if n.strip() and int(n) > 0)
 
 
 def parse_worker(argv: Sequence[str]) -> argparse.Namespace:
@@ -1022,7 +1180,19 @@ def _agent_loop() -> Callable[[], asyncio.AbstractEventLoop]:
         import uvloop
     except ImportError:
         return asyncio.new_event_loop
-    return uvloop.new_event_loop  # type: ignore[no-any-return]
+    return uvloop.new_event_loop
+
+
+@contextlib.contextmanager
+def _workdir(keep: Path | None) -> Iterator[Path]:
+    """``keep`` (created, left in place) or a temporary directory removed afterwards."""
+    if keep is not None:
+        keep.mkdir(parents=True, exist_ok=True)
+        print(f"bench_control: logs in {keep}", file=sys.stderr)
+        yield keep
+        return
+    with tempfile.TemporaryDirectory(prefix="bench_control.") as tmp:
+        yield Path(tmp)
 
 
 def main_orchestrator(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
@@ -1035,9 +1205,9 @@ def main_orchestrator(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
         file=sys.stderr,
         flush=True,
     )
-    with tempfile.TemporaryDirectory(prefix="bench_control.") as tmp:
+    with _workdir(args.logs) as workdir:
         try:
-            baseline, ramp = asyncio.run(run_bench(settings, Path(tmp), progress))
+            baseline, ramp = asyncio.run(run_bench(settings, workdir, progress))
         except (KeyboardInterrupt, asyncio.CancelledError):
             print("interrupted; every child process was stopped", file=sys.stderr)
             return 130
