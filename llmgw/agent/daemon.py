@@ -2,8 +2,8 @@
 
 The node id is chosen once and kept in the state directory (``node-id``), so an agent
 restarted with the same ``--state-dir`` comes back as the same node. Discovery is the
-simulated backend when ``--simulate`` names a fixture; otherwise the agent reports this
-host's facts and no GPUs, saying why (NVML discovery is built by the agent issue).
+simulated backend when ``--simulate`` names a fixture; otherwise NVML describes the GPUs
+(with no driver the agent reports this host and no GPUs, saying why).
 """
 
 from __future__ import annotations
@@ -21,10 +21,12 @@ from pathlib import Path
 
 from llmgw import __version__
 from llmgw.agent.backoff import BackoffPolicy
-from llmgw.agent.discovery import SimulatedTelemetry, simulated_node
-from llmgw.agent.discovery.host import cpu_count, host_facts, host_memory
-from llmgw.agent.engines.base import EngineBinaries
+from llmgw.agent.discovery import NvmlTelemetry, SimulatedTelemetry, nvml_node, simulated_node
+from llmgw.agent.engines import build_launch
+from llmgw.agent.engines.base import EngineBinaries, LaunchSpec, ShardSpec
 from llmgw.agent.link import AgentLink, LinkConfig
+from llmgw.agent.shards import RestartPolicy
+from llmgw.agent.supervisor import Supervisor, SupervisorConfig
 from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo
 
 log = logging.getLogger(__name__)
@@ -54,7 +56,11 @@ class AgentConfig:
     simulate: str | None = None
     hostname: str = field(default_factory=socket.gethostname)
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    model_dirs: tuple[Path, ...] = ()  # where local weights are looked for
+    storage_paths: tuple[Path, ...] = ()  # whose filesystems are reported
     engine_bins: EngineBinaries = field(default_factory=EngineBinaries)  # --engine-bin
+    restart: RestartPolicy = field(default_factory=RestartPolicy)  # --restart-backoff[-max]
+    startup_timeout_s: float = 900.0  # --startup-timeout
 
 
 def parse_server(text: str) -> tuple[str, int]:
@@ -95,24 +101,28 @@ def resolve_node_id(state_dir: Path, explicit: str | None) -> str:
 
 
 def discover(config: AgentConfig, node_id: str) -> NodeInfo:
-    """What this node is: a simulated fixture, or this host without GPU discovery."""
+    """What this node is: a simulated fixture, or this host as NVML and its files say."""
     if config.simulate:
         node = simulated_node(
             config.simulate, node_id=node_id, hostname=config.hostname, labels=config.labels
         )
     else:
-        node = NodeInfo(
+        node = nvml_node(
             node_id=node_id,
             hostname=config.hostname,
-            labels=dict(config.labels),
-            host=host_facts(),
-            memory=host_memory(),
-            cpu_count=cpu_count(),
-            discovery="none: NVML discovery is not built into this agent yet; use --simulate",
+            labels=config.labels,
+            model_dirs=config.model_dirs,
+            storage_paths=_storage_paths(config),
         )
     node.agent_version = __version__
     node.features = sorted({*node.features, "heartbeat-deltas"})
     return node
+
+
+def _storage_paths(config: AgentConfig) -> list[Path]:
+    """The storage paths and model directories (each once), else the state directory."""
+    paths = list(dict.fromkeys([*config.storage_paths, *config.model_dirs]))
+    return paths or [config.state_dir]
 
 
 class Agent:
@@ -122,20 +132,44 @@ class Agent:
         self.config = config
         self.node_id = resolve_node_id(config.state_dir, config.node_id)
         self.node = discover(config, self.node_id)
-        seed = int.from_bytes(self.node_id.encode()[-8:].rjust(8, b"\0"), "big")
-        self._telemetry = SimulatedTelemetry(self.node, seed=seed) if config.simulate else None
+        self._telemetry = self._sampler()
+        self.supervisor = Supervisor(
+            SupervisorConfig(
+                state_dir=config.state_dir,
+                restart=config.restart,
+                startup_timeout_s=config.startup_timeout_s,
+            ),
+            launcher=self._launch,
+            on_status=lambda status: self.link.send_status(status),
+        )
         self.link = AgentLink(
             LinkConfig(config.server_host, config.server_port, backoff=config.backoff),
             node=lambda: self.node,
             telemetry=self.telemetry,
+            shards=self.supervisor.statuses,
+            on_command=self.supervisor.handle,
         )
+
+    def _launch(self, spec: ShardSpec) -> LaunchSpec:
+        return build_launch(spec, binaries=self.config.engine_bins, state_dir=self.config.state_dir)
+
+    def _sampler(self) -> SimulatedTelemetry | NvmlTelemetry | None:
+        if self.config.simulate:
+            seed = int.from_bytes(self.node_id.encode()[-8:].rjust(8, b"\0"), "big")
+            return SimulatedTelemetry(self.node, seed=seed)
+        return NvmlTelemetry(self.node) if self.node.gpus else None
 
     def telemetry(self) -> Sequence[GpuTelemetry]:
         return self._telemetry.sample() if self._telemetry is not None else []
 
     async def run(self, stop: asyncio.Event | None = None) -> None:
-        """Run until SIGINT/SIGTERM (or ``stop``)."""
+        """Run until SIGINT/SIGTERM (or ``stop``).
+
+        Engines are adopted (or started again) before the first registration; they keep
+        running when the agent stops, so that the next agent adopts them.
+        """
         stop = stop or asyncio.Event()
+        await self.supervisor.open()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
@@ -152,6 +186,9 @@ class Agent:
         finally:
             link.cancel()
             await asyncio.gather(link, return_exceptions=True)
+            await self.supervisor.close()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
+            if isinstance(self._telemetry, NvmlTelemetry):
+                self._telemetry.close()
         log.info("agent %s stopped", self.node_id)

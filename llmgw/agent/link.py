@@ -2,7 +2,11 @@
 
 A session registers (everything the node is, plus the shards it already runs), then
 heartbeats at the interval the server asks for, each carrying only the telemetry that
-changed, and hands every command the server sends to ``on_command``. The stream has no
+changed, and hands every command the server sends to ``on_command``. Shard statuses
+(``send_status``) wait in an outbound queue that the session drains; the queue is emptied
+when a session starts, because its ``Register`` carries every shard's current state (a
+status raised while disconnected is not lost, and an old one never follows a newer
+Register). Messages on one stream are sent one at a time. The stream has no
 read timeout but an idle watchdog: no message from the server for ``idle_timeout_s``
 ends the session. Sessions repeat with jittered, capped backoff for as long as the agent
 runs; a refused registration (an unsupported protocol version, say) is retried the same
@@ -40,6 +44,7 @@ log = logging.getLogger(__name__)
 CONNECT_PATH = "/llmgw.v1.AgentService/Connect"
 
 CommandHandler = Callable[[ControlMessage], Awaitable[None]]
+OUTBOX_LIMIT = 10_000  # queued messages; beyond it the oldest is dropped (Register resyncs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,7 +90,20 @@ class AgentLink:
         self._shards = shards
         self._on_command = on_command
         self.stats = LinkStats()
+        self._outbox: asyncio.Queue[AgentMessage] = asyncio.Queue(maxsize=OUTBOX_LIMIT)
+        self._send_lock = asyncio.Lock()
         self.backoff = Backoff(config.backoff, what=f"control server {config.host}:{config.port}")
+
+    def send_status(self, status: ShardStatus) -> None:
+        """Queue a shard status for the current (or next) session's stream."""
+        self.enqueue(AgentMessage(shard_status=status))
+
+    def enqueue(self, message: AgentMessage) -> None:
+        """Queue a message for the stream; the oldest queued one gives way when it is full."""
+        if self._outbox.full():
+            self._outbox.get_nowait()
+            log.debug("outbound queue full; the oldest message was dropped")
+        self._outbox.put_nowait(message)
 
     async def run(self) -> None:
         """Run sessions forever; returns only when cancelled."""
@@ -112,12 +130,14 @@ class AgentLink:
             async with channel.request(
                 CONNECT_PATH, Cardinality.STREAM_STREAM, AgentMessage, ControlMessage
             ) as stream:
+                _drain(self._outbox)  # Register carries the current state of every shard
                 interval_s = await self._register(stream)
                 self.backoff.succeeded()
                 self.stats.sessions += 1
                 self.stats.connected = True
                 async with asyncio.TaskGroup() as tasks:
                     tasks.create_task(self._heartbeats(stream, interval_s))
+                    tasks.create_task(self._send_queued(stream))
                     await self._receive(stream)
                     raise SessionEnded("the server closed the stream")
         except* Exception as group:
@@ -153,9 +173,19 @@ class AgentLink:
             changed = telemetry_delta(previous, current)
             previous.update((gpu.uuid, gpu) for gpu in changed)
             beat = Heartbeat(seq=seq, sent_at_ms=_mono_ms(), gpus=changed)
-            await stream.send_message(AgentMessage(heartbeat=beat))
+            await self._send(stream, AgentMessage(heartbeat=beat))
             self.stats.heartbeats += 1
             await asyncio.sleep(interval_s)
+
+    async def _send_queued(self, stream: _Stream) -> None:
+        while True:
+            message = await self._outbox.get()
+            await self._send(stream, message)
+
+    async def _send(self, stream: _Stream, message: AgentMessage) -> None:
+        """One message at a time: concurrent sends could interleave their frames."""
+        async with self._send_lock:
+            await stream.send_message(message)
 
     async def _receive(self, stream: _Stream) -> None:
         while True:
@@ -173,6 +203,11 @@ class AgentLink:
 
 
 _Stream = grpclib.client.Stream[AgentMessage, ControlMessage]
+
+
+def _drain(queue: asyncio.Queue[AgentMessage]) -> None:
+    while not queue.empty():
+        queue.get_nowait()
 
 
 def _mono_ms() -> int:

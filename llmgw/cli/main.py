@@ -60,6 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_get(sub)
     _add_node_actions(sub)
     _add_demo(sub)
+    _add_sim_engine(sub)
     return parser
 
 
@@ -110,6 +111,13 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="N",
         help="largest message accepted on either port (default: 4 MiB)",
     )
+    p.add_argument(
+        "--test-hooks",
+        action="store_true",
+        help="serve POST /debug/agents/NODE/command on the gRPC-web port, sending a "
+        "ControlMessage (proto3 JSON) to that agent; for tests until the reconciler "
+        "exists; unauthenticated, never on a reachable address",
+    )
     p.set_defaults(command=_run_server)
 
 
@@ -150,12 +158,50 @@ def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     p.add_argument("--hostname", default=None, help="hostname to report (default: this host's)")
     p.add_argument(
+        "--model-dir",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="DIR",
+        help="a directory whose subdirectories hold model weights to report; repeatable",
+    )
+    p.add_argument(
+        "--storage-path",
+        action="append",
+        type=Path,
+        default=[],
+        metavar="PATH",
+        help="a path whose filesystem size and free space to report; repeatable "
+        "(the model directories are reported too; with neither, the state directory)",
+    )
+    p.add_argument(
         "--engine-bin",
         action="append",
         default=[],
         metavar="ENGINE=CMD",
         help="the command that runs ENGINE (vllm, sglang, llamacpp, sim), split as a shell "
         'would; repeatable (e.g. vllm="python -m vllm.entrypoints.openai.api_server")',
+    )
+    p.add_argument(
+        "--restart-backoff",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="wait before restarting a failed engine, doubling per failure in a row (default: 10)",
+    )
+    p.add_argument(
+        "--restart-backoff-max",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="the longest wait before restarting a failed engine (default: 300)",
+    )
+    p.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=900.0,
+        metavar="SECONDS",
+        help="an engine not ready this long after it started is FAILED (default: 900)",
     )
     p.add_argument(
         "--discover", action="store_true", help="print what the agent would register and exit"
@@ -221,6 +267,12 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="keep the demo's database and agent state here (default: a temp dir)",
     )
     p.set_defaults(command=_run_demo)
+
+
+def _add_sim_engine(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from llmgw.cli.simengine import add_parser
+
+    add_parser(sub)
 
 
 def _add_server_url(p: argparse.ArgumentParser) -> None:

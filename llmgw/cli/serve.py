@@ -19,6 +19,7 @@ from llmgw.agent.daemon import (
 )
 from llmgw.agent.discovery import DiscoveryError
 from llmgw.agent.engines import EngineError, engine_binaries
+from llmgw.agent.shards import RestartPolicy
 from llmgw.cli.main import CliError
 from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
 from llmgw.server.errors import ServerError
@@ -35,6 +36,7 @@ def run_server_command(args: argparse.Namespace) -> int:
                 _positive(args.heartbeat_interval, "--heartbeat-interval") * 1000
             ),
             max_message_bytes=int(_positive(args.max_message_bytes, "--max-message-bytes")),
+            test_hooks=args.test_hooks,
         )
         asyncio.run(run_server(config))
     except ServerError as exc:
@@ -56,6 +58,13 @@ def run_agent_command(args: argparse.Namespace) -> int:
             labels=parse_labels(args.labels),
             simulate=args.simulate,
             engine_bins=engine_binaries(args.engine_bin),
+            model_dirs=tuple(args.model_dir),
+            storage_paths=tuple(args.storage_path),
+            restart=RestartPolicy(
+                base_s=_positive(args.restart_backoff, "--restart-backoff"),
+                cap_s=_positive(args.restart_backoff_max, "--restart-backoff-max"),
+            ),
+            startup_timeout_s=_positive(args.startup_timeout, "--startup-timeout"),
             **({"hostname": args.hostname} if args.hostname else {}),
         )
         if args.discover:

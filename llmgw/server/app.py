@@ -28,6 +28,7 @@ from llmgw.server.grpcweb import GrpcWebApp
 from llmgw.server.inventory import InventoryConfig
 from llmgw.server.plane import ControlPlane
 from llmgw.server.store import Store
+from llmgw.server.testhooks import AgentCommandHook
 
 log = logging.getLogger(__name__)
 
@@ -72,6 +73,7 @@ class ServerConfig:
     heartbeat_interval_ms: int = 1000
     max_message_bytes: int = 4 << 20
     tick_s: float = 0.5
+    test_hooks: bool = False  # POST /debug/agents/{node}/command (llmgw.server.testhooks)
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -95,7 +97,7 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
             [agents, control], codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes)
         )
         await grpc.start(config.grpc_listen.host, config.grpc_listen.port)
-        web = _EmbeddedUvicorn(_uvicorn_config(config, control))
+        web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents))
         try:
             async with asyncio.TaskGroup() as tasks:
                 web_task = tasks.create_task(web.serve(), name="grpc-web")
@@ -114,8 +116,14 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
     log.info("llmgw server stopped")
 
 
-def _uvicorn_config(config: ServerConfig, control: ControlService) -> uvicorn.Config:
+def _uvicorn_config(
+    config: ServerConfig, control: ControlService, agents: AgentService
+) -> uvicorn.Config:
+    app: GrpcWebApp | AgentCommandHook
     app = GrpcWebApp(services=[control], max_message_bytes=config.max_message_bytes)
+    if config.test_hooks:
+        log.warning("test hooks on: POST /debug/agents/NODE/command sends commands to agents")
+        app = AgentCommandHook(app, agents.send)
     return uvicorn.Config(
         app,
         host=config.http_listen.host,

@@ -75,7 +75,9 @@ class Cluster:
         wait_for(self.healthy, 20, "the server's /healthz")
         return proc
 
-    def start_agent(self, node_id: str, fixture: str = "dgx-h100") -> subprocess.Popen[bytes]:
+    def start_agent(
+        self, node_id: str, fixture: str = "dgx-h100", *extra: str
+    ) -> subprocess.Popen[bytes]:
         return self.spawn(
             node_id,
             "agent",
@@ -87,6 +89,7 @@ class Cluster:
             fixture,
             "--state-dir",
             str(self.root / node_id),
+            *extra,
         )
 
     def healthy(self) -> bool:

@@ -1,0 +1,462 @@
+"""One shard on its agent: its engine process, its state, and the operations on it.
+
+A ``ShardRunner`` runs one operation at a time, in order: *run* (spawn, probe until READY,
+watch, restart after a failure with backoff), *halt* (SIGTERM to the group, SIGKILL after
+the grace, STOPPED), *drain* (DRAINING until the engine holds no request, then halt) and
+*replace* (halt, then run a new command). A new operation interrupts the one in progress
+when that one is interruptible (running, restarting, waiting for a drain), and supersedes
+one still queued behind it: the latest command wins. A halt in progress is never
+interrupted; the next operation waits for it. Cancelling a runner (the agent stopping)
+leaves its engine running, to be adopted by the next agent.
+
+Every state change goes through the lifecycle table (``llmgw.agent.shards``) and is
+emitted as a ``ShardStatus`` with its reason.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import enum
+import logging
+import os
+import shlex
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from llmgw.agent.enginelog import DEFAULT_LINES, EngineLog
+from llmgw.agent.engines.base import LaunchSpec
+from llmgw.agent.errors import EngineFailed, SpawnError
+from llmgw.agent.probe import EngineProbe, ProbeTimeouts
+from llmgw.agent.process import EngineProcess
+from llmgw.agent.records import EngineRecord, RecordStore
+from llmgw.agent.shards import RestartPolicy, check_transition
+from llmgw.api.llmgw.v1 import ShardState, ShardStatus, StartShard
+
+log = logging.getLogger(__name__)
+
+StatusSink = Callable[[ShardStatus], None]
+
+
+@dataclass(frozen=True, slots=True)
+class SupervisorConfig:
+    """How patient the supervisor is with engines; every duration in seconds."""
+
+    state_dir: Path
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
+    startup_timeout_s: float = 900.0  # spawn (or adoption) to READY; real models load slowly
+    stop_grace_s: float = 30.0  # SIGTERM → SIGKILL when stopping, replacing, after a drain
+    kill_grace_s: float = 5.0  # SIGTERM → SIGKILL for the group of an engine that failed
+    drain_grace_s: float = 300.0  # a DrainShard without grace_seconds
+    poll_s: float = 0.5  # process liveness and log tail
+    startup_probe_s: float = 1.0  # readiness probe until READY
+    ready_probe_s: float = 5.0  # health probe of a READY engine
+    probe_failures: int = 3  # failed health probes in a row that make a READY engine FAILED
+    drain_poll_s: float = 0.5  # /metrics while draining
+    probe: ProbeTimeouts = field(default_factory=ProbeTimeouts)
+    log_lines: int = DEFAULT_LINES
+    host: str = "127.0.0.1"
+
+    @property
+    def log_dir(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def records_dir(self) -> Path:
+        return self.state_dir / "engines"
+
+
+class Mode(enum.Enum):
+    """What the control server last asked of a shard."""
+
+    RUN = "run"  # keep the engine serving; restart it after a failure
+    DRAIN = "drain"  # let in-flight requests finish, then stop; never restart
+    STOP = "stop"  # stop; never restart
+
+
+@dataclass(frozen=True, slots=True)
+class Command:
+    """The engine command a shard runs, and its fingerprint."""
+
+    launch: LaunchSpec
+    env: Mapping[str, str]  # added to the agent's environment
+    fingerprint: str
+
+
+@dataclass(frozen=True, slots=True)
+class RunnerContext:
+    """What every runner of one supervisor shares."""
+
+    config: SupervisorConfig
+    probe: EngineProbe
+    records: RecordStore
+    emit: StatusSink
+
+
+class ShardRunner:
+    """One shard: state, engine process and the queue of operations on it."""
+
+    def __init__(
+        self, ctx: RunnerContext, message: StartShard, command: Command | None, *, restarts: int = 0
+    ) -> None:
+        self.ctx = ctx
+        self.message = message
+        self.command = command
+        self.target = command  # the command this shard runs once its queued operations are done
+        self.mode = Mode.RUN
+        self.state = ShardState.UNSPECIFIED
+        self.reason = ""
+        self.exit_code: int | None = None
+        self.restarts = restarts
+        self.since_ms = 0
+        self.process: EngineProcess | None = None
+        self.log = EngineLog(
+            ctx.config.log_dir / f"{message.shard_id}.log", max_lines=ctx.config.log_lines
+        )
+        self._started = time.monotonic()
+        self._record: EngineRecord | None = None
+        self._interruptible = False
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._latest: asyncio.Task[None] | None = None
+
+    @property
+    def shard_id(self) -> str:
+        return self.message.shard_id
+
+    # --- status ----------------------------------------------------------------------------
+
+    def status(self) -> ShardStatus:
+        """The shard as it is now, as the wire reports it."""
+        m = self.message
+        listening = self.state in (ShardState.LOADING, ShardState.READY, ShardState.DRAINING)
+        launch = self.command.launch if self.command is not None else None
+        endpoint = ""
+        if listening and launch is not None and launch.listens_http:
+            endpoint = f"http://{self.ctx.config.host}:{launch.port}"
+        return ShardStatus(
+            shard_id=m.shard_id,
+            replica_id=m.replica_id,
+            rank=m.rank,
+            state=self.state,
+            reason=self.reason,
+            exit_code=self.exit_code or 0,
+            exited=self.exit_code is not None,
+            endpoint=endpoint,
+            profile_fingerprint=m.profile_fingerprint,
+            gpu_uuids=list(m.gpu_uuids),
+            pid=self.process.pid if self.process is not None else 0,
+            since_unix_ms=self.since_ms,
+            restarts=self.restarts,
+            engine=m.profile.engine if m.profile is not None else "",
+        )
+
+    def begin(self, state: ShardState, reason: str) -> None:
+        """The first state of this runner (PENDING, or LOADING for an adopted engine)."""
+        self._enter(state, reason)
+
+    def note(self, reason: str) -> None:
+        """Report a new reason without a state change."""
+        self.reason = reason
+        self.ctx.emit(self.status())
+
+    def fail_now(self, reason: str) -> None:
+        """FAILED without an engine (a profile that cannot be run); no restart."""
+        self.command = self.target = None
+        self._set(ShardState.FAILED, reason)
+
+    def _set(self, state: ShardState, reason: str) -> None:
+        check_transition(self.state, state)
+        self._enter(state, reason)
+
+    def _enter(self, state: ShardState, reason: str) -> None:
+        self.state, self.reason = state, reason
+        self.since_ms = time.time_ns() // 1_000_000
+        log.info("shard %s → %s: %s", self.shard_id, state.name, reason)
+        self.ctx.emit(self.status())
+
+    def _advance(self, state: ShardState, reason: str) -> None:
+        if self.state is not state:
+            self._set(state, reason)
+
+    # --- operations ------------------------------------------------------------------------
+
+    def schedule(self, op: Callable[[], Awaitable[None]], *, interrupt: bool) -> asyncio.Task[None]:
+        """Run ``op`` after the operation in progress (interrupting it when allowed)."""
+        previous = self._latest
+        task = asyncio.create_task(self._after(previous, op, interrupt), name=self.shard_id)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        self._latest = task
+        return task
+
+    async def _after(
+        self,
+        previous: asyncio.Task[None] | None,
+        op: Callable[[], Awaitable[None]],
+        interrupt: bool,
+    ) -> None:
+        if previous is not None:
+            if interrupt and self._interruptible:
+                previous.cancel()
+            await asyncio.wait([previous])
+        self._interruptible = False
+        await op()
+
+    def is_last_operation(self) -> bool:
+        """Whether the running operation is the last one scheduled (called from inside it)."""
+        return self._latest is asyncio.current_task()
+
+    async def settle(self) -> None:
+        """Wait until the operations scheduled so far are done (tests, shutdown)."""
+        while self._latest is not None and not self._latest.done():
+            await asyncio.wait([self._latest])
+
+    async def close(self) -> None:
+        """Stop working on this shard; its engine keeps running (to be adopted)."""
+        for task in self._tasks:
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    async def run(self) -> None:
+        """Keep the engine serving: spawn, probe, watch; after a failure, back off, restart."""
+        self._interruptible = True
+        policy = self.ctx.config.restart
+        failures = 0
+        while True:
+            ready_at: float | None = None
+            try:
+                if self.process is None:
+                    self._spawn()
+                await self._until_ready()
+                ready_at = time.monotonic()
+                await self._while_ready()
+            except EngineFailed as failure:
+                if ready_at is not None and time.monotonic() - ready_at >= policy.stable_s:
+                    failures = 0
+                failures += 1
+                delay = policy.delay(failures)
+                await self._failed(failure, delay)
+                await asyncio.sleep(delay)
+                self.restarts += 1
+
+    def adopt(self, process: EngineProcess, record: EngineRecord) -> None:
+        """Take over a running engine of a previous agent: LOADING until its probe passes."""
+        self.process, self._record = process, record
+        self._started = time.monotonic()
+        self.log.follow_tail()
+        self.begin(ShardState.LOADING, f"adopted engine pid {process.pid} from a previous agent")
+
+    def resume_stop(self, process: EngineProcess) -> None:
+        """Take over an engine a previous agent was stopping: DRAINING until it is halted."""
+        self.process, self.mode = process, Mode.STOP
+        self.begin(
+            ShardState.DRAINING,
+            f"finishing the stop of engine pid {process.pid} a previous agent began",
+        )
+
+    async def halt(self, grace_s: float, reason: str) -> None:
+        """Stop the engine (SIGTERM, SIGKILL to the group after ``grace_s``): STOPPED."""
+        self._interruptible = False
+        self._mark_stopping()
+        if self.state is ShardState.READY:
+            self._set(ShardState.DRAINING, f"stopping ({reason}); SIGKILL after {grace_s:g} s")
+        ended = None
+        if self.process is not None:
+            ended = await self.process.terminate(grace_s)
+            self.log.refresh()
+        self.process = None
+        self.ctx.records.delete(self.shard_id)
+        self._record = None
+        self.exit_code = ended.code if ended is not None else None
+        if self.state is not ShardState.STOPPED:
+            self._set(ShardState.STOPPED, reason)
+
+    async def drain(self, grace_s: float) -> None:
+        """DRAINING until the engine holds no request (or ``grace_s`` runs out), then halt."""
+        self._interruptible = True
+        config = self.ctx.config
+        if self.state is not ShardState.READY or self.process is None:
+            await self.halt(config.stop_grace_s, "drained (it was not serving)")
+            return
+        self._mark_stopping()
+        self._set(ShardState.DRAINING, f"waiting for in-flight requests (grace {grace_s:g} s)")
+        try:
+            why = await self._wait_idle(grace_s)
+        except EngineFailed as failure:
+            self._ended_while_draining(failure)
+            return
+        await self.halt(config.stop_grace_s, why)
+
+    async def replace(self, message: StartShard, command: Command) -> None:
+        """Stop the engine running the old command, then run ``command``."""
+        await self.halt(self.ctx.config.stop_grace_s, "replaced by a new command")
+        self.message, self.command, self.exit_code = message, command, None
+        self._set(ShardState.PENDING, "starting the new command")
+        await self.run()
+
+    # --- the steps -------------------------------------------------------------------------
+
+    def _spawn(self) -> None:
+        command = self._command()
+        argv = command.launch.argv
+        if command.launch.kv_events is not None:  # the engine binds them: folders must exist
+            for path in command.launch.kv_events.socket_paths:
+                path.parent.mkdir(parents=True, exist_ok=True)
+        fd = self.log.open_for_engine(
+            f"shard {self.shard_id} (restart {self.restarts}): {shlex.join(_masked(argv))}"
+        )
+        try:
+            process = EngineProcess.spawn(argv, {**os.environ, **command.env}, fd)
+        except SpawnError as exc:
+            raise EngineFailed(str(exc)) from exc
+        finally:
+            os.close(fd)
+        self.process, self.exit_code = process, None
+        self._started = time.monotonic()
+        self._save_record(process)
+        self._set(ShardState.STARTING, f"spawned pid {process.pid}")
+
+    async def _until_ready(self) -> None:
+        launch = self._command().launch
+        timeout = self.ctx.config.startup_timeout_s
+        deadline = self._started + timeout
+        last = "not probed yet"
+        while True:
+            self._check_alive()
+            if not launch.listens_http:  # nothing to probe: the leader's readiness tells
+                self._advance(ShardState.LOADING, "headless rank: no HTTP endpoint to probe")
+                await self._pause(self.ctx.config.startup_probe_s)
+                self._set(ShardState.READY, "headless rank: running (the leader serves)")
+                return
+            seen = await self.ctx.probe.readiness(launch)
+            self._check_alive()
+            last = seen.detail
+            if seen.state is ShardState.READY:
+                self._advance(ShardState.LOADING, f"port {launch.port} accepting")
+                self._set(ShardState.READY, seen.detail)
+                return
+            if seen.state is ShardState.LOADING:
+                self._advance(ShardState.LOADING, seen.detail)
+            if time.monotonic() >= deadline:
+                raise EngineFailed(f"not ready after {timeout:g} s (last probe: {last})")
+            await self._pause(self.ctx.config.startup_probe_s)
+
+    async def _while_ready(self) -> None:
+        config = self.ctx.config
+        launch = self._command().launch
+        failures = 0
+        while True:
+            await self._pause(config.ready_probe_s)
+            if not launch.listens_http:
+                continue
+            error = await self.ctx.probe.health(launch)
+            self._check_alive()
+            if error is None:
+                failures = 0
+                continue
+            failures += 1
+            log.warning("shard %s: health probe failed (%d): %s", self.shard_id, failures, error)
+            if failures >= config.probe_failures:
+                raise EngineFailed(f"health probe failed {failures} times in a row: {error}")
+
+    async def _wait_idle(self, grace_s: float) -> str:
+        """Why the drain ends: nothing in flight, no way to tell, or the grace ran out."""
+        launch = self._command().launch
+        if not launch.listens_http:
+            return "drained (headless rank: nothing to wait for)"
+        deadline = time.monotonic() + grace_s
+        while True:
+            seen = await self.ctx.probe.in_flight(launch)
+            self._check_alive()
+            if seen.count == 0:
+                return "drained: no request in flight"
+            if not seen.supported:
+                return f"drained without waiting: {seen.detail}"
+            if time.monotonic() >= deadline:
+                return f"drain grace of {grace_s:g} s ran out ({seen.detail})"
+            await self._pause(self.ctx.config.drain_poll_s)
+
+    async def _pause(self, seconds: float) -> None:
+        """Sleep ``seconds``, following the log and noticing an exit within ``poll_s``."""
+        end = time.monotonic() + seconds
+        while True:
+            self.log.refresh()
+            self._check_alive()
+            left = end - time.monotonic()
+            if left <= 0:
+                return
+            await asyncio.sleep(min(left, self.ctx.config.poll_s))
+
+    def _check_alive(self) -> None:
+        if self.process is None:
+            return
+        ended = self.process.poll()
+        if ended is None:
+            return
+        self.log.refresh()
+        last = self.log.last_line()
+        detail = f"pid {self.process.pid} {ended.describe()}"
+        raise EngineFailed(
+            f"{detail}; last output: {last}" if last else detail, exit_code=ended.code
+        )
+
+    async def _failed(self, failure: EngineFailed, delay: float) -> None:
+        self.exit_code = failure.exit_code
+        reason = f"{failure.reason}; restart {self.restarts + 1} in {delay:g} s"
+        if self.state is ShardState.FAILED:
+            self.note(reason)
+        else:
+            self._set(ShardState.FAILED, reason)
+        if self.process is not None:
+            await self.process.terminate(self.ctx.config.kill_grace_s)
+            self.process = None
+
+    def _ended_while_draining(self, failure: EngineFailed) -> None:
+        self.process = None
+        self.ctx.records.delete(self.shard_id)
+        self._record = None
+        self.exit_code = failure.exit_code
+        if failure.exit_code == 0:
+            self._set(ShardState.STOPPED, f"ended while draining: {failure.reason}")
+        else:
+            self._set(ShardState.FAILED, f"ended while draining: {failure.reason}")
+
+    def _save_record(self, process: EngineProcess) -> None:
+        command = self._command()
+        record = EngineRecord(
+            shard_id=self.shard_id,
+            identity=process.identity,
+            fingerprint=command.fingerprint,
+            port=command.launch.port,
+            engine=command.launch.engine,
+            start=self.message,
+            restarts=self.restarts,
+            started_unix_ms=time.time_ns() // 1_000_000,
+            log_path=str(self.log.path),
+        )
+        self._write(record)
+
+    def _mark_stopping(self) -> None:
+        """A stop began: an agent restarted meanwhile finishes it instead of restarting."""
+        if self._record is not None and self.process is not None and not self._record.stopping:
+            self._write(dataclasses.replace(self._record, stopping=True))
+
+    def _write(self, record: EngineRecord) -> None:
+        self._record = record
+        try:
+            self.ctx.records.save(record)
+        except OSError as exc:
+            log.error("shard %s: cannot write its record (no adoption after a restart): %s",
+                      self.shard_id, exc)  # fmt: skip
+
+    def _command(self) -> Command:
+        if self.command is None:
+            raise EngineFailed("no command to run (the profile was refused)")
+        return self.command
+
+
+def _masked(argv: tuple[str, ...]) -> list[str]:
+    """``argv`` with the value of ``--api-key`` hidden, for the log."""
+    return ["***" if i and argv[i - 1] == "--api-key" else word for i, word in enumerate(argv)]
