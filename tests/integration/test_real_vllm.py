@@ -36,12 +36,11 @@ import httpx
 import pytest
 import zmq
 from procs import Cluster, free_port, wait_for
-from test_shards import ShardWatch, command, listed_shards
+from shardops import ShardWatch, command, listed_shards
 
 from llmgw.agent.engines import EngineBinaries, LaunchSpec, ShardSpec, build_launch
 from llmgw.agent.engines.vllm import API_SERVER_MODULE
 from llmgw.agent.process import read_stat
-from llmgw.agent.records import RecordStore
 from llmgw.api.llmgw.v1 import EngineProfile, ShardState
 from llmgw.api.llmgw.v1 import StartShard as StartShardMessage
 from llmgw.kvcache import (
@@ -443,19 +442,6 @@ class TestDirect:
 
 
 # --- the same engine as a shard, through the server and an agent ---------------------------
-
-
-@pytest.fixture
-def fleet(cluster: Cluster) -> Iterator[Cluster]:
-    """The cluster; afterwards every engine its agents recorded is killed with its session."""
-    try:
-        yield cluster
-    finally:
-        cluster.stop_all()
-        for records in cluster.root.glob("*/engines"):
-            found, _ = RecordStore(records).load_all()
-            for record in found:
-                kill_session(record.identity.pid)
 
 
 def start_agent(fleet: Cluster, real: RealVllm) -> None:

@@ -8,8 +8,6 @@ every shard state the server publishes is collected from a Watch stream, so shor
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import json
 import os
 import shutil
@@ -17,21 +15,19 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 from procs import Cluster, free_port, wait_for
+from shardops import ShardWatch, command, listed_shards
 
 from llmgw.agent.engines import EngineBinaries, build_launch
 from llmgw.agent.engines.base import ShardSpec
-from llmgw.agent.process import is_running, read_stat
-from llmgw.agent.records import RecordStore
-from llmgw.api.llmgw.v1 import EngineProfile, LoraAdapter, MultiNode, ShardState, ShardStatus
+from llmgw.agent.process import read_stat
+from llmgw.api.llmgw.v1 import EngineProfile, LoraAdapter, MultiNode, ShardState
 from llmgw.api.llmgw.v1 import StartShard as StartShardMessage
-from llmgw.client import ControlClient, GrpcWebChannel
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
@@ -40,106 +36,8 @@ BACKOFF = ("--restart-backoff", "1", "--restart-backoff-max", "2")
 SIM_BIN = f"vllm={sys.executable} -m llmgw sim-engine"
 
 
-class ShardWatch:
-    """Every shard status the server publishes, from a Watch stream run in a thread."""
-
-    def __init__(self, url: str) -> None:
-        self.url = url
-        self.seen: list[ShardStatus] = []
-        self.error: BaseException | None = None
-        self._lock = threading.Lock()
-        self._started = threading.Event()
-        self._loop = asyncio.new_event_loop()
-        self._task: asyncio.Task[None] | None = None
-        self._thread = threading.Thread(target=self._run, name="shard-watch")
-
-    def __enter__(self) -> ShardWatch:
-        self._thread.start()
-        assert self._started.wait(20), f"the Watch stream did not start: {self.error!r}"
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        if self._task is not None:
-            self._loop.call_soon_threadsafe(self._task.cancel)
-        self._thread.join(20)
-
-    def _run(self) -> None:
-        self._task = self._loop.create_task(self._watch())
-        try:
-            self._loop.run_until_complete(self._task)
-        except asyncio.CancelledError:
-            pass
-        except Exception as exc:
-            self.error = exc
-        finally:
-            self._started.set()
-            self._loop.run_until_complete(self._loop.shutdown_asyncgens())
-            self._loop.close()
-
-    async def _watch(self) -> None:
-        async with GrpcWebChannel(self.url) as channel:
-            events = ControlClient(channel).watch()
-            async with contextlib.aclosing(events):
-                async for event in events:
-                    if event.snapshot is not None:
-                        self._started.set()
-                    elif event.shard is not None and event.shard.status is not None:
-                        with self._lock:
-                            self.seen.append(event.shard.status)
-
-    def of(self, shard_id: str) -> list[ShardStatus]:
-        with self._lock:
-            return [s for s in self.seen if s.shard_id == shard_id]
-
-    def states(self, shard_id: str) -> list[ShardState]:
-        """The states of ``shard_id`` in order, repeats of one state folded."""
-        states: list[ShardState] = []
-        for status in self.of(shard_id):
-            if not states or states[-1] is not status.state:
-                states.append(status.state)
-        return states
-
-    def wait(
-        self, shard_id: str, state: ShardState, *, nth: int = 1, within: float = 30
-    ) -> ShardStatus:
-        def found() -> ShardStatus | None:
-            assert self.error is None, f"the Watch stream failed: {self.error!r}"
-            hits = [s for s in self.of(shard_id) if s.state is state]
-            return hits[nth - 1] if len(hits) >= nth else None
-
-        what = f"{shard_id} {state.name} #{nth} (seen {[s.name for s in self.states(shard_id)]})"
-        result: ShardStatus = wait_for(found, within, what, every=0.05)
-        return result
-
-
-@pytest.fixture
-def fleet(cluster: Cluster) -> Iterator[Cluster]:
-    """The cluster; afterwards its agents are stopped and every engine they left is killed."""
-    try:
-        yield cluster
-    finally:
-        cluster.stop_all()
-        for records in cluster.root.glob("*/engines"):
-            found, _ = RecordStore(records).load_all()
-            for record in found:
-                if is_running(record.identity):
-                    with contextlib.suppress(ProcessLookupError):
-                        os.killpg(record.identity.pid, signal.SIGKILL)
-
-
-def command(cluster: Cluster, node_id: str, body: dict[str, Any]) -> None:
-    reply = httpx.post(f"{cluster.url}/debug/agents/{node_id}/command", json=body, timeout=10)
-    assert reply.status_code == 200, reply.text
-
-
 def gpu_uuids(cluster: Cluster, node_id: str) -> list[str]:
     return [g["uuid"] for g in cluster.nodes()[node_id]["info"]["gpus"]]
-
-
-def listed_shards(cluster: Cluster) -> dict[str, dict[str, Any]]:
-    """``llmgw get shards -o json``, by shard id."""
-    out = cluster.cli("get", "shards", "-o", "json")
-    return {s["shardId"]: s for s in json.loads(out.stdout)["shards"]}
 
 
 def engines_on_port(port: int) -> list[int]:
