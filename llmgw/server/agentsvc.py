@@ -33,6 +33,8 @@ from llmgw.api.llmgw.v1 import (
     Registered,
 )
 from llmgw.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, protocol_supported
+from llmgw.server.codec import field_bytes, wire_of
+from llmgw.server.encoded import freeze_node_info
 from llmgw.server.errors import quoted
 from llmgw.server.plane import ControlPlane
 
@@ -168,6 +170,9 @@ async def _receive_register(
     if first is None or first.register is None:
         raise GRPCError(Status.INVALID_ARGUMENT, "the first message on the stream must be Register")
     register = first.register
+    # Register is field 1 of AgentMessage and NodeInfo field 2 of Register: keep its bytes.
+    wire = wire_of(first)
+    node_wire = field_bytes(wire, (1, 2)) if wire is not None else None
     if not protocol_supported(register.protocol_version):
         raise GRPCError(
             Status.FAILED_PRECONDITION,
@@ -183,7 +188,7 @@ async def _receive_register(
             f"Register.node.node_id {quoted(node_id)} is not a valid node id "
             "(letters, digits, '.', '_', '-'; at most 253 characters)",
         )
-    return register, node
+    return register, freeze_node_info(node, wire=node_wire)
 
 
 def _peer(stream: grpclib.server.Stream[Any, Any]) -> str:

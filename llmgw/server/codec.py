@@ -26,6 +26,7 @@ a receive limit of its own.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Final, TypeVar, cast
 
 import betterproto2
@@ -45,6 +46,8 @@ __all__ = [
     "DEFAULT_MAX_MESSAGE_BYTES",
     "CheckedProtoCodec",
     "decode_message",
+    "field_bytes",
+    "wire_of",
     "install_message_limit",
 ]
 
@@ -219,7 +222,37 @@ class CheckedProtoCodec(ProtoCodec):
         install_message_limit()
 
     def decode(self, data: bytes, message_type: type[IProtoMessage]) -> IProtoMessage:
-        return decode_message(data, message_type)
+        message = decode_message(data, message_type)
+        message._llmgw_wire = data  # type: ignore[attr-defined]  # see wire_of
+        return message
+
+
+def wire_of(message: object) -> bytes | None:
+    """The bytes a message received through ``CheckedProtoCodec`` was decoded from.
+
+    A registration is re-sent to watchers and the store as it arrived, and encoding a
+    large ``NodeInfo`` again costs milliseconds (a DGX H100's: ~7 ms); this lets the
+    receiver reuse the bytes instead. None for messages that did not come through it.
+    """
+    wire = getattr(message, "_llmgw_wire", None)
+    return wire if isinstance(wire, bytes) else None
+
+
+def field_bytes(data: bytes, path: Sequence[int]) -> bytes | None:
+    """The bytes of the embedded message at ``path`` (field numbers, outermost first) of
+    well-formed message bytes; None when a field on the way is absent. Repeated
+    occurrences are concatenated, which is how protobuf merges an embedded message."""
+    for number in path:
+        parts = []
+        pos = 0
+        while pos < len(data):
+            field, wire_type, start, pos = _read_field(data, pos, "")
+            if field == number and wire_type == betterproto2.WIRE_LEN_DELIM:
+                parts.append(data[start:pos])
+        if not parts:
+            return None
+        data = b"".join(parts)
+    return data
 
 
 async def _recv_message_with_limit(
