@@ -42,9 +42,7 @@ import json
 import logging
 import math
 import os
-import platform
 import random
-import shlex
 import signal
 import socket
 import subprocess
@@ -57,9 +55,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
+from benchkit import CLK_TCK, base_machine, command_line, proc_cpu_seconds
+
 HOST = "127.0.0.1"
 FIXTURE = "dgx-h100"
-CLK_TCK = os.sysconf("SC_CLK_TCK")
 RTT_LIMIT_MS = 1000
 DEFAULT_STEPS: tuple[int, ...] = (250, 500, 1000, 1500, 2000)
 QUICK_STEPS: tuple[int, ...] = (50, 100)
@@ -367,12 +366,6 @@ async def run_echo_server(args: argparse.Namespace) -> None:
 # ======================================================================================
 # Orchestrator: child processes, /proc readings
 # ======================================================================================
-
-
-def proc_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads) from ``/proc/PID/stat``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK  # fields 14 and 15 of stat(5)
 
 
 def machine_busy_seconds() -> float:
@@ -922,18 +915,8 @@ def table(rows: Sequence[Sequence[str]], markdown: bool) -> str:
 
 
 def machine() -> dict[str, str]:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=False).stdout.strip()
     return {
-        "nproc": nproc or str(os.cpu_count()),
-        "cpu": model,
-        "python": platform.python_version(),
-        "os": f"{platform.system()} {platform.release()}",
+        **base_machine(),
         "client loop": _client_loop_name(),
         "llmgw source": source_fingerprint(),
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
@@ -967,15 +950,6 @@ def _client_loop_name() -> str:
     except ImportError:
         return "asyncio (default)"
     return f"uvloop {getattr(uvloop, '__version__', '?')}"
-
-
-def command_line() -> str:
-    python = (
-        os.path.relpath(sys.executable)
-        if not os.path.relpath(sys.executable).startswith("..")
-        else sys.executable
-    )
-    return shlex.join([python, *sys.argv])
 
 
 def conclusion(baseline: Sequence[Step], ramp: Sequence[Step]) -> list[str]:

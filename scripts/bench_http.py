@@ -46,10 +46,8 @@ import contextlib
 import ctypes
 import math
 import os
-import platform
 import re
 import selectors
-import shlex
 import signal
 import socket
 import statistics
@@ -62,10 +60,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TextIO, cast
 
+from benchkit import CLK_TCK, base_machine, command_line, proc_cpu_seconds
+
 HOST: Final = "127.0.0.1"
 FIXTURE: Final = "dgx-h100"
 SERVERS: Final = ("uvicorn", "hypercorn")
-CLK_TCK: Final = os.sysconf("SC_CLK_TCK")
 GET_CLUSTER: Final = "/llmgw.v1.ControlService/GetCluster"
 MAX_MESSAGE_BYTES: Final = 4 << 20  # as ``llmgw server`` defaults
 HYPERCORN_KEEPALIVE_REQUESTS: Final = 1 << 30  # its default (1,000) closes every 1,000th reply
@@ -439,12 +438,6 @@ def cpu_busy_seconds(cpu: int) -> float:
     return math.nan
 
 
-def proc_cpu_seconds(pid: int) -> float:
-    """User + system CPU seconds of a process (all its threads) from ``/proc/PID/stat``."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
-    return (int(fields[11]) + int(fields[12])) / CLK_TCK
-
-
 @dataclass(slots=True)
 class _Window:
     start: float = math.inf
@@ -803,18 +796,8 @@ def _aligned(row: Sequence[str], widths: Sequence[int]) -> str:
 
 
 def machine() -> dict[str, str]:
-    model = "unknown"
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                model = line.split(":", 1)[1].strip()
-                break
-    nproc = subprocess.run(["nproc"], capture_output=True, text=True, check=False).stdout.strip()
     return {
-        "nproc": nproc or str(os.cpu_count()),
-        "cpu": model,
-        "python": platform.python_version(),
-        "os": f"{platform.system()} {platform.release()}",
+        **base_machine(),
         "versions": _versions(),
         "llmgw": _llmgw_revision(),
         "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
@@ -848,13 +831,6 @@ def _versions() -> str:
         except PackageNotFoundError:
             parts.append(f"{name} (missing)")
     return ", ".join(parts)
-
-
-def command_line() -> str:
-    python = os.path.relpath(sys.executable)
-    if python.startswith(".."):
-        python = sys.executable
-    return shlex.join([python, *sys.argv])
 
 
 def settings_line(s: Settings, sizes: Mapping[int, int]) -> str:
