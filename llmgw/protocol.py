@@ -8,6 +8,8 @@ message naming both ranges.
 
 from __future__ import annotations
 
+import re
+
 from llmgw.api.llmgw.v1 import ShardState
 
 PROTOCOL_VERSION = 1
@@ -28,9 +30,27 @@ def read_shard_state(state: ShardState | int) -> ShardState:
     return known
 
 
+NODE_ID_RULE = "letters, digits, '.', '_', '-'; starting with a letter or digit; at most 253"
+"""What a node id may be, in words, for error messages."""
+
+_NODE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,252}")
+
+
+def valid_node_id(node_id: str) -> bool:
+    """Whether ``node_id`` may name a node (it becomes a file name and a label value)."""
+    return _NODE_ID.fullmatch(node_id) is not None
+
+
 def protocol_supported(version: int) -> bool:
     """Whether an agent speaking ``version`` may register."""
     return MIN_PROTOCOL_VERSION <= version <= PROTOCOL_VERSION
 
 
-__all__ = ["MIN_PROTOCOL_VERSION", "PROTOCOL_VERSION", "protocol_supported", "read_shard_state"]
+__all__ = [
+    "MIN_PROTOCOL_VERSION",
+    "NODE_ID_RULE",
+    "PROTOCOL_VERSION",
+    "protocol_supported",
+    "read_shard_state",
+    "valid_node_id",
+]

@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import re
 import signal
 import socket
 import uuid
@@ -28,10 +27,9 @@ from llmgw.agent.link import AgentLink, LinkConfig
 from llmgw.agent.shards import RestartPolicy
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
 from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo
+from llmgw.protocol import NODE_ID_RULE, valid_node_id
 
 log = logging.getLogger(__name__)
-
-_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 
 
 class AgentConfigError(ValueError):
@@ -91,10 +89,8 @@ def resolve_node_id(state_dir: Path, explicit: str | None) -> str:
         node_id = path.read_text().strip()
     else:
         node_id = f"{socket.gethostname().split('.')[0]}-{uuid.uuid4().hex[:8]}"
-    if not _NODE_ID.match(node_id):
-        raise AgentConfigError(
-            f"node id {node_id!r} is not valid (letters, digits, '.', '_', '-'; at most 253)"
-        )
+    if not valid_node_id(node_id):
+        raise AgentConfigError(f"node id {node_id!r} is not valid ({NODE_ID_RULE})")
     state_dir.mkdir(parents=True, exist_ok=True)
     path.write_text(node_id + "\n")
     return node_id

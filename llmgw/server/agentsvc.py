@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 from typing import Any
 
 import grpclib.const
@@ -32,7 +31,13 @@ from llmgw.api.llmgw.v1 import (
     Register,
     Registered,
 )
-from llmgw.protocol import MIN_PROTOCOL_VERSION, PROTOCOL_VERSION, protocol_supported
+from llmgw.protocol import (
+    MIN_PROTOCOL_VERSION,
+    NODE_ID_RULE,
+    PROTOCOL_VERSION,
+    protocol_supported,
+    valid_node_id,
+)
 from llmgw.server.codec import field_bytes, wire_of
 from llmgw.server.encoded import freeze_node_info
 from llmgw.server.errors import quoted
@@ -40,7 +45,6 @@ from llmgw.server.plane import ControlPlane
 
 log = logging.getLogger(__name__)
 
-_NODE_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,252}$")
 REGISTER_TIMEOUT_S = 10.0
 
 
@@ -181,12 +185,11 @@ async def _receive_register(
             f"{'agent' if register.protocol_version < MIN_PROTOCOL_VERSION else 'server'}",
         )
     node = register.node
-    if node is None or not _NODE_ID.match(node.node_id):
+    if node is None or not valid_node_id(node.node_id):
         node_id = node.node_id if node is not None else ""
         raise GRPCError(
             Status.INVALID_ARGUMENT,
-            f"Register.node.node_id {quoted(node_id)} is not a valid node id "
-            "(letters, digits, '.', '_', '-'; at most 253 characters)",
+            f"Register.node.node_id {quoted(node_id)} is not a valid node id ({NODE_ID_RULE})",
         )
     return register, freeze_node_info(node, wire=node_wire)
 
