@@ -5,7 +5,9 @@
     ServerError                 anything the control server raises on purpose
     ├── StoreError              the state database cannot be opened, read or written
     ├── ConfigError             a flag or setting is malformed (the message names it)
-    └── UnknownNode             an operator named a node that was never seen
+    ├── UnknownNode             an operator named a node that was never seen
+    └── ProfileError            a profiles/deployments document is refused; ``problems``
+                                names each fault by its key path (``profiles.x.tp: …``)
 
 Remote failures reach clients as gRPC statuses (``grpclib.exceptions.GRPCError``): the
 services map these exceptions to statuses in one place each, ``raise … from exc``.
@@ -48,3 +50,16 @@ class UnknownNode(ServerError):
     def __init__(self, node_id: str) -> None:
         super().__init__(f"no node named {quoted(node_id)} has ever registered")
         self.node_id = node_id
+
+
+class ProfileError(ServerError):
+    """A profiles/deployments document is refused whole, with every problem it has.
+
+    ``problems`` holds one line per fault, each starting with its key path; ``str()`` lists
+    them one per line, each prefixed by ``source`` (the file name, usually).
+    """
+
+    def __init__(self, problems: tuple[str, ...], *, source: str = "<input>") -> None:
+        super().__init__("\n".join(f"{source}: {problem}" for problem in problems))
+        self.problems = problems
+        self.source = source

@@ -1,0 +1,597 @@
+"""Engine profiles and deployments as operators write them: TOML in, checked messages out.
+
+A document holds two tables, both optional::
+
+    [profiles.chat-tp2]
+    engine = "sim"                  # required: vllm | sglang | llamacpp | sim
+    gpu_class = "H100"              # required: the class placement matches; "cpu" = no GPU
+    tp = 2                          # tensor parallel size, default 1
+    pp = 1                          # pipeline parallel size, default 1
+    nodes = 1                       # nodes one replica spans, default 1
+    gpus_per_node = 2               # default tp * pp / nodes
+    model_path = "/models/chat"     # required
+    served_model_name = "chat"      # default: the last component of model_path
+    kv_events = true                # default false
+    args = ["--max-model-len", "8192"]
+    env = { VLLM_LOGGING_LEVEL = "INFO" }
+    adapters = { sql = "/loras/sql" }   # LoRA name = path; or [[profiles.X.adapters]] tables
+    cpu_threads = 8                 # required (> 0) for gpu_class "cpu"; optional otherwise
+    min_gpu_memory = "40GiB"        # per GPU, placement only; GB is 10**9 bytes, GiB 2**30
+
+    [deployments.chat]
+    profile = "chat-tp2"            # required: a profile of this same document
+    replicas = 2                    # 0 to 10,000, default 1
+    pool = "gpu-a"                  # default: any pool
+    labels = { zone = "eu-1" }      # node labels a replica's nodes must carry
+
+Rules beyond types: names are DNS labels (``[a-z0-9]([-a-z0-9.]*[a-z0-9])?``, at most 63
+characters; quote a dotted one, ``[profiles."chat.v2"]``); ``tp * pp == gpus_per_node *
+nodes``; a ``cpu`` profile has tp, pp and nodes 1, gpus_per_node 0, no min_gpu_memory and a
+positive cpu_threads; llama.cpp has no tensor or pipeline parallelism and runs on one node;
+env names are shell names and never ``CUDA_VISIBLE_DEVICES`` (the agent sets it from the
+shard's GPUs); an adapter's name is unique and differs from the served model name.
+
+:func:`parse_document` refuses a bad document whole, with every problem named by its key
+path (:class:`~llmgw.server.errors.ProfileError`); nothing partial is returned. Each
+profile comes back with every default filled in, so equal documents give equal messages.
+:func:`render_document` writes a document back as TOML that parses to the same document.
+:func:`profile_fingerprint` hashes what changes the running engine process.
+"""
+
+from __future__ import annotations
+
+import difflib
+import hashlib
+import json
+import re
+import tomllib
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from pathlib import PurePosixPath
+from types import MappingProxyType
+from typing import Any
+
+from llmgw.api.llmgw.v1 import Deployment, EngineProfile, LoraAdapter
+from llmgw.server.errors import ProfileError
+
+__all__ = [
+    "CPU_CLASS", "ENGINES", "MAX_REPLICAS", "Document", "parse_document",
+    "profile_fingerprint", "render_document",
+]  # fmt: skip
+
+ENGINES = frozenset({"vllm", "sglang", "llamacpp", "sim"})
+CPU_CLASS = "cpu"  # gpu_class asking for no GPU
+MAX_REPLICAS = 10_000
+_MAX_PARALLEL = 1024  # tp, pp and nodes
+_MAX_GPUS_PER_NODE = 64
+_MAX_CPU_THREADS = 4096
+_MAX_GPU_MEMORY = 1 << 50  # 1 PiB: more than any GPU has
+_MAX_TEXT = 256  # gpu_class, served model and adapter names, label keys
+_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
+_NAME_MAX = 63
+_NAME_RULE = (
+    'lower-case letters, digits, "-" and "." only, starting and ending with a letter or '
+    f"digit, at most {_NAME_MAX} characters"
+)
+_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LABEL_KEY = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_./]*[A-Za-z0-9])?")
+_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
+_AGENT_ENV = {"CUDA_VISIBLE_DEVICES": "the agent sets it from the shard's GPUs"}
+_SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)", re.IGNORECASE)
+_UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
+_UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
+
+_TOP_KEYS = ("profiles", "deployments")
+_PROFILE_KEYS = (
+    "engine", "gpu_class", "tp", "pp", "gpus_per_node", "nodes", "model_path",
+    "served_model_name", "kv_events", "args", "env", "adapters", "cpu_threads",
+    "min_gpu_memory",
+)  # fmt: skip
+_DEPLOYMENT_KEYS = ("profile", "replicas", "pool", "labels")
+_ADAPTER_KEYS = ("name", "path")
+# Spellings from other tools that difflib would not match to ours.
+_ALIASES = {
+    "tensor_parallel_size": "tp", "tensor_parallel": "tp", "tensor-parallel-size": "tp",
+    "pipeline_parallel_size": "pp", "pipeline_parallel": "pp", "pipeline-parallel-size": "pp",
+    "model": "model_path", "path": "model_path", "threads": "cpu_threads",
+    "gpu": "gpu_class", "gpu_type": "gpu_class", "lora_modules": "adapters",
+    "loras": "adapters", "lora": "adapters", "environment": "env", "count": "replicas",
+    "num_nodes": "nodes", "nnodes": "nodes", "min_gpu_memory_bytes": "min_gpu_memory",
+}  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class Document:
+    """A checked document: profiles and deployments by name, in the order written.
+
+    The messages are shared, not copied: treat them as read-only.
+    """
+
+    profiles: Mapping[str, EngineProfile]
+    deployments: Mapping[str, Deployment]
+
+
+def parse_document(text: str, *, source: str = "<input>") -> Document:
+    """The document in ``text``; :class:`ProfileError` naming every problem if it is bad.
+
+    ``source`` (a file name, usually) prefixes each problem in the error's message.
+    """
+    try:
+        data = tomllib.loads(text)
+    except ValueError as exc:  # TOMLDecodeError, or an integer too long for int()
+        raise ProfileError((f"TOML syntax: {exc}",), source=source) from exc
+    except RecursionError as exc:  # tomllib recurses once per nested array or table
+        raise ProfileError(("TOML syntax: nested too deeply",), source=source) from exc
+    problems: list[str] = []
+    document = _read_document(data, problems)
+    if problems:
+        raise ProfileError(tuple(problems), source=source)
+    return document
+
+
+# -- reading -------------------------------------------------------------------------------
+
+
+def _path(*parts: str | int) -> str:
+    """A key path as TOML writes it: ``profiles."chat.v2".tp``, ``….adapters[0].name``."""
+    out = ""
+    for part in parts:
+        if isinstance(part, int):
+            out += f"[{part}]"
+        else:
+            key = part if _BARE_KEY.fullmatch(part) else _toml_string(part)
+            out += f".{key}" if out else key
+    return out
+
+
+def _show(value: object, limit: int = 64) -> str:
+    """A value as an error message repeats it: TOML-like, cut to ``limit`` characters."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, str):
+        cut = value if len(value) <= limit else value[:limit] + "…"
+        return _toml_string(cut.encode("utf-8", "backslashreplace").decode())
+    if isinstance(value, int | float):
+        return str(value)[:limit]
+    if isinstance(value, list | dict):
+        return "an array" if isinstance(value, list) else "a table"
+    return f"a {type(value).__name__}"  # a date or time
+
+
+def _unknown_key(
+    key: str, known: tuple[str, ...], value: object, path: tuple[str | int, ...]
+) -> str:
+    if key in _ALIASES and _ALIASES[key] in known:
+        return f'unknown key; did you mean "{_ALIASES[key]}"?'
+    if close := difflib.get_close_matches(key, known, n=1, cutoff=0.6):
+        return f'unknown key; did you mean "{close[0]}"?'
+    if isinstance(value, dict) and len(path) == 2:  # [profiles.chat.v2] nests a table
+        dotted = f"{path[1]}.{key}"
+        return f"unknown key; to name one {_show(dotted)}, quote it: [{_path(path[0], dotted)}]"
+    return f"unknown key (known: {', '.join(known)})"
+
+
+def _bad_text(value: str) -> str | None:
+    """Why a string cannot reach a process or a message, or None."""
+    if "\0" in value:
+        return "must not contain a NUL character"
+    if any("\ud800" <= c <= "\udfff" for c in value):
+        return "must be valid Unicode (it holds a lone surrogate)"
+    return None
+
+
+def _not_text(value: object) -> str | None:
+    """Why ``value`` is not a string a process can take, or None."""
+    return _bad_text(value) if isinstance(value, str) else f"must be a string, got {_show(value)}"
+
+
+@dataclass(slots=True)
+class _Table:
+    """One TOML table being read: typed getters that record problems by key path."""
+
+    data: dict[str, Any]
+    path: tuple[str | int, ...]
+    problems: list[str]
+
+    def problem(self, key: str | int, message: str, *more: str | int) -> None:
+        self.problems.append(f"{_path(*self.path, key, *more)}: {message}")
+
+    def check_keys(self, known: tuple[str, ...]) -> None:
+        for key, value in self.data.items():
+            if key not in known:
+                self.problem(key, _unknown_key(key, known, value, self.path))
+
+    def string(self, key: str, *, default: str | None = None) -> str | None:
+        value = self.data.get(key, default)
+        if value is None:
+            self.problem(key, "required")
+        elif not isinstance(value, str) or value == "":
+            self.problem(key, f"must be a non-empty string, got {_show(value)}")
+        elif why := _bad_text(value):
+            self.problem(key, why)
+        else:
+            return value
+        return None
+
+    def integer(self, key: str, low: int, high: int, default: int) -> int | None:
+        value = self.data.get(key, default)
+        if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
+            return value
+        kind = "a positive integer" if low == 1 else f"an integer from {low}"
+        self.problem(key, f"must be {kind} up to {high:,}, got {_show(value)}")
+        return None
+
+    def strings(self, key: str) -> list[str] | None:
+        value = self.data.get(key, [])
+        if not isinstance(value, list):
+            self.problem(key, f"must be an array of strings, got {_show(value)}")
+            return None
+        before = len(self.problems)
+        for i, item in enumerate(value):
+            if why := _not_text(item):
+                self.problem(key, why, i)
+        return value if len(self.problems) == before else None
+
+    def string_table(
+        self, key: str, check_key: Callable[[str], str | None]
+    ) -> dict[str, str] | None:
+        """A table of strings; ``check_key`` says what is wrong with a key, or None."""
+        value = self.data.get(key, {})
+        if not isinstance(value, dict):
+            self.problem(key, f"must be a table of strings, got {_show(value)}")
+            return None
+        before = len(self.problems)
+        for name, item in value.items():
+            if why := check_key(name) or _not_text(item):
+                self.problem(key, why, name)
+        return value if len(self.problems) == before else None
+
+
+def _tables(data: dict[str, Any], key: str, problems: list[str]) -> Iterator[tuple[str, _Table]]:
+    """The named sub-tables of ``data[key]``, each name checked."""
+    section = data.get(key, {})
+    if not isinstance(section, dict):
+        problems.append(f"{key}: must be a table, got {_show(section)}")
+        return
+    for name, body in section.items():
+        if not _NAME.fullmatch(name) or len(name) > _NAME_MAX:
+            problems.append(f"{_path(key, name)}: not a valid name: {_NAME_RULE}")
+        if not isinstance(body, dict):
+            problems.append(f"{_path(key, name)}: must be a table, got {_show(body)}")
+            continue
+        yield name, _Table(body, (key, name), problems)
+
+
+def _read_document(data: dict[str, Any], problems: list[str]) -> Document:
+    _Table(data, (), problems).check_keys(_TOP_KEYS)
+    profiles: dict[str, EngineProfile] = {}
+    for name, table in _tables(data, "profiles", problems):
+        profile = _read_profile(name, table)
+        if profile is not None:
+            profiles[name] = profile
+    raw = data.get("profiles")
+    known = sorted(raw) if isinstance(raw, dict) else []
+    deployments: dict[str, Deployment] = {}
+    for name, table in _tables(data, "deployments", problems):
+        deployment = _read_deployment(name, table, known)
+        if deployment is not None:
+            deployments[name] = deployment
+    return Document(MappingProxyType(profiles), MappingProxyType(deployments))
+
+
+def _read_profile(name: str, t: _Table) -> EngineProfile | None:
+    before = len(t.problems)
+    t.check_keys(_PROFILE_KEYS)
+    engine, gpu_class = t.string("engine"), t.string("gpu_class")
+    if engine is not None and engine not in ENGINES:
+        t.problem("engine", f"must be one of {', '.join(sorted(ENGINES))}, got {_show(engine)}")
+    if gpu_class is not None and gpu_class != CPU_CLASS and gpu_class.lower() == CPU_CLASS:
+        t.problem("gpu_class", f'write "cpu" in lower case, got {_show(gpu_class)}')
+    elif gpu_class is not None and not _is_gpu_class(gpu_class):
+        t.problem("gpu_class", f'must be a GPU class such as "H100", got {_show(gpu_class)}')
+    cpu = gpu_class == CPU_CLASS
+    shape = _read_parallelism(t, cpu=cpu, llamacpp=engine == "llamacpp")
+    model_path = t.string("model_path")
+    served = _read_served_name(t, model_path)
+    if not isinstance(kv_events := t.data.get("kv_events", False), bool):
+        t.problem("kv_events", f"must be true or false, got {_show(kv_events)}")
+    profile = EngineProfile(
+        name=name,
+        engine=engine or "",
+        gpu_class=gpu_class or "",
+        model_path=model_path or "",
+        served_model_name=served or "",
+        kv_events=kv_events is True,
+        args=t.strings("args") or [],
+        env=t.string_table("env", _env_key_problem) or {},
+        adapters=_read_adapters(t, served),
+        cpu_threads=_read_cpu_threads(t, cpu=cpu),
+        min_gpu_memory_bytes=_read_min_memory(t, cpu=cpu),
+    )
+    if shape is not None:
+        profile.tp, profile.pp, profile.gpus_per_node, profile.nodes = shape
+    return profile if len(t.problems) == before else None
+
+
+def _is_gpu_class(text: str) -> bool:
+    return len(text) <= _MAX_TEXT and text == text.strip() and text.isprintable()
+
+
+def _read_parallelism(t: _Table, *, cpu: bool, llamacpp: bool) -> tuple[int, int, int, int] | None:
+    """``(tp, pp, gpus_per_node, nodes)`` with defaults filled in, or None on a problem."""
+    tp = t.integer("tp", 1, _MAX_PARALLEL, 1)
+    pp = t.integer("pp", 1, _MAX_PARALLEL, 1)
+    nodes = t.integer("nodes", 1, _MAX_PARALLEL, 1)
+    per_node = t.integer("gpus_per_node", 0 if cpu else 1, _MAX_GPUS_PER_NODE, 0 if cpu else 1)
+    if tp is None or pp is None or nodes is None or per_node is None:
+        return None
+    if cpu:
+        return _cpu_parallelism(t, tp, pp, nodes, per_node)
+    if llamacpp:
+        for key, value in (("tp", tp), ("pp", pp), ("nodes", nodes)):
+            if value != 1:
+                t.problem(key, f"llama.cpp runs one process on one node; must be 1, got {value}")
+    world = tp * pp
+    if "gpus_per_node" in t.data and per_node * nodes != world:
+        why = f"× nodes = {per_node} × {nodes} must equal tp × pp = {tp} × {pp}"
+        t.problem("gpus_per_node", "gpus_per_node " + why)
+        return None
+    if "gpus_per_node" not in t.data and (world % nodes or world > nodes * _MAX_GPUS_PER_NODE):
+        why = f"tp × pp = {world} GPUs do not split over {nodes} node(s), {_MAX_GPUS_PER_NODE}"
+        t.problem("nodes", why + " at most on each")
+        return None
+    per_node = per_node if "gpus_per_node" in t.data else world // nodes
+    return tp, pp, per_node, nodes
+
+
+def _cpu_parallelism(t: _Table, *sizes: int) -> tuple[int, int, int, int] | None:
+    """``tp, pp, nodes, gpus_per_node`` must be 1, 1, 1 and 0 (set or not)."""
+    keys, wanted = ("tp", "pp", "nodes", "gpus_per_node"), (1, 1, 1, 0)
+    bad = [(k, v, w) for k, v, w in zip(keys, sizes, wanted, strict=True) if v != w]
+    for key, value, want in bad:
+        t.problem(key, f'must be {want} (or unset) when gpu_class is "cpu", got {value}')
+    return None if bad else (1, 1, 0, 1)
+
+
+def _read_served_name(t: _Table, model_path: str | None) -> str | None:
+    if "served_model_name" in t.data:
+        name = t.string("served_model_name")
+    elif model_path is None:
+        return None
+    else:
+        name = PurePosixPath(model_path).name
+        if not name:
+            t.problem("served_model_name", f"required: model_path {_show(model_path)} names none")
+            return None
+    if name is not None and (why := _model_name_problem(name)):
+        t.problem("served_model_name", why)
+        return None
+    return name
+
+
+def _model_name_problem(name: str) -> str | None:
+    """Why ``name`` cannot be a model name that requests select, or None."""
+    if len(name) <= _MAX_TEXT and all(c.isprintable() and not c.isspace() for c in name):
+        return None
+    return f"must be printable, no spaces, at most {_MAX_TEXT} characters, got {_show(name)}"
+
+
+def _env_key_problem(key: str) -> str | None:
+    if not _ENV_NAME.fullmatch(key):
+        return "not an environment variable name (letters, digits and _, not first a digit)"
+    if key in _AGENT_ENV:
+        return f"must not be set by a profile: {_AGENT_ENV[key]}"
+    return None
+
+
+def _label_key_problem(key: str) -> str | None:
+    if len(key) > _MAX_TEXT or not _LABEL_KEY.fullmatch(key):
+        return "not a label name (letters, digits, -, _, . and /, starting and ending with a letter or digit)"  # noqa: E501
+    return None
+
+
+def _read_adapters(t: _Table, served: str | None) -> list[LoraAdapter]:
+    """Either form: ``{ name = "path" }``, or an array of ``{ name, path }`` tables."""
+    value = t.data.get("adapters", [])
+    items: list[tuple[str | int, object, object]] = []
+    if isinstance(value, dict):
+        items = [(name, name, path) for name, path in value.items()]
+    elif isinstance(value, list):
+        items = [(i, *_adapter_item(t, i, item)) for i, item in enumerate(value)]
+    else:
+        t.problem("adapters", f"must be a table or an array of tables, got {_show(value)}")
+    adapters: list[LoraAdapter] = []
+    seen: set[str] = set()
+    for key, name, path in items:
+        if name is None:  # the array item was not a table; already said
+            continue
+        why = _adapter_problem(name, path, seen, served)
+        if why:
+            t.problem("adapters", why, key)
+        elif isinstance(name, str) and isinstance(path, str):
+            adapters.append(LoraAdapter(name=name, path=path))
+        seen.add(str(name))
+    return adapters
+
+
+def _adapter_item(t: _Table, index: int, item: object) -> tuple[object, object]:
+    if not isinstance(item, dict):
+        t.problem("adapters", f"must be a table {{ name, path }}, got {_show(item)}", index)
+        return None, None
+    _Table(item, (*t.path, "adapters", index), t.problems).check_keys(_ADAPTER_KEYS)
+    return item.get("name", ""), item.get("path", "")
+
+
+def _adapter_problem(name: object, path: object, seen: set[str], served: str | None) -> str | None:
+    if not isinstance(name, str) or not name:
+        return f"needs a name, a non-empty string; got {_show(name)}"
+    if why := _model_name_problem(name) or _bad_text(name):
+        return f"adapter name: {why}"
+    if name in seen:
+        return f"two adapters are named {_show(name)}"
+    if name == served:
+        return f"adapter name {_show(name)} is the served model name too"
+    if not isinstance(path, str) or not path:
+        return f"needs a path, a non-empty string; got {_show(path)}"
+    return _bad_text(path)
+
+
+def _read_cpu_threads(t: _Table, *, cpu: bool) -> int:
+    threads = t.integer("cpu_threads", 0, _MAX_CPU_THREADS, 0)
+    if cpu and threads == 0:
+        t.problem("cpu_threads", 'required, a positive integer, when gpu_class is "cpu"')
+    return threads or 0
+
+
+def _read_min_memory(t: _Table, *, cpu: bool) -> int:
+    """``min_gpu_memory`` in bytes: an integer, or a size such as "40GiB" or "80GB"."""
+    value = t.data.get("min_gpu_memory", 0)
+    size = _size_bytes(value)
+    if size is None or not 0 <= size <= _MAX_GPU_MEMORY:
+        why = f'must be bytes or a size such as "40GiB" or "80GB", up to 1 PiB; got {_show(value)}'
+        t.problem("min_gpu_memory", why)
+        return 0
+    if cpu and size:
+        t.problem("min_gpu_memory", 'must be unset when gpu_class is "cpu"')
+    return size
+
+
+def _size_bytes(value: object) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    if not isinstance(value, str) or not (match := _SIZE.fullmatch(value.strip())):
+        return None
+    if len(match[1]) > 20:
+        return None
+    size = Fraction(match[1]) * _UNITS[match[2].lower()]
+    return int(size) if size.denominator == 1 else None  # else not a whole number of bytes
+
+
+def _read_deployment(name: str, t: _Table, known: list[str]) -> Deployment | None:
+    before = len(t.problems)
+    t.check_keys(_DEPLOYMENT_KEYS)
+    profile = t.string("profile")
+    if profile is not None and profile not in known:
+        listed = ", ".join(known[:10]) + (", …" if len(known) > 10 else "") if known else "none"
+        t.problem("profile", f"no profile named {_show(profile)} (known: {listed})")
+    replicas = t.integer("replicas", 0, MAX_REPLICAS, 1)
+    pool = t.data.get("pool", "")
+    if not isinstance(pool, str) or (pool and not _NAME.fullmatch(pool) or len(pool) > _NAME_MAX):
+        t.problem("pool", f"not a valid pool name: {_NAME_RULE}; got {_show(pool)}")
+    labels = t.string_table("labels", _label_key_problem)
+    if len(t.problems) != before:
+        return None
+    return Deployment(
+        name=name, profile=profile or "", replicas=replicas or 0, pool=pool, labels=labels or {}
+    )
+
+
+# -- writing -------------------------------------------------------------------------------
+
+
+def render_document(document: Document) -> str:
+    """``document`` as TOML that :func:`parse_document` reads back to an equal document.
+
+    Every resolved field is written (tp, pp, nodes, gpus_per_node and served_model_name
+    even where they were defaults), except empty ones and, for ``cpu`` profiles, the
+    parallel sizes.
+    """
+    blocks = [_render_profile(p) for p in document.profiles.values()]
+    blocks += [_render_deployment(d) for d in document.deployments.values()]
+    return "\n".join(blocks)
+
+
+def _render_profile(p: EngineProfile) -> str:
+    fields: list[tuple[str, object]] = [("engine", p.engine), ("gpu_class", p.gpu_class)]
+    if p.gpu_class != CPU_CLASS:
+        fields += [("tp", p.tp), ("pp", p.pp), ("nodes", p.nodes)]
+        fields += [("gpus_per_node", p.gpus_per_node)]
+    fields += [("model_path", p.model_path), ("served_model_name", p.served_model_name)]
+    fields += [("kv_events", p.kv_events)]
+    optional: list[tuple[str, object]] = [
+        ("args", list(p.args)),
+        ("env", dict(p.env)),
+        ("adapters", [{"name": a.name, "path": a.path} for a in p.adapters]),
+        ("cpu_threads", p.cpu_threads),
+        ("min_gpu_memory", _format_size(p.min_gpu_memory_bytes)),
+    ]
+    fields += [(key, value) for key, value in optional if value]
+    return _render_table(("profiles", p.name), fields)
+
+
+def _render_deployment(d: Deployment) -> str:
+    fields: list[tuple[str, object]] = [("profile", d.profile), ("replicas", d.replicas)]
+    fields += [(k, v) for k, v in (("pool", d.pool), ("labels", dict(d.labels))) if v]
+    return _render_table(("deployments", d.name), fields)
+
+
+def _render_table(header: tuple[str, str], fields: list[tuple[str, object]]) -> str:
+    lines = [f"[{_path(*header)}]"]
+    lines += [f"{_path(key)} = {_toml_value(value)}" for key, value in fields]
+    return "\n".join(lines) + "\n"
+
+
+def _format_size(size: int) -> str | int:
+    for unit, scale in (("TiB", 1 << 40), ("GiB", 1 << 30), ("MiB", 1 << 20)):
+        if size and size % scale == 0:
+            return f"{size // scale}{unit}"
+    return size
+
+
+def _toml_value(value: object) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, str):
+        return _toml_string(value)
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    if isinstance(value, dict):
+        body = ", ".join(f"{_path(k)} = {_toml_value(v)}" for k, v in value.items())
+        return "{ " + body + " }" if body else "{}"
+    raise TypeError(f"no TOML form for {type(value).__name__}")
+
+
+def _toml_string(text: str) -> str:
+    """A TOML basic string: JSON's escapes are TOML's, and TOML escapes DEL too."""
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+
+# -- fingerprint ---------------------------------------------------------------------------
+
+
+def profile_fingerprint(profile: EngineProfile) -> str:
+    """``fp-`` and 16 hex digits of SHA-256 over what changes the running engine process.
+
+    Included: engine, gpu_class, tp, pp, gpus_per_node, nodes, args (in order: a later flag
+    overrides an earlier one), env (as a set: order means nothing to a process), model_path,
+    served_model_name, adapters (as a set: vLLM's ``--lora-modules`` order changes nothing),
+    kv_events and cpu_threads. Left out: the name (renaming a profile must not restart its
+    engines) and min_gpu_memory_bytes (it only steers placement). Unset sizes hash as their
+    defaults (tp 0 as 1, an empty served_model_name as model_path's last component), so a
+    profile from the API that left them out matches the same profile from a file. A field
+    added later must be hashed only when set, so existing fingerprints stay the same.
+    """
+    tp, pp, nodes = profile.tp or 1, profile.pp or 1, profile.nodes or 1
+    per_node = profile.gpus_per_node
+    if not per_node and profile.gpu_class != CPU_CLASS:
+        per_node = tp * pp // nodes
+    canonical = {
+        "engine": profile.engine,
+        "gpu_class": profile.gpu_class,
+        "tp": tp,
+        "pp": pp,
+        "gpus_per_node": per_node,
+        "nodes": nodes,
+        "args": list(profile.args),
+        "env": dict(sorted(profile.env.items())),
+        "model_path": profile.model_path,
+        "served_model_name": profile.served_model_name or PurePosixPath(profile.model_path).name,
+        "adapters": sorted([a.name, a.path] for a in profile.adapters),
+        "kv_events": profile.kv_events,
+        "cpu_threads": profile.cpu_threads,
+    }
+    blob = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return "fp-" + hashlib.sha256(blob.encode("ascii")).hexdigest()[:16]
