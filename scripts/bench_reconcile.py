@@ -1,0 +1,356 @@
+#!/usr/bin/env python3
+"""Benchmark: planning a large fleet (placement as the reconciler runs it).
+
+A fleet of ``--nodes`` simulated ``dgx-h100`` nodes (8 × H100 each, two NUMA halves on
+NVSwitch, 8 InfiniBand HCAs) is built as the operator API's ``Node`` messages: half the
+nodes on InfiniBand fabric ``ib-a`` and half on ``ib-b``, 1% cordoned, 0.5% NOT_READY,
+one GPU in 200 unhealthy (by telemetry), a tenth of the nodes in pool ``batch``. Then a
+mix of deployments (TP=8 × PP=2 over two nodes, TP=8, TP=4, TP=2, TP=1; ``--replicas`` in
+all) is placed, largest first, each deployment seeing what the ones before it took, as a
+reconciler would on a cold start.
+
+Measured separately, each as the median of ``--repeat`` runs:
+
+* ``node_capacity``: the placement view of every node, from its ``Node`` message;
+* ``place_deployment``: every replica of every deployment;
+* the baseline: a naive first-fit placement over the same views in the same run (first
+  node in id order with enough free GPUs of the class, the first free GPUs by index,
+  ignoring NUMA, NVLink, spread and pools), for the ratio.
+
+Besides time, the quality of each plan: the share of multi-GPU shards whose GPUs are all
+NVLink peers within one NUMA node (or, for a shard larger than a NUMA node, all NVLink
+peers), and the most replicas of one deployment on one node. The same two placements are
+also run (untimed) with the deployments in the opposite order, smallest TP first: spreading
+small replicas over every node then leaves no node with 8 free GPUs for the TP=8 ones, so a
+reconciler should place deployments largest shard first, as the timed run does.
+
+    .venv/bin/python scripts/bench_reconcile.py             # 1,000 nodes, 2,000 replicas
+    .venv/bin/python scripts/bench_reconcile.py --markdown  # also a BENCHMARKS.md section
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from benchkit import base_machine, command_line
+
+from llmgw.agent.discovery import simulated_node
+from llmgw.api.llmgw.v1 import (
+    Deployment,
+    EngineProfile,
+    GpuTelemetry,
+    Health,
+    Node,
+    NodeState,
+    NodeTelemetry,
+)
+from llmgw.server.capacity import NodeCapacity, node_capacity
+from llmgw.server.placement import place_deployment
+from llmgw.server.plan import ReplicaPlan, ShardPlan, Unplaceable
+
+TARGET_S = 1.0
+PORTS = (20000, 29999)
+
+# (deployment, tp, pp, nodes, share of the replicas); placed in this order
+MIX = (
+    ("train-tp8x2", 8, 2, 2, 0.004),
+    ("big-tp8", 8, 1, 1, 0.075),
+    ("mid-tp4", 4, 1, 1, 0.175),
+    ("chat-tp2", 2, 1, 1, 0.30),
+    ("small-tp1", 1, 1, 1, 0.446),
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Work:
+    """One deployment to place: its profile, its deployment and how many replicas."""
+
+    profile: EngineProfile
+    deployment: Deployment
+    replicas: int
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What one planning run produced."""
+
+    placed: int
+    unplaceable: int
+    nvlink_numa_share: float  # multi-GPU shards on NVLink peers of one NUMA node
+    max_per_node: int  # most replicas of one deployment on one node
+
+
+# --- the fleet and the work --------------------------------------------------------------
+
+
+def fleet(count: int) -> list[Node]:
+    nodes = []
+    for i in range(count):
+        node_id = f"dgx-{i:04d}"
+        info = simulated_node("dgx-h100", node_id=node_id, hostname=node_id)
+        for att in info.fabrics:
+            att.fabric = "ib-a" if i < count // 2 else "ib-b"
+        if i % 10 == 9:
+            info.labels = {"pool": "batch"}
+        sick = [
+            GpuTelemetry(uuid=g.uuid, health=Health.UNHEALTHY, memory_used_bytes=0)
+            for g in info.gpus
+            if (i * 8 + g.index) % 200 == 7
+        ]
+        state = NodeState.READY
+        if i % 100 == 42:
+            state = NodeState.CORDONED
+        elif i % 200 == 99:
+            state = NodeState.NOT_READY
+        nodes.append(
+            Node(
+                info=info,
+                state=state,
+                cordoned=state is NodeState.CORDONED,
+                telemetry=NodeTelemetry(node_id=node_id, gpus=sick),
+            )
+        )
+    return nodes
+
+
+def workload(replicas: int) -> list[Work]:
+    works = []
+    left = replicas
+    for n, (name, tp, pp, nodes, share) in enumerate(MIX):
+        count = left if n == len(MIX) - 1 else round(replicas * share)
+        left -= count
+        profile = EngineProfile(name=f"{name}-p", engine="sim", gpu_class="H100", tp=tp, pp=pp)
+        profile.nodes = nodes
+        works.append(Work(profile, Deployment(name=name, profile=profile.name), count))
+    return works
+
+
+# --- ours and the baseline ---------------------------------------------------------------
+
+
+def plan_ours(
+    nodes: Sequence[NodeCapacity], works: Sequence[Work]
+) -> list[ReplicaPlan | Unplaceable]:
+    used: dict[str, frozenset[str]] = {}
+    ports: dict[str, frozenset[int]] = {}
+    results: list[ReplicaPlan | Unplaceable] = []
+    for work in works:
+        ids = [f"{work.deployment.name}-{i}" for i in range(work.replicas)]
+        placed = place_deployment(
+            nodes,
+            work.profile,
+            work.deployment,
+            replica_ids=ids,
+            fingerprint="bench",
+            used_devices=used,
+            used_ports=ports,
+            port_range=PORTS,
+        )
+        for plan in placed:
+            if isinstance(plan, ReplicaPlan):
+                for shard in plan.shards:
+                    used[shard.node_id] = used.get(shard.node_id, frozenset()) | set(
+                        shard.gpu_uuids
+                    )
+                    ports[shard.node_id] = ports.get(shard.node_id, frozenset()) | {shard.port}
+                if plan.master_port:
+                    leader = plan.leader.node_id
+                    ports[leader] = ports[leader] | {plan.master_port}
+        results.extend(placed)
+    return results
+
+
+def plan_first_fit(
+    nodes: Sequence[NodeCapacity], works: Sequence[Work]
+) -> list[ReplicaPlan | Unplaceable]:
+    """First fit: the first nodes (by id) with enough free GPUs, their first free GPUs."""
+    ordered = sorted(nodes, key=lambda n: n.node_id)
+    free = {n.node_id: [d.uuid for d in n.devices if d.healthy] for n in ordered}
+    next_port = dict.fromkeys(free, PORTS[0])
+    results: list[ReplicaPlan | Unplaceable] = []
+    for work in works:
+        per_node = work.profile.tp * work.profile.pp // work.profile.nodes
+        for i in range(work.replicas):
+            shards = []
+            for node in ordered:
+                if node.schedulable and len(free[node.node_id]) >= per_node:
+                    taken, free[node.node_id] = (
+                        free[node.node_id][:per_node],
+                        free[node.node_id][per_node:],
+                    )
+                    port = next_port[node.node_id]
+                    next_port[node.node_id] += 1
+                    shards.append(
+                        ShardPlan(
+                            f"r{i}.{len(shards)}", node.node_id, len(shards), tuple(taken), port
+                        )
+                    )
+                    if len(shards) == work.profile.nodes:
+                        break
+            if len(shards) < work.profile.nodes:
+                results.append(Unplaceable("no room"))
+                continue
+            results.append(
+                ReplicaPlan(f"r{i}", work.deployment.name, work.profile.name, "", tuple(shards))
+            )
+    return results
+
+
+# --- measuring ---------------------------------------------------------------------------
+
+
+def timed(fn: Callable[[], object], repeat: int) -> tuple[float, object]:
+    times = []
+    result: object = None
+    for _ in range(repeat):
+        start = time.perf_counter()
+        result = fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times), result
+
+
+def outcome(nodes: Sequence[NodeCapacity], results: Sequence[ReplicaPlan | Unplaceable]) -> Outcome:
+    devices = {n.node_id: {d.uuid: d for d in n.devices} for n in nodes}
+    half = {n.node_id: max(Counter(d.numa_node for d in n.devices).values()) for n in nodes}
+    multi = tight = 0
+    per_node: Counter[tuple[str, str]] = Counter()
+    for plan in (r for r in results if isinstance(r, ReplicaPlan)):
+        for shard in plan.shards:
+            per_node[plan.deployment, shard.node_id] += 1
+            if len(shard.gpu_uuids) > 1:
+                multi += 1
+                group = [devices[shard.node_id][u] for u in shard.gpu_uuids]
+                one_numa = len({d.numa_node for d in group}) == 1
+                linked = all(b.index in a.nvlink_peers for a in group for b in group if a is not b)
+                tight += linked and (one_numa or len(group) > half[shard.node_id])
+    placed = sum(isinstance(r, ReplicaPlan) for r in results)
+    return Outcome(
+        placed=placed,
+        unplaceable=len(results) - placed,
+        nvlink_numa_share=tight / multi if multi else 1.0,
+        max_per_node=max(per_node.values(), default=0),
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--nodes", type=int, default=1000)
+    p.add_argument("--replicas", type=int, default=2000)
+    p.add_argument("--repeat", type=int, default=3)
+    p.add_argument("--markdown", action="store_true", help="also print a BENCHMARKS.md section")
+    args = p.parse_args(argv)
+
+    start = time.perf_counter()
+    messages = fleet(args.nodes)
+    works = workload(args.replicas)
+    setup_s = time.perf_counter() - start
+
+    cap_s, caps = timed(lambda: [node_capacity(n) for n in messages], args.repeat)
+    assert isinstance(caps, list)
+    ours_s, ours = timed(lambda: plan_ours(caps, works), args.repeat)
+    base_s, base = timed(lambda: plan_first_fit(caps, works), args.repeat)
+    assert isinstance(ours, list) and isinstance(base, list)
+    small_first = (
+        outcome(caps, plan_ours(caps, works[::-1])),
+        outcome(caps, plan_first_fit(caps, works[::-1])),
+    )
+    report = Report(
+        args, setup_s, cap_s, ours_s, base_s, outcome(caps, ours), outcome(caps, base), small_first
+    )
+    print(report.render(markdown=False))
+    if args.markdown:
+        print("\n" + report.render(markdown=True))
+    return 0 if cap_s + ours_s < TARGET_S and report.ours.unplaceable == 0 else 1
+
+
+@dataclass(frozen=True, slots=True)
+class Report:
+    args: argparse.Namespace
+    setup_s: float
+    capacity_s: float
+    ours_s: float
+    baseline_s: float
+    ours: Outcome
+    baseline: Outcome
+    small_first: tuple[Outcome, Outcome]  # (ours, baseline) placing the smallest TP first
+
+    def rows(self) -> list[tuple[str, str, str, str]]:
+        total = self.capacity_s + self.ours_s
+        return [
+            ("node_capacity, all nodes", _ms(self.capacity_s), "—", "—"),
+            (
+                "place_deployment, all replicas",
+                _ms(self.ours_s),
+                _ms(self.baseline_s),
+                f"{self.ours_s / self.baseline_s:.2f}×",
+            ),
+            ("plan total (views + placement)", _ms(total), "—", "—"),
+            ("replicas placed", f"{self.ours.placed:,}", f"{self.baseline.placed:,}", "—"),
+            (
+                "multi-GPU shards on NVLink, in one NUMA node if they fit",
+                f"{100 * self.ours.nvlink_numa_share:.1f}%",
+                f"{100 * self.baseline.nvlink_numa_share:.1f}%",
+                "—",
+            ),
+            (
+                "replicas placed, smallest TP first (not timed)",
+                f"{self.small_first[0].placed:,}",
+                f"{self.small_first[1].placed:,}",
+                "—",
+            ),
+            (
+                "multi-GPU shards on NVLink …, smallest TP first",
+                f"{100 * self.small_first[0].nvlink_numa_share:.1f}%",
+                f"{100 * self.small_first[1].nvlink_numa_share:.1f}%",
+                "—",
+            ),
+            (
+                "most replicas of one deployment on a node",
+                str(self.ours.max_per_node),
+                str(self.baseline.max_per_node),
+                "—",
+            ),
+        ]
+
+    def render(self, markdown: bool) -> str:
+        head = ("measure", "llmgw placement", "first-fit baseline", "ratio")
+        rows = self.rows()
+        total = self.capacity_s + self.ours_s
+        verdict = (
+            f"Planning {self.args.nodes:,} nodes × 8 GPUs and {self.args.replicas:,} replicas took "
+            f"{_ms(total)} ({'under' if total < TARGET_S else 'OVER'} the {TARGET_S:g} s target), "
+            f"median of {self.args.repeat} runs; fleet setup (not timed) {self.setup_s:.1f} s."
+        )
+        facts = [f"{k}: {v}" for k, v in base_machine().items()]
+        if not markdown:
+            widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(head)]
+            lines = [f"command: {command_line()}", "; ".join(facts), ""]
+            lines.append("  ".join(h.ljust(w) for h, w in zip(head, widths, strict=True)))
+            lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+            return "\n".join([*lines, "", verdict])
+        out = [
+            "## Placement: planning a fleet (scripts/bench_reconcile.py)",
+            "",
+            "```",
+            command_line(),
+            "```",
+            "",
+        ]
+        out += [f"- {fact}" for fact in facts]
+        out += ["", "| " + " | ".join(head) + " |", "|---|---|---|---|"]
+        out += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join([*out, "", verdict])
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1000:,.1f} ms"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
