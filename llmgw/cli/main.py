@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_agent(sub)
     _add_get(sub)
     _add_node_actions(sub)
+    _add_desired(sub)
     _add_demo(sub)
     _add_sim_engine(sub)
     return parser
@@ -219,10 +220,12 @@ def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 def _add_get(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "get",
-        help="list nodes, GPUs, replicas or shards",
+        help="list nodes, GPUs, replicas, shards, deployments or profiles",
         description="List what the control server knows, over gRPC-web.",
     )
-    p.add_argument("kind", choices=["nodes", "gpus", "replicas", "shards"])
+    p.add_argument(
+        "kind", choices=["nodes", "gpus", "replicas", "shards", "deployments", "profiles"]
+    )
     p.add_argument(
         "-o",
         "--output",
@@ -243,6 +246,35 @@ def _add_node_actions(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         p.add_argument("node_id", metavar="NODE")
         _add_server_url(p)
         p.set_defaults(command=_run_node_action, verb=verb)
+
+
+def _add_desired(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser(
+        "apply",
+        help="apply profiles and deployments from a TOML file",
+        description="Check a profiles/deployments TOML file and apply it; a bad file is "
+        "refused whole, naming every problem by its key path.",
+    )
+    p.add_argument("-f", "--file", type=Path, required=True, metavar="FILE")
+    p.add_argument(
+        "--dry-run", action="store_true", help="print the placement plan; change nothing"
+    )
+    p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    _add_server_url(p)
+    p.set_defaults(command=_run_apply)
+    p = sub.add_parser("delete", help="delete a deployment", description="Delete a deployment.")
+    p.add_argument("kind", choices=["deployment"])
+    p.add_argument("name", metavar="NAME")
+    _add_server_url(p)
+    p.set_defaults(command=_run_delete)
+    p = sub.add_parser(
+        "events",
+        help="show the audit log of operator actions",
+        description="Show who did what to which target, when, and how it ended.",
+    )
+    p.add_argument("--follow", action="store_true", help="keep printing new ones until Ctrl-C")
+    _add_server_url(p)
+    p.set_defaults(command=_run_events)
 
 
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -310,6 +342,11 @@ def _run_agent(args: argparse.Namespace) -> int:
 def _run_get(args: argparse.Namespace) -> int:
     from llmgw.cli.get import run_get
 
+    if args.kind in ("deployments", "profiles"):
+        from llmgw.cli.apply import run_get_desired
+
+        return asyncio.run(run_get_desired(args.server, args.kind, args.output))
+
     return asyncio.run(run_get(args.server, args.kind, args.output))
 
 
@@ -317,6 +354,24 @@ def _run_node_action(args: argparse.Namespace) -> int:
     from llmgw.cli.get import run_node_action
 
     return asyncio.run(run_node_action(args.server, args.verb, args.node_id))
+
+
+def _run_apply(args: argparse.Namespace) -> int:
+    from llmgw.cli.apply import run_apply
+
+    return run_apply(args.server, args.file, dry_run=args.dry_run, output=args.output)
+
+
+def _run_delete(args: argparse.Namespace) -> int:
+    from llmgw.cli.apply import run_delete
+
+    return asyncio.run(run_delete(args.server, args.kind, args.name))
+
+
+def _run_events(args: argparse.Namespace) -> int:
+    from llmgw.cli.apply import run_events
+
+    return asyncio.run(run_events(args.server, follow=args.follow))
 
 
 def _run_demo(args: argparse.Namespace) -> int:

@@ -72,7 +72,7 @@ class ControlClient:
         return await self._act("DrainNode", NodeRequest(node_id=node_id))
 
     async def apply_deployment(self, request: ApplyDeploymentRequest) -> ActionResult:
-        """Refused when read-only even with ``dry_run``: the server audits it as a write."""
+        """Refused when read-only even with ``dry_run``: a read-only client sends no action."""
         return await self._act("ApplyDeployment", request)
 
     async def delete_deployment(self, name: str) -> ActionResult:

@@ -1,8 +1,15 @@
 """``ControlService``: the operator API, on the native gRPC port and over gRPC-web.
 
-The RPCs whose implementation belongs to later work (deployments, replicas, reprofiling,
-node drain, router statistics) answer UNIMPLEMENTED with a message naming what is missing,
-so a client can tell "not yet" from "failed".
+Desired state: ``ApplyDeployment`` checks the request (``llmgw.server.desired``: the server
+never trusts a client's check), then either answers a dry run's placement plan (changing
+nothing: no store write, no event, no audit record) or stores the change durably before
+answering. Every apply and delete, refused or not, lands in the audit log with the actor,
+the action, the target and the result. A refused apply answers INVALID_ARGUMENT with its
+first problems by key path, cut short (grpcio refuses a trailer over 16 KiB).
+
+The RPCs whose implementation belongs to later work (replicas, reprofiling, node drain,
+router statistics) answer UNIMPLEMENTED with a message naming what is missing, so a client
+can tell "not yet" from "failed".
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ from llmgw.api.llmgw.v1 import (
     WatchEvent,
     WatchRequest,
 )
-from llmgw.server.errors import UnknownNode
+from llmgw.server.desired import Change, check_apply, plan_text, refusal
+from llmgw.server.errors import ProfileError, UnknownNode, quoted
 from llmgw.server.plane import ControlPlane
+from llmgw.server.profiles import profile_fingerprint
 
 log = logging.getLogger(__name__)
 
@@ -78,10 +87,35 @@ class ControlService(ControlServiceBase):
         return ActionResult(ok=True, message=f"node {node_id} {verb}")
 
     async def apply_deployment(self, message: ApplyDeploymentRequest) -> ActionResult:
-        _not_yet("ApplyDeployment", _DESIRED_STATE)
+        try:
+            change = check_apply(message, self.plane.desired.profiles)
+        except ProfileError as exc:
+            text = refusal(exc)
+            target = _requested_target(message)
+            if not message.dry_run:
+                await self.plane.audit(OPERATOR, "apply", target, f"refused: {text}")
+            raise GRPCError(Status.INVALID_ARGUMENT, text) from exc
+        if message.dry_run:
+            return ActionResult(ok=True, message=self._dry_run(change))
+        await self.plane.desired.apply(change)
+        text = _applied(change)
+        await self.plane.audit(OPERATOR, "apply", change.target, f"ok: {text}")
+        return ActionResult(ok=True, message=text)
+
+    def _dry_run(self, change: Change) -> str:
+        if change.deployment is None or change.profile is None:
+            names = ", ".join(p.name for p in change.profiles)
+            return f"dry run: would store profiles {names}; nothing was changed"
+        return plan_text(change.deployment, change.profile, self.plane.snapshot())
 
     async def delete_deployment(self, message: DeleteDeploymentRequest) -> ActionResult:
-        _not_yet("DeleteDeployment", _DESIRED_STATE)
+        target = f"deployment/{message.name}"
+        if not await self.plane.desired.delete(message.name):
+            text = f"no deployment named {quoted(message.name)}"
+            await self.plane.audit(OPERATOR, "delete", target, f"refused: {text}")
+            raise GRPCError(Status.NOT_FOUND, text)
+        await self.plane.audit(OPERATOR, "delete", target, "ok")
+        return ActionResult(ok=True, message=f"deployment {message.name} deleted")
 
     async def start_replica(self, message: ReplicaRequest) -> ActionResult:
         _not_yet("StartReplica", _DESIRED_STATE)
@@ -96,7 +130,27 @@ class ControlService(ControlServiceBase):
         _not_yet("DrainNode", _DESIRED_STATE)
 
     async def list_profiles(self, message: ListProfilesRequest) -> ListProfilesResponse:
-        _not_yet("ListProfiles", _DESIRED_STATE)
+        profiles = self.plane.desired.profiles
+        return ListProfilesResponse(profiles=[profiles[name] for name in sorted(profiles)])
 
     async def get_router_stats(self, message: GetRouterStatsRequest) -> RouterStats:
         _not_yet("GetRouterStats", "the gateway")
+
+
+def _requested_target(message: ApplyDeploymentRequest) -> str:
+    """The audit target of a refused request, its names cut short (they are the client's)."""
+    if message.deployment is not None:
+        return f"deployment/{message.deployment.name[:64]}"
+    return "profile/" + ",".join(p.name[:64] for p in message.profiles[:10])
+
+
+def _applied(change: Change) -> str:
+    brought = ", ".join(p.name for p in change.profiles)
+    if change.deployment is None or change.profile is None:
+        return f"profiles {brought} stored"
+    d, fingerprint = change.deployment, profile_fingerprint(change.profile)
+    return (
+        f"deployment {d.name} applied: profile {d.profile} ({fingerprint}), "
+        f"{d.replicas} replica{'' if d.replicas == 1 else 's'}"
+        + (f"; profiles stored: {brought}" if brought else "")
+    )

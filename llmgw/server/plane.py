@@ -1,7 +1,9 @@
 """The control plane's state and its effects: inventory + store + watch fan-out.
 
-The services call this; it keeps the inventory, writes what must survive a kill to the
-store before answering, and publishes every change to watchers. A periodic ``tick`` marks
+The services call this; it keeps the inventory and the desired state (``desired``: profiles
+and deployments), writes what must survive a kill to the store before answering, and
+publishes every change to watchers. Snapshots carry the deployments and the audit log's
+most recent records. A periodic ``tick`` marks
 silent nodes NOT_READY and flushes heartbeat times to the store in one batch.
 """
 
@@ -9,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 
 from llmgw.api.llmgw.v1 import (
     AuditEvent,
@@ -19,12 +22,16 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
     WatchEvent,
 )
+from llmgw.server.desired import DesiredState
 from llmgw.server.encoded import freeze_node_info
 from llmgw.server.inventory import Inventory, InventoryConfig, NodeRecord
 from llmgw.server.store import AuditRecord, Store, StoredNode, now_ms
 from llmgw.server.watch import WatchHub
 
 log = logging.getLogger(__name__)
+
+RECENT_AUDIT = 100
+"""How many of the newest audit records snapshots carry (``Cluster.events``)."""
 
 
 class ControlPlane:
@@ -34,10 +41,15 @@ class ControlPlane:
         self.store = store
         self.inventory = Inventory(config)
         self.hub = WatchHub(self.snapshot)
+        self.desired = DesiredState(store, self.hub)
         self._seen: dict[str, int] = {}  # node id → last heartbeat ms not yet in the store
+        self._recent: deque[AuditEvent] = deque(maxlen=RECENT_AUDIT)
 
     async def load(self) -> None:
-        """Restore every node the store remembers (NOT_READY until their agents return)."""
+        """Restore the desired state, the audit log's tail and every node the store
+        remembers (NOT_READY until their agents return)."""
+        await self.desired.load()
+        self._recent.extend(_audit_event(r) for r in await self.store.recent_audit(RECENT_AUDIT))
         for stored in await self.store.load_nodes():
             try:
                 info = freeze_node_info(NodeInfo.parse(stored.info), wire=stored.info)
@@ -51,7 +63,10 @@ class ControlPlane:
 
     def snapshot(self, revision: int | None = None) -> Cluster:
         rev = self.hub.revision if revision is None else revision
-        return self.inventory.cluster(revision=rev, now_ms=now_ms(), now_mono=time.monotonic())
+        cluster = self.inventory.cluster(revision=rev, now_ms=now_ms(), now_mono=time.monotonic())
+        cluster.deployments = [d for _, d in sorted(self.desired.deployments.items())]
+        cluster.events = list(self._recent)
+        return cluster
 
     # --- agents ----------------------------------------------------------------------
 
@@ -109,9 +124,8 @@ class ControlPlane:
     async def audit(self, actor: str, action: str, target: str, result: str) -> None:
         record = AuditRecord(now_ms(), actor, action, target, result)
         await self.store.append_audit(record)
-        event = AuditEvent(
-            at_unix_ms=record.at_ms, actor=actor, action=action, target=target, result=result
-        )
+        event = _audit_event(record)
+        self._recent.append(event)
         self.hub.publish(WatchEvent(audit=event))
 
     # --- periodic --------------------------------------------------------------------
@@ -130,3 +144,13 @@ class ControlPlane:
     def _publish_node(self, record: NodeRecord) -> None:
         node = self.inventory.node_view(record, time.monotonic())
         self.hub.publish(WatchEvent(node=node))
+
+
+def _audit_event(record: AuditRecord) -> AuditEvent:
+    return AuditEvent(
+        at_unix_ms=record.at_ms,
+        actor=record.actor,
+        action=record.action,
+        target=record.target,
+        result=record.result,
+    )

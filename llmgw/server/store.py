@@ -1,13 +1,19 @@
 """The control server's durable state: SQLite through aiosqlite.
 
 What is kept: every node ever seen (its last registration, whether it is cordoned, when it
-was first and last seen) and the audit log of operator actions. Later issues add
-deployments, profiles, replicas and tokens to the same file.
+was first and last seen), the audit log of operator actions, and the desired state: engine
+profiles and deployments, each as its serialized message. Later issues add replicas and
+tokens to the same file.
+
+Schema versions (``PRAGMA user_version``): 1 holds nodes and the audit log; 2 adds the
+profiles and deployments tables. Opening an older file migrates it forward step by step
+in one transaction; a newer one is refused.
 
 Durability: WAL with ``synchronous=FULL``, so a write that returned survives a kill -9 of
 the server at any later moment. Heartbeat times are written in batches (they are advisory:
-a restarted server waits for agents to reconnect anyway); registrations, cordons and audit
-records are written before the RPC that caused them answers.
+a restarted server waits for agents to reconnect anyway); registrations, cordons, audit
+records and applied profiles and deployments are written before the RPC that caused them
+answers (an apply's profiles and deployment in one transaction).
 """
 
 from __future__ import annotations
@@ -25,9 +31,9 @@ from llmgw.server.errors import StoreError
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 
-_SCHEMA = """
+_SCHEMA_1 = """
 CREATE TABLE IF NOT EXISTS nodes (
     node_id     TEXT PRIMARY KEY,
     info        BLOB NOT NULL,          -- llmgw.v1.NodeInfo, serialized
@@ -45,6 +51,23 @@ CREATE TABLE IF NOT EXISTS audit (
 );
 """
 
+_SCHEMA_2 = """
+CREATE TABLE IF NOT EXISTS profiles (
+    name        TEXT PRIMARY KEY,
+    profile     BLOB NOT NULL,          -- llmgw.v1.EngineProfile, serialized
+    fingerprint TEXT NOT NULL,          -- profile_fingerprint of it
+    updated     INTEGER NOT NULL        -- Unix ms
+);
+CREATE TABLE IF NOT EXISTS deployments (
+    name        TEXT PRIMARY KEY,
+    deployment  BLOB NOT NULL,          -- llmgw.v1.Deployment, serialized
+    updated     INTEGER NOT NULL        -- Unix ms
+);
+"""
+
+# The script that brings a file from version N-1 to N, by N.
+_MIGRATIONS = {1: _SCHEMA_1, 2: _SCHEMA_2}
+
 
 @dataclass(frozen=True, slots=True)
 class StoredNode:
@@ -55,6 +78,25 @@ class StoredNode:
     cordoned: bool
     first_seen_ms: int
     last_seen_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredProfile:
+    """An engine profile as the store keeps it."""
+
+    name: str
+    profile: bytes  # llmgw.v1.EngineProfile, serialized
+    fingerprint: str
+    updated_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredDeployment:
+    """A deployment as the store keeps it."""
+
+    name: str
+    deployment: bytes  # llmgw.v1.Deployment, serialized
+    updated_ms: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,9 +158,15 @@ class Store:
                 f"{self._path} has schema version {version}; this llmgw knows up to "
                 f"{SCHEMA_VERSION}: use a newer llmgw or another --db"
             )
-        await db.executescript(_SCHEMA)
-        await db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
-        await db.commit()
+        if version == SCHEMA_VERSION:
+            return
+        script = "".join(_MIGRATIONS[v] for v in range(version + 1, SCHEMA_VERSION + 1))
+        # One transaction: a migration cut short leaves the file at its old version.
+        await db.executescript(f"BEGIN;\n{script}\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;")
+        if version:
+            log.info(
+                "%s: schema migrated from version %d to %d", self._path, version, SCHEMA_VERSION
+            )
 
     async def close(self) -> None:
         """Close the database; safe to call twice."""
@@ -178,3 +226,46 @@ class Store:
         async with self._conn.execute(query, (limit,)) as cursor:
             rows = await cursor.fetchall()
         return [AuditRecord(int(r[0]), r[1], r[2], r[3], r[4]) for r in reversed(list(rows))]
+
+    # --- desired state ---------------------------------------------------------------
+
+    async def save_desired(
+        self, profiles: Iterable[StoredProfile], deployments: Iterable[StoredDeployment]
+    ) -> None:
+        """Insert or replace profiles and deployments, all in one transaction."""
+        db = self._conn
+        try:
+            await db.executemany(
+                "INSERT OR REPLACE INTO profiles (name, profile, fingerprint, updated)"
+                " VALUES (?, ?, ?, ?)",
+                [(p.name, p.profile, p.fingerprint, p.updated_ms) for p in profiles],
+            )
+            await db.executemany(
+                "INSERT OR REPLACE INTO deployments (name, deployment, updated) VALUES (?, ?, ?)",
+                [(d.name, d.deployment, d.updated_ms) for d in deployments],
+            )
+            await db.commit()
+        except BaseException:
+            await db.rollback()
+            raise
+
+    async def delete_deployment(self, name: str) -> bool:
+        """Forget a deployment; False when there was none by that name."""
+        async with self._conn.execute("DELETE FROM deployments WHERE name = ?", (name,)) as cur:
+            deleted = cur.rowcount > 0
+        await self._conn.commit()
+        return deleted
+
+    async def load_profiles(self) -> list[StoredProfile]:
+        """Every stored profile, by name."""
+        query = "SELECT name, profile, fingerprint, updated FROM profiles ORDER BY name"
+        async with self._conn.execute(query) as cursor:
+            rows = await cursor.fetchall()
+        return [StoredProfile(r[0], bytes(r[1]), r[2], int(r[3])) for r in rows]
+
+    async def load_deployments(self) -> list[StoredDeployment]:
+        """Every stored deployment, by name."""
+        query = "SELECT name, deployment, updated FROM deployments ORDER BY name"
+        async with self._conn.execute(query) as cursor:
+            rows = await cursor.fetchall()
+        return [StoredDeployment(r[0], bytes(r[1]), int(r[2])) for r in rows]

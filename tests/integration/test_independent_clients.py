@@ -125,10 +125,11 @@ def test_grpcio_client_reads_the_cluster_and_the_statuses(
         assert [n.info.node_id for n in first.snapshot.nodes] == ["a1"]
         assert len(first.snapshot.nodes[0].info.gpus) == 8
 
+        assert list(stub.ListProfiles(pb.control.ListProfilesRequest(), timeout=5).profiles) == []
         with pytest.raises(grpc.RpcError) as unimplemented:
-            stub.ListProfiles(pb.control.ListProfilesRequest(), timeout=5)
+            stub.StartReplica(pb.control.ReplicaRequest(deployment="chat"), timeout=5)
         assert unimplemented.value.code() is grpc.StatusCode.UNIMPLEMENTED
-        assert "ListProfiles is not implemented" in unimplemented.value.details()
+        assert "StartReplica is not implemented" in unimplemented.value.details()
 
         with pytest.raises(grpc.RpcError) as missing:
             stub.CordonNode(pb.control.NodeRequest(node_id="nope"), timeout=5)

@@ -314,6 +314,12 @@ class Cluster(betterproto2.Message):
 
     server_time_unix_ms: "int" = betterproto2.field(7, betterproto2.TYPE_INT64)
 
+    events: "list[AuditEvent]" = betterproto2.field(8, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    The most recent operator actions (the audit log's tail, oldest first; at most 100).
+    Later ones arrive on Watch as `audit` events.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Cluster", Cluster)
 

@@ -1,0 +1,209 @@
+"""Desired state from the command line: ``llmgw apply``, ``delete deployment``, ``get
+deployments|profiles`` and ``events``.
+
+``apply -f FILE`` parses the file here first, so a bad one is refused at once with every
+problem by key path and nothing is sent; a deployment may name a profile the server already
+stores (asked for with ListProfiles only when the file does not define it). Then each
+deployment goes in its own ApplyDeploymentRequest with the profiles of the file it uses and
+the file's text (the server checks it all again), and profiles no deployment uses go in one
+request of their own first. The server checks the whole file with every request, so a file
+it refuses is refused by the first one, before anything changed; only a failure between
+requests (the server going away) leaves a file half applied, and applying it again
+finishes it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import sys
+from collections.abc import Sequence
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from llmgw.api.llmgw.v1 import (
+    ApplyDeploymentRequest,
+    AuditEvent,
+    EngineProfile,
+    WatchEvent,
+)
+from llmgw.cli.get import _call, render_table
+from llmgw.cli.main import CliError
+from llmgw.client import ControlClient
+
+# The desired-state helpers live with the server; this reads the document the same way.
+from llmgw.server.desired import parse_with_profiles
+from llmgw.server.errors import ProfileError
+from llmgw.server.profiles import CPU_CLASS, Document, parse_document, profile_fingerprint
+
+
+def run_apply(server: str, path: Path, *, dry_run: bool, output: str) -> int:
+    """``llmgw apply -f FILE``: 0 when every request was accepted."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"cannot read {path}: {exc}") from exc
+    return asyncio.run(_apply(server, text, str(path), dry_run=dry_run, output=output))
+
+
+async def _apply(server: str, text: str, source: str, *, dry_run: bool, output: str) -> int:
+    async def apply(client: ControlClient) -> list[tuple[str, str]]:
+        document = await _parse(client, text, source)
+        answers = []
+        for name, request in _requests(document, text, dry_run):
+            answers.append((name, (await client.apply_deployment(request)).message))
+        return answers
+
+    answers = await _call(server, apply)
+    if output == "json":
+        rows = [{"target": target, "message": message} for target, message in answers]
+        sys.stdout.write(json.dumps({"applied": rows}, indent=2) + "\n")
+    else:
+        sys.stdout.write("".join(f"{message}\n" for _, message in answers))
+    return 0
+
+
+_MISSING_PROFILE = ".profile: no profile named"
+
+
+async def _parse(client: ControlClient, text: str, source: str) -> Document:
+    try:
+        return parse_document(text, source=source)
+    except ProfileError as exc:
+        if not all(_MISSING_PROFILE in p for p in exc.problems):
+            raise CliError(str(exc)) from exc  # a bad file, whatever the server stores
+        first = exc  # maybe the server stores the profiles it names
+    stored = {p.name: p for p in await client.list_profiles()}
+    try:
+        return parse_with_profiles(text, stored, source=source)
+    except ProfileError as exc:
+        raise CliError(str(exc)) from first
+
+
+def _requests(
+    document: Document, text: str, dry_run: bool
+) -> list[tuple[str, ApplyDeploymentRequest]]:
+    used = {d.profile for d in document.deployments.values()}
+    alone = [p for name, p in document.profiles.items() if name not in used]
+    out = []
+    if alone:
+        target = "profiles " + ",".join(p.name for p in alone)
+        out.append((target, ApplyDeploymentRequest(profiles=alone, dry_run=dry_run, document=text)))
+    for name, deployment in document.deployments.items():
+        mine = (
+            [document.profiles[deployment.profile]]
+            if deployment.profile in document.profiles
+            else []
+        )
+        request = ApplyDeploymentRequest(
+            deployment=deployment, profiles=mine, dry_run=dry_run, document=text
+        )
+        out.append((f"deployment {name}", request))
+    if not out:
+        raise CliError("the file holds no profiles and no deployments: nothing to apply")
+    return out
+
+
+async def run_delete(server: str, kind: str, name: str) -> int:
+    """``llmgw delete deployment NAME``."""
+    result = await _call(server, lambda client: client.delete_deployment(name))
+    sys.stdout.write(f"{result.message}\n")
+    return 0
+
+
+# --- reads ---------------------------------------------------------------------------------
+
+
+async def run_get_desired(server: str, kind: str, output: str) -> int:
+    """``llmgw get deployments|profiles``."""
+
+    async def read(client: ControlClient) -> tuple[list[Any], list[EngineProfile]]:
+        profiles = await client.list_profiles()
+        if kind == "profiles":
+            return [], profiles
+        return list((await client.get_cluster()).deployments), profiles
+
+    deployments, profiles = await _call(server, read)
+    items = profiles if kind == "profiles" else deployments
+    if output == "json":
+        sys.stdout.write(json.dumps({kind: [i.to_dict() for i in items]}, indent=2) + "\n")
+        return 0
+    rows = (
+        _profile_rows(profiles) if kind == "profiles" else _deployment_rows(deployments, profiles)
+    )
+    sys.stdout.write(render_table(rows) + "\n")
+    return 0
+
+
+def _deployment_rows(
+    deployments: Sequence[Any], profiles: Sequence[EngineProfile]
+) -> list[list[str]]:
+    by_name = {p.name: p for p in profiles}
+    rows = [["NAME", "PROFILE", "REPLICAS", "FINGERPRINT", "POOL", "LABELS"]]
+    for d in deployments:
+        profile = by_name.get(d.profile)
+        rows.append(
+            [
+                d.name,
+                d.profile,
+                str(d.replicas),
+                profile_fingerprint(profile) if profile is not None else "-",
+                d.pool or "-",
+                ",".join(f"{k}={v}" for k, v in sorted(d.labels.items())) or "-",
+            ]
+        )
+    return rows
+
+
+def _profile_rows(profiles: Sequence[EngineProfile]) -> list[list[str]]:
+    rows = [["NAME", "ENGINE", "CLASS", "TP/PP/NODES", "MODEL", "FINGERPRINT"]]
+    for p in profiles:
+        shape = (
+            f"threads {p.cpu_threads}" if p.gpu_class == CPU_CLASS else f"{p.tp}/{p.pp}/{p.nodes}"
+        )
+        rows.append(
+            [p.name, p.engine, p.gpu_class, shape, p.served_model_name, profile_fingerprint(p)]
+        )
+    return rows
+
+
+# --- events --------------------------------------------------------------------------------
+
+
+async def run_events(server: str, *, follow: bool) -> int:
+    """``llmgw events [--follow]``: the audit log, then (following) new records as they come."""
+    if not follow:
+        cluster = await _call(server, lambda client: client.get_cluster())
+        rows = [["WHEN", "ACTOR", "ACTION", "TARGET", "RESULT"]]
+        rows += [_event_cells(e) for e in cluster.events]
+        sys.stdout.write(render_table(rows) + "\n")
+        return 0
+    await _call(server, _follow)
+    return 0
+
+
+async def _follow(client: ControlClient) -> None:
+    shown: set[bytes] = set()  # a fresh snapshot (after falling behind) repeats records
+    stream = client.watch()
+    try:
+        async for event in stream:
+            for record in _audits(event):
+                key = bytes(record)
+                if key not in shown:
+                    shown.add(key)
+                    sys.stdout.write("  ".join(_event_cells(record)) + "\n")
+                    sys.stdout.flush()
+    finally:
+        await stream.aclose()  # type: ignore[attr-defined]
+
+
+def _audits(event: WatchEvent) -> list[AuditEvent]:
+    if event.snapshot is not None:
+        return list(event.snapshot.events)
+    return [event.audit] if event.audit is not None else []
+
+
+def _event_cells(e: AuditEvent) -> list[str]:
+    when = datetime.fromtimestamp(e.at_unix_ms / 1000, tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    return [when, e.actor, e.action, e.target, e.result]

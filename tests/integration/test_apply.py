@@ -1,0 +1,109 @@
+"""``llmgw apply`` end to end: a real server and one simulated DGX agent, driven by the CLI."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from procs import Cluster, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
+
+EXAMPLE = """
+[profiles.chat-tp2]
+engine = "sim"
+gpu_class = "H100"
+tp = 2
+model_path = "/models/chat"
+served_model_name = "chat"
+kv_events = true
+args = ["--max-model-len", "8192"]
+env = { VLLM_LOGGING_LEVEL = "INFO" }
+
+[deployments.chat]
+profile = "chat-tp2"
+replicas = 2
+"""
+
+BAD = """
+[profiles.p]
+engine = "vllm"
+gpu_class = "H100"
+tp = 0
+model_path = "/m"
+
+[deployments.d]
+profile = "nope"
+replicas = -1
+"""
+
+
+def _deployments(cluster: Cluster) -> list[dict[str, object]]:
+    out = cluster.cli("get", "deployments", "-o", "json")
+    return list(json.loads(out.stdout)["deployments"])
+
+
+def test_apply_dry_run_refuse_restart_and_events(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.start_server()
+    cluster.start_agent("a1")
+    wait_for(lambda: cluster.node_states() == {"a1": "NODE_STATE_READY"}, 30, "a1 READY")
+    good, bad = tmp_path / "chat.toml", tmp_path / "bad.toml"
+    good.write_text(EXAMPLE)
+    bad.write_text(BAD)
+
+    refused = cluster.cli("apply", "-f", str(bad), check=False)
+    assert refused.returncode == 1
+    for path in ("profiles.p.tp", "deployments.d.profile", "deployments.d.replicas"):
+        assert path in refused.stderr
+    assert "Traceback" not in refused.stderr
+
+    plan = cluster.cli("apply", "-f", str(good), "--dry-run")
+    lines = plan.stdout.splitlines()
+    assert lines[0].startswith("dry run: deployment chat, profile chat-tp2")
+    assert lines[1].startswith("  chat-0: node a1, GPUs ") and lines[2].startswith(
+        "  chat-1: node a1"
+    )
+    assert _deployments(cluster) == []  # nothing changed
+
+    applied = cluster.cli("apply", "-f", str(good))
+    assert "deployment chat applied" in applied.stdout
+    table = cluster.cli("get", "deployments").stdout.splitlines()
+    assert table[0].split()[:4] == ["NAME", "PROFILE", "REPLICAS", "FINGERPRINT"]
+    assert table[1].split()[:3] == ["chat", "chat-tp2", "2"] and "fp-" in table[1]
+
+    cluster.kill("server")  # kill -9 right after the answer
+    cluster.start_server()
+    (deployment,) = _deployments(cluster)
+    assert (deployment["name"], deployment["profile"], deployment["replicas"]) == (
+        "chat",
+        "chat-tp2",
+        2,
+    )
+    profiles = cluster.cli("get", "profiles").stdout.splitlines()
+    assert profiles[1].split()[:4] == ["chat-tp2", "sim", "H100", "2/1/1"]
+
+    events = cluster.cli("events").stdout.splitlines()
+    assert len(events) == 2 and events[1].split()[1:4] == ["operator", "apply", "deployment/chat"]
+
+    follow = subprocess.Popen(
+        [sys.executable, "-m", "llmgw", "events", "--follow", "--server", cluster.url],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+    )
+    try:
+        assert follow.stdout is not None
+        assert " apply  deployment/chat" in follow.stdout.readline()
+        cluster.cli("delete", "deployment", "chat")
+        assert " delete  deployment/chat  ok" in follow.stdout.readline()
+    finally:
+        follow.terminate()
+        follow.wait(timeout=10)
+        if follow.stdout is not None:
+            follow.stdout.close()
+    assert _deployments(cluster) == []
+    missing = cluster.cli("delete", "deployment", "chat", check=False)
+    assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr
