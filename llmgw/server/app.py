@@ -3,7 +3,8 @@
 One event loop serves the same service objects on two ports: native gRPC (grpclib, HTTP/2)
 for agents and operator clients, and gRPC-web plus ``/healthz`` (uvicorn, HTTP/1.1) for the
 console, browsers and ``llmgw get``. SIGINT and SIGTERM stop both ports, flush heartbeat
-times and close the database.
+times and close the database. The reconciler (``llmgw.server.reconcile_loop``) runs in
+the same loop, unless turned off or test hooks are on.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from llmgw.server.errors import ConfigError
 from llmgw.server.grpcweb import GrpcWebApp
 from llmgw.server.inventory import InventoryConfig
 from llmgw.server.plane import ControlPlane
+from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.store import Store
 from llmgw.server.testhooks import AgentCommandHook
 
@@ -74,6 +76,8 @@ class ServerConfig:
     max_message_bytes: int = 4 << 20
     tick_s: float = 0.5
     test_hooks: bool = False  # POST /debug/agents/{node}/command (llmgw.server.testhooks)
+    reconcile: bool = True  # run the reconciler (off with test hooks: it would fence their shards)
+    reconcile_every_s: float = 1.0  # a round at least this often, and after every change
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -102,11 +106,19 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
             async with asyncio.TaskGroup() as tasks:
                 web_task = tasks.create_task(web.serve(), name="grpc-web")
                 tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
+                loop = _reconcile_loop(config, plane, agents)
+                reconcile_task = (
+                    tasks.create_task(loop.run(config.reconcile_every_s), name="reconcile")
+                    if loop is not None
+                    else None
+                )
                 _serving_message(config)
                 with _signals_set(stop):
                     await _first_of(stop, web_task)
                 web.should_exit = True
                 tick_task.cancel()
+                if reconcile_task is not None:
+                    reconcile_task.cancel()
         finally:
             agents.shutdown()
             await asyncio.sleep(0)  # let the streams send their trailers
@@ -114,6 +126,18 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
             await grpc.wait_closed()
             await plane.flush()
     log.info("llmgw server stopped")
+
+
+def _reconcile_loop(
+    config: ServerConfig, plane: ControlPlane, agents: AgentService
+) -> ReconcileLoop | None:
+    if not config.reconcile:
+        log.warning("the reconciler is off: deployments are stored but nothing is started")
+        return None
+    if config.test_hooks:
+        log.warning("test hooks on: the reconciler is off (it would stop the hooks' shards)")
+        return None
+    return ReconcileLoop(plane, agents.send)
 
 
 def _uvicorn_config(

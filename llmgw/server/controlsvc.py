@@ -100,6 +100,7 @@ class ControlService(ControlServiceBase):
         await self.plane.desired.apply(change)
         text = _applied(change)
         await self.plane.audit(OPERATOR, "apply", change.target, f"ok: {text}")
+        self.plane.reconcile_soon()
         return ActionResult(ok=True, message=text)
 
     def _dry_run(self, change: Change) -> str:
@@ -115,6 +116,7 @@ class ControlService(ControlServiceBase):
             await self.plane.audit(OPERATOR, "delete", target, f"refused: {text}")
             raise GRPCError(Status.NOT_FOUND, text)
         await self.plane.audit(OPERATOR, "delete", target, "ok")
+        self.plane.reconcile_soon()
         return ActionResult(ok=True, message=f"deployment {message.name} deleted")
 
     async def start_replica(self, message: ReplicaRequest) -> ActionResult:

@@ -5,6 +5,14 @@ and deployments), writes what must survive a kill to the store before answering,
 publishes every change to watchers. Snapshots carry the deployments and the audit log's
 most recent records. A periodic ``tick`` marks
 silent nodes NOT_READY and flushes heartbeat times to the store in one batch.
+
+It also holds the replica records the reconciler decided on (``llmgw.server.reconcile_loop``
+writes them through :meth:`ControlPlane.save_replicas`) and shows each one that is not
+RETIRED as a ``Replica``: its state derived from its shards on their planned nodes (READY
+only when every shard is READY), its endpoint ``http://ADDRESS:PORT`` of the leader, and
+``out_of_date`` when its fingerprint differs from its deployment's profile now. Every
+change that may need a reconciliation round (a registration, a shard report, a node lost
+or cordoned, an apply or delete) calls :attr:`ControlPlane.reconcile_soon`.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
 
 from llmgw.api.llmgw.v1 import (
     AuditEvent,
@@ -19,12 +28,18 @@ from llmgw.api.llmgw.v1 import (
     Heartbeat,
     NodeInfo,
     Register,
+    Replica,
+    Shard,
+    ShardState,
     ShardStatus,
     WatchEvent,
 )
+from llmgw.protocol import read_shard_state
 from llmgw.server.desired import DesiredState
 from llmgw.server.encoded import freeze_node_info
 from llmgw.server.inventory import Inventory, InventoryConfig, NodeRecord
+from llmgw.server.plan import ShardPlan
+from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.store import AuditRecord, Store, StoredNode, now_ms
 from llmgw.server.watch import WatchHub
 
@@ -44,11 +59,14 @@ class ControlPlane:
         self.desired = DesiredState(store, self.hub)
         self._seen: dict[str, int] = {}  # node id → last heartbeat ms not yet in the store
         self._recent: deque[AuditEvent] = deque(maxlen=RECENT_AUDIT)
+        self.replicas: dict[str, ReplicaRecord] = {}  # every record, RETIRED ones too
+        self.reconcile_soon: Callable[[], None] = _nothing  # set by the reconcile loop
 
     async def load(self) -> None:
         """Restore the desired state, the audit log's tail and every node the store
         remembers (NOT_READY until their agents return)."""
         await self.desired.load()
+        self.replicas.update((r.replica_id, r) for r in await self.store.load_replicas())
         self._recent.extend(_audit_event(r) for r in await self.store.recent_audit(RECENT_AUDIT))
         for stored in await self.store.load_nodes():
             try:
@@ -65,8 +83,57 @@ class ControlPlane:
         rev = self.hub.revision if revision is None else revision
         cluster = self.inventory.cluster(revision=rev, now_ms=now_ms(), now_mono=time.monotonic())
         cluster.deployments = [d for _, d in sorted(self.desired.deployments.items())]
+        cluster.replicas = [
+            self.replica_view(r)
+            for _, r in sorted(self.replicas.items())
+            if r.lifecycle is not Lifecycle.RETIRED
+        ]
         cluster.events = list(self._recent)
         return cluster
+
+    # --- replicas --------------------------------------------------------------------
+
+    def replica_view(self, record: ReplicaRecord) -> Replica:
+        """The operator API's view of a replica record."""
+        plan = record.plan
+        leader = self.inventory.nodes.get(plan.leader.node_id)
+        address = node_address(leader) if leader is not None else plan.leader.node_id
+        return Replica(
+            replica_id=plan.replica_id,
+            deployment=plan.deployment,
+            profile=plan.profile,
+            model=record.profile.served_model_name,
+            endpoint=f"http://{_host(address)}:{plan.leader.port}",
+            state=replica_state(record, [self._on_node(p) for p in plan.shards]),
+            shard_ids=[p.shard_id for p in plan.shards],
+            out_of_date=plan.fingerprint != self.desired.fingerprint(plan.profile)
+            or self._profile_changed(record),
+        )
+
+    def _profile_changed(self, record: ReplicaRecord) -> bool:
+        deployment = self.desired.deployments.get(record.plan.deployment)
+        return deployment is not None and deployment.profile != record.plan.profile
+
+    def _on_node(self, plan: ShardPlan) -> Shard | None:
+        shard = self.inventory.shards.get(plan.shard_id)
+        return shard if shard is not None and shard.node_id == plan.node_id else None
+
+    async def save_replicas(self, changed: Mapping[str, ReplicaRecord]) -> None:
+        """Store changed records durably, then make them visible and publish them."""
+        if not changed:
+            return
+        await self.store.save_replicas(changed.values())
+        self.replicas.update(changed)
+        for replica_id, record in sorted(changed.items()):
+            if record.lifecycle is Lifecycle.RETIRED:
+                self.hub.publish(WatchEvent(replica_removed=replica_id))
+            else:
+                self.hub.publish(WatchEvent(replica=self.replica_view(record)))
+
+    def _publish_replica_of(self, shard: Shard) -> None:
+        record = self.replicas.get(shard.replica_id)
+        if record is not None and record.lifecycle is not Lifecycle.RETIRED:
+            self.hub.publish(WatchEvent(replica=self.replica_view(record)))
 
     # --- agents ----------------------------------------------------------------------
 
@@ -77,12 +144,22 @@ class ControlPlane:
         connection, record = self.inventory.register(
             node, message.protocol_version, peer=peer, now_ms=at, now_mono=time.monotonic()
         )
+        # Before any await: a reconciliation round must never see the node READY without
+        # the shards it runs (it would start them again), nor with shards it no longer has.
+        reported = {s.shard_id for s in message.shards}
+        gone = [s.shard_id for s in self.inventory.shards_of(node.node_id)]
+        gone = [shard_id for shard_id in gone if shard_id not in reported]
+        for shard_id in gone:
+            del self.inventory.shards[shard_id]
+        shards = [self.inventory.report_shard(node.node_id, s, now_ms=at) for s in message.shards]
         await self.store.save_node(
             StoredNode(node.node_id, bytes(record.info), record.cordoned, record.first_seen_ms, at)
         )
         self._publish_node(record)
-        for status in message.shards:
-            self.shard_status(node.node_id, status)
+        for shard_id in gone:
+            self.hub.publish(WatchEvent(shard_removed=shard_id))
+        self._publish_shards(shards)
+        self.reconcile_soon()
         log.info("node %s registered from %s (%d GPUs)", node.node_id, peer, len(node.gpus))
         return connection
 
@@ -103,13 +180,20 @@ class ControlPlane:
 
     def shard_status(self, node_id: str, status: ShardStatus) -> None:
         shard = self.inventory.report_shard(node_id, status, now_ms=now_ms())
-        self.hub.publish(WatchEvent(shard=shard))
+        self._publish_shards([shard])
+        self.reconcile_soon()
+
+    def _publish_shards(self, shards: Iterable[Shard]) -> None:
+        for shard in shards:
+            self.hub.publish(WatchEvent(shard=shard))
+            self._publish_replica_of(shard)
 
     def disconnect(self, node_id: str, connection: int, reason: str) -> None:
         record = self.inventory.disconnect(node_id, connection, reason)
         if record is not None:
             log.warning("node %s is NOT_READY: %s", node_id, reason)
             self._publish_node(record)
+            self.reconcile_soon()
 
     # --- operators -------------------------------------------------------------------
 
@@ -118,6 +202,7 @@ class ControlPlane:
         record = self.inventory.set_cordoned(node_id, cordoned)
         await self.store.set_cordoned(node_id, cordoned)
         self._publish_node(record)
+        self.reconcile_soon()
         await self.audit(actor, "cordon" if cordoned else "uncordon", node_id, "ok")
         return record
 
@@ -128,13 +213,26 @@ class ControlPlane:
         self._recent.append(event)
         self.hub.publish(WatchEvent(audit=event))
 
+    async def audit_all(self, records: Sequence[AuditRecord]) -> None:
+        """Append several audit records (one transaction) and publish each."""
+        if not records:
+            return
+        await self.store.append_audits(records)
+        for record in records:
+            event = _audit_event(record)
+            self._recent.append(event)
+            self.hub.publish(WatchEvent(audit=event))
+
     # --- periodic --------------------------------------------------------------------
 
     async def tick(self) -> None:
         """Mark silent nodes NOT_READY and flush heartbeat times to the store."""
-        for record in self.inventory.expire(time.monotonic()):
+        expired = self.inventory.expire(time.monotonic())
+        for record in expired:
             log.warning("node %s is NOT_READY: %s", record.info.node_id, record.reason)
             self._publish_node(record)
+        if expired:
+            self.reconcile_soon()
         await self.flush()
 
     async def flush(self) -> None:
@@ -154,3 +252,47 @@ def _audit_event(record: AuditRecord) -> AuditEvent:
         target=record.target,
         result=record.result,
     )
+
+
+def _nothing() -> None:
+    pass
+
+
+def node_address(record: NodeRecord) -> str:
+    """Where a node is reached: its management address, else the address its agent
+    connected from, else its hostname."""
+    info = record.info
+    peer_host = record.peer.rpartition(":")[0].strip("[]") if record.peer else ""
+    return info.management_address or peer_host or info.hostname or info.node_id
+
+
+def _host(address: str) -> str:
+    return f"[{address}]" if ":" in address else address
+
+
+_PROGRESS = (ShardState.PENDING, ShardState.STARTING, ShardState.LOADING, ShardState.READY)
+
+
+def replica_state(record: ReplicaRecord, shards: Iterable[Shard | None]) -> ShardState:
+    """A replica's state from its shards on their planned nodes (None: not reported there).
+
+    A retiring replica is DRAINING (STOPPED once none runs); else READY only when every
+    shard is READY, FAILED if one is, DRAINING if one drains, else the least advanced shard's state
+    (a missing or STOPPED shard of a live replica counts as PENDING: it will be started).
+    """
+    states = [
+        read_shard_state(s.status.state)
+        if s is not None and s.status is not None
+        else ShardState.STOPPED
+        for s in shards
+    ]
+    if record.lifecycle is Lifecycle.RETIRING:  # it takes no new requests, READY or not
+        running = any(s is not ShardState.STOPPED for s in states)
+        return ShardState.DRAINING if running else ShardState.STOPPED
+    if all(s is ShardState.READY for s in states):
+        return ShardState.READY
+    if ShardState.FAILED in states:
+        return ShardState.FAILED
+    if ShardState.DRAINING in states:
+        return ShardState.DRAINING
+    return min((s if s in _PROGRESS else ShardState.PENDING for s in states), key=_PROGRESS.index)

@@ -2,36 +2,45 @@
 
 What is kept: every node ever seen (its last registration, whether it is cordoned, when it
 was first and last seen), the audit log of operator actions, and the desired state: engine
-profiles and deployments, each as its serialized message. Later issues add replicas and
-tokens to the same file.
+profiles and deployments, each as its serialized message; and the replicas the reconciler
+decided on (``ReplicaRecord``, as JSON: its plan, the profile it was placed with, its
+lifecycle, serial, API key and the replica it replaces; RETIRED ones are kept, so their
+shards stay fenced). Later issues add tokens to the same file.
 
 Schema versions (``PRAGMA user_version``): 1 holds nodes and the audit log; 2 adds the
-profiles and deployments tables. Opening an older file migrates it forward step by step
-in one transaction; a newer one is refused.
+profiles and deployments tables; 3 adds the replicas table. Opening an older file migrates
+it forward step by step in one transaction; a newer one is refused.
 
 Durability: WAL with ``synchronous=FULL``, so a write that returned survives a kill -9 of
 the server at any later moment. Heartbeat times are written in batches (they are advisory:
 a restarted server waits for agents to reconnect anyway); registrations, cordons, audit
 records and applied profiles and deployments are written before the RPC that caused them
-answers (an apply's profiles and deployment in one transaction).
+answers (an apply's profiles and deployment in one transaction); replica records are
+written, one round's in one transaction, before any command of that round is sent.
 """
 
 from __future__ import annotations
 
+import base64
+import json
 import logging
 import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
+from typing import Any
 
 import aiosqlite
 
+from llmgw.api.llmgw.v1 import EngineProfile
 from llmgw.server.errors import StoreError
+from llmgw.server.plan import ReplicaPlan, ShardPlan
+from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 
 _SCHEMA_1 = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -65,8 +74,16 @@ CREATE TABLE IF NOT EXISTS deployments (
 );
 """
 
+_SCHEMA_3 = """
+CREATE TABLE IF NOT EXISTS replicas (
+    replica_id  TEXT PRIMARY KEY,
+    record      TEXT NOT NULL,          -- ReplicaRecord as JSON (encode_replica)
+    updated     INTEGER NOT NULL        -- Unix ms
+);
+"""
+
 # The script that brings a file from version N-1 to N, by N.
-_MIGRATIONS = {1: _SCHEMA_1, 2: _SCHEMA_2}
+_MIGRATIONS = {1: _SCHEMA_1, 2: _SCHEMA_2, 3: _SCHEMA_3}
 
 
 @dataclass(frozen=True, slots=True)
@@ -220,6 +237,16 @@ class Store:
         )
         await self._conn.commit()
 
+    async def append_audits(self, records: Iterable[AuditRecord]) -> None:
+        """Append audit records in one transaction."""
+        rows = [(r.at_ms, r.actor, r.action, r.target, r.result) for r in records]
+        if not rows:
+            return
+        await self._conn.executemany(
+            "INSERT INTO audit (at, actor, action, target, result) VALUES (?, ?, ?, ?, ?)", rows
+        )
+        await self._conn.commit()
+
     async def recent_audit(self, limit: int = 100) -> list[AuditRecord]:
         """The newest ``limit`` audit records, oldest first."""
         query = "SELECT at, actor, action, target, result FROM audit ORDER BY id DESC LIMIT ?"
@@ -269,3 +296,106 @@ class Store:
         async with self._conn.execute(query) as cursor:
             rows = await cursor.fetchall()
         return [StoredDeployment(r[0], bytes(r[1]), int(r[2])) for r in rows]
+
+    # --- replicas --------------------------------------------------------------------
+
+    async def save_replicas(self, records: Iterable[ReplicaRecord]) -> None:
+        """Insert or replace replica records, all in one transaction."""
+        at = now_ms()
+        rows = [(r.replica_id, encode_replica(r), at) for r in records]
+        if not rows:
+            return
+        db = self._conn
+        try:
+            await db.executemany(
+                "INSERT OR REPLACE INTO replicas (replica_id, record, updated) VALUES (?, ?, ?)",
+                rows,
+            )
+            await db.commit()
+        except BaseException:
+            await db.rollback()
+            raise
+
+    async def load_replicas(self) -> list[ReplicaRecord]:
+        """Every stored replica record, by id; a row that cannot be read is logged."""
+        query = "SELECT replica_id, record FROM replicas ORDER BY replica_id"
+        async with self._conn.execute(query) as cursor:
+            rows = await cursor.fetchall()
+        records = []
+        for replica_id, text in rows:
+            try:
+                records.append(decode_replica(text))
+            except Exception as exc:  # a row we cannot read must not stop the server
+                log.error("replica %s: stored record unreadable (%s)", replica_id, exc)
+        return records
+
+
+# --- replica records as JSON ----------------------------------------------------------------
+
+
+def encode_replica(record: ReplicaRecord) -> str:
+    """``record`` as JSON text: the plan's fields, the profile's bytes in base64."""
+    plan = record.plan
+    return json.dumps(
+        {
+            "replica_id": plan.replica_id,
+            "deployment": plan.deployment,
+            "profile_name": plan.profile,
+            "fingerprint": plan.fingerprint,
+            "master_port": plan.master_port,
+            "shards": [_shard_json(s) for s in plan.shards],
+            "profile": base64.b64encode(bytes(record.profile)).decode(),
+            "lifecycle": record.lifecycle.value,
+            "serial": record.serial,
+            "api_key": record.api_key,
+            "replaces": record.replaces,
+        },
+        sort_keys=True,
+    )
+
+
+def _shard_json(shard: ShardPlan) -> dict[str, Any]:
+    return {
+        "shard_id": shard.shard_id,
+        "node_id": shard.node_id,
+        "rank": shard.rank,
+        "gpu_uuids": list(shard.gpu_uuids),
+        "port": shard.port,
+        "hcas": list(shard.hcas),
+        "cpu_threads": shard.cpu_threads,
+    }
+
+
+def decode_replica(text: str) -> ReplicaRecord:
+    """The record :func:`encode_replica` wrote; ValueError, KeyError or TypeError if not one."""
+    data = json.loads(text)
+    plan = ReplicaPlan(
+        replica_id=str(data["replica_id"]),
+        deployment=str(data["deployment"]),
+        profile=str(data["profile_name"]),
+        fingerprint=str(data["fingerprint"]),
+        shards=tuple(_shard_plan(s) for s in data["shards"]),
+        master_port=int(data["master_port"]),
+    )
+    if not plan.shards:
+        raise ValueError("a replica record without shards")
+    return ReplicaRecord(
+        plan=plan,
+        profile=EngineProfile.parse(base64.b64decode(data["profile"], validate=True)),
+        lifecycle=Lifecycle(data["lifecycle"]),
+        serial=int(data["serial"]),
+        api_key=str(data["api_key"]),
+        replaces=str(data["replaces"]),
+    )
+
+
+def _shard_plan(data: dict[str, Any]) -> ShardPlan:
+    return ShardPlan(
+        shard_id=str(data["shard_id"]),
+        node_id=str(data["node_id"]),
+        rank=int(data["rank"]),
+        gpu_uuids=tuple(str(u) for u in data["gpu_uuids"]),
+        port=int(data["port"]),
+        hcas=tuple(str(h) for h in data["hcas"]),
+        cpu_threads=int(data["cpu_threads"]),
+    )

@@ -54,4 +54,4 @@ async def test_schema_1_file_migrates_and_keeps_its_nodes(tmp_path: Path) -> Non
     with sqlite3.connect(db) as conn:
         (version,) = conn.execute("PRAGMA user_version").fetchone()
     conn.close()
-    assert version == SCHEMA_VERSION == 2
+    assert version == SCHEMA_VERSION == 3

@@ -1,0 +1,274 @@
+"""The reconciler's I/O edge: rounds of :func:`~llmgw.server.reconciler.reconcile` against
+the control plane, run every tick and as soon as something changed.
+
+A round builds a :class:`~llmgw.server.reconcile_state.ReconcileInput` from what the plane
+holds now: the deployments and profiles, the replica records, the shards agents report,
+one :class:`NodeView` per node of the inventory (ready while its agent is connected and
+heartbeating; a node NOT_READY since it was last seen ready, and one the store remembers
+that has not come back since this server started since the start, on the monotonic clock)
+and the commands in flight (kept in memory only: a restarted server sends them again,
+which agents take as no-ops for an engine already running the same command).
+
+Then, in this order, so that a kill -9 at any point never loses a placement that engines
+may already run:
+
+1. the changed records are written to the store (one transaction) and published as
+   ``replica`` / ``replica_removed`` Watch events;
+2. the commands are sent through the agent service; one that cannot be sent (the agent
+   is not connected) is dropped from the in-flight table, so the next round tries again;
+3. each of the reconciler's events is appended to the audit log with actor
+   ``reconciler``, action ``reconcile``, the replica or shard as target and "WHAT: WHY"
+   as result.
+
+**Unplaceable replicas** are made visible in the audit log: when the reason a deployment
+lacks replicas changes, one record (action ``unplaceable``, target ``deployment/NAME``,
+the reason as result) is appended and the reason is logged; it is not repeated every
+round. :attr:`ReconcileLoop.unplaceable` holds the current reasons.
+
+A round that fails (the store, a bug) is logged and the next tick tries again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+import time
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+
+from llmgw.api.llmgw.v1 import ControlMessage, Deployment, EngineProfile, NodeState
+from llmgw.server.capacity import node_capacity
+from llmgw.server.placement import FleetPlacer
+from llmgw.server.plan import ReplicaPlan, ShardPlan, Unplaceable
+from llmgw.server.plane import ControlPlane, node_address
+from llmgw.server.profiles import profile_fingerprint
+from llmgw.server.reconcile_state import (
+    Decision,
+    NodeView,
+    PendingCommand,
+    ReconcileConfig,
+    ReconcileInput,
+)
+from llmgw.server.reconciler import reconcile
+from llmgw.server.store import AuditRecord, now_ms
+
+__all__ = ["ACTOR", "ReconcileLoop", "SendFn", "api_key_for"]
+
+log = logging.getLogger(__name__)
+
+ACTOR = "reconciler"
+"""The actor of the audit records a round appends."""
+
+SendFn = Callable[[str, ControlMessage], Awaitable[bool]]
+"""Sends a command to a node's agent; False when it is not connected (AgentService.send)."""
+
+
+def api_key_for(replica_id: str) -> str:
+    """A fresh secret API key for a new replica (its engines require it as a bearer token)."""
+    return secrets.token_urlsafe(24)
+
+
+class ReconcileLoop:
+    """Runs reconciliation rounds against ``plane``, sending commands with ``send``."""
+
+    def __init__(
+        self,
+        plane: ControlPlane,
+        send: SendFn,
+        *,
+        config: ReconcileConfig | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        port_range: tuple[int, int] = (20000, 29999),
+    ) -> None:
+        self.plane = plane
+        self.send = send
+        self.config = config or ReconcileConfig()
+        self.clock = clock
+        self.port_range = port_range
+        self.pending: dict[str, PendingCommand] = {}
+        self.unplaceable: dict[str, str] = {}  # deployment → why some replicas have no place
+        self._started = clock()
+        self._down_since: dict[str, float] = {}  # node id → monotonic time it was seen down
+        self._wakeup = asyncio.Event()
+        self._lock = asyncio.Lock()
+        plane.reconcile_soon = self.poke
+
+    def poke(self) -> None:
+        """Run a round soon (on the loop's next turn), not only at the next tick."""
+        self._wakeup.set()
+
+    async def run(self, every_s: float) -> None:
+        """Run a round every ``every_s`` seconds and whenever poked, until cancelled."""
+        while True:
+            try:
+                async with asyncio.timeout(every_s):
+                    await self._wakeup.wait()
+            except TimeoutError:
+                pass
+            self._wakeup.clear()
+            try:
+                await self.round()
+            except asyncio.CancelledError:
+                raise
+            except Exception:  # one failed round must not end reconciliation
+                log.exception("reconciliation round failed; trying again next tick")
+
+    async def round(self) -> Decision:
+        """One round: decide, store, send, audit. Rounds never overlap."""
+        async with self._lock:
+            decision = reconcile(self.snapshot())
+            await self.plane.save_replicas(decision.replicas)
+            self.pending = dict(decision.pending)
+            for node_id, message in decision.commands:
+                await self._send(node_id, message)
+            await self._audit(decision)
+            return decision
+
+    def snapshot(self) -> ReconcileInput:
+        """The reconciler's input, from the plane as it is now."""
+        plane = self.plane
+        now = self.clock()
+        return ReconcileInput(
+            deployments=dict(plane.desired.deployments),
+            profiles=dict(plane.desired.profiles),
+            fingerprint=profile_fingerprint,
+            place=_LazyPlacer(plane, self.port_range, now),
+            replicas=dict(plane.replicas),
+            shards=dict(plane.inventory.shards),
+            nodes=self._nodes(now),
+            pending=dict(self.pending),
+            now=now,
+            api_key_for=api_key_for,
+            config=self.config,
+        )
+
+    def _nodes(self, now: float) -> dict[str, NodeView]:
+        inventory = self.plane.inventory
+        views = {}
+        for node_id, record in inventory.nodes.items():
+            state = inventory.state(record, now)
+            ready = state is not NodeState.NOT_READY
+            if ready:
+                self._down_since.pop(node_id, None)
+            else:  # first seen down now, or (restored, never back) since this server started
+                first = self._started if record.registered_ms == 0 else now
+                self._down_since.setdefault(node_id, first)
+            views[node_id] = NodeView(
+                node_id=node_id,
+                ready=ready,
+                cordoned=record.cordoned,
+                not_ready_since=None if ready else self._down_since[node_id],
+                address=node_address(record),
+            )
+        return views
+
+    async def _send(self, node_id: str, message: ControlMessage) -> None:
+        shard_id = _shard_of(message)
+        try:
+            sent = await self.send(node_id, message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # a broken stream: its agent reconnects, we resend then
+            log.warning("node %s: command for shard %s not sent (%s)", node_id, shard_id, exc)
+            sent = False
+        if not sent:
+            self.pending.pop(shard_id, None)
+
+    async def _audit(self, decision: Decision) -> None:
+        at = now_ms()
+        records = [
+            AuditRecord(at, ACTOR, "reconcile", e.subject, f"{e.what}: {e.why}")
+            for e in decision.events
+        ]
+        for name, why in sorted(decision.unplaceable.items()):
+            if self.unplaceable.get(name) != why:
+                log.warning("deployment %s: replicas cannot be placed: %s", name, why)
+                records.append(AuditRecord(at, ACTOR, "unplaceable", f"deployment/{name}", why))
+        for name in sorted(self.unplaceable.keys() - decision.unplaceable.keys()):
+            log.info("deployment %s: every replica it lacked is placed now", name)
+        self.unplaceable = dict(decision.unplaceable)
+        await self.plane.audit_all(records)
+
+
+def _shard_of(message: ControlMessage) -> str:
+    for command in (message.start_shard, message.stop_shard, message.drain_shard):
+        if command is not None:
+            return command.shard_id
+    return ""
+
+
+class _LazyPlacer:
+    """A :class:`FleetPlacer` over the nodes as they are now, built on first use (most
+    rounds place nothing).
+
+    Nodes reached at one address (simulated agents on one host) share one port space: an
+    engine port taken on one is taken on all of them. Then replicas are placed one at a
+    time, each seeing the ports the ones before it took on its neighbours.
+    """
+
+    def __init__(self, plane: ControlPlane, port_range: tuple[int, int], now: float) -> None:
+        self._plane = plane
+        self._port_range = port_range
+        self._now = now
+        self._built: tuple[FleetPlacer, dict[str, tuple[str, ...]]] | None = None
+
+    def _build(self) -> tuple[FleetPlacer, dict[str, tuple[str, ...]]]:
+        if self._built is None:
+            inventory, now = self._plane.inventory, self._now
+            records = list(inventory.nodes.values())
+            capacity = [node_capacity(inventory.node_view(r, now)) for r in records]
+            placer = FleetPlacer(capacity, profile_fingerprint, port_range=self._port_range)
+            self._built = placer, _neighbours([(r.info.node_id, node_address(r)) for r in records])
+        return self._built
+
+    def __call__(
+        self,
+        deployment: Deployment,
+        profile: EngineProfile,
+        replica_ids: Sequence[str],
+        *,
+        excluding: frozenset[str],
+        taken: Sequence[ReplicaPlan],
+    ) -> Sequence[ReplicaPlan | Unplaceable]:
+        placer, neighbours = self._build()
+        if not neighbours:
+            return placer(deployment, profile, replica_ids, excluding=excluding, taken=taken)
+        held = list(taken)
+        results: list[ReplicaPlan | Unplaceable] = []
+        for replica_id in replica_ids:
+            seen = [*held, _ports_of_neighbours(held, neighbours)]
+            (placed,) = placer(deployment, profile, [replica_id], excluding=excluding, taken=seen)
+            results.append(placed)
+            if isinstance(placed, Unplaceable):
+                return results + [placed] * (len(replica_ids) - len(results))
+            held.append(placed)
+        return results
+
+
+def _neighbours(addresses: Sequence[tuple[str, str]]) -> dict[str, tuple[str, ...]]:
+    """Node id → the other nodes at its address, for nodes that share one."""
+    by_address: dict[str, list[str]] = {}
+    for node_id, address in addresses:
+        by_address.setdefault(address, []).append(node_id)
+    return {
+        node_id: tuple(other for other in group if other != node_id)
+        for group in by_address.values()
+        if len(group) > 1
+        for node_id in group
+    }
+
+
+def _ports_of_neighbours(
+    taken: Sequence[ReplicaPlan], neighbours: Mapping[str, tuple[str, ...]]
+) -> ReplicaPlan:
+    """A plan of no deployment holding, on each node, the ports its neighbours use."""
+    used: list[tuple[str, int]] = []
+    for plan in taken:
+        ports = [(s.node_id, s.port) for s in plan.shards]
+        if plan.master_port:
+            ports.append((plan.leader.node_id, plan.master_port))
+        used.extend(
+            (other, port) for node_id, port in ports for other in neighbours.get(node_id, ())
+        )
+    shards = tuple(ShardPlan("", node_id, 0, (), port) for node_id, port in sorted(set(used)))
+    return ReplicaPlan("", "", "", "", shards)

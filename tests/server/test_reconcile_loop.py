@@ -1,0 +1,250 @@
+"""The reconcile loop against an in-process ControlPlane with a fake agent sender."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import pytest
+
+from llmgw.agent.discovery import simulated_node
+from llmgw.api.llmgw.v1 import (
+    ApplyDeploymentRequest,
+    ControlMessage,
+    Deployment,
+    EngineProfile,
+    Register,
+    ShardState,
+    ShardStatus,
+)
+from llmgw.protocol import PROTOCOL_VERSION
+from llmgw.server.desired import check_apply
+from llmgw.server.plan import ReplicaPlan, ShardPlan
+from llmgw.server.plane import ControlPlane
+from llmgw.server.reconcile_loop import ReconcileLoop
+from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.server.store import Store, decode_replica, encode_replica
+
+PROFILE = EngineProfile(
+    name="chat-tp2", engine="sim", gpu_class="H100", tp=2, model_path="/m/chat",
+    served_model_name="chat",
+)  # fmt: skip
+
+
+class FakeAgents:
+    """Records every command, and what the store held for its replica when it was sent."""
+
+    def __init__(self, plane: ControlPlane, connected: set[str]) -> None:
+        self.plane = plane
+        self.connected = connected
+        self.sent: list[tuple[str, ControlMessage]] = []
+        self.stored_when_sent: list[bool] = []
+
+    async def send(self, node_id: str, message: ControlMessage) -> bool:
+        if node_id not in self.connected:
+            return False
+        start = message.start_shard
+        if start is not None:
+            stored = {r.replica_id for r in await self.plane.store.load_replicas()}
+            self.stored_when_sent.append(start.replica_id in stored)
+        self.sent.append((node_id, message))
+        return True
+
+    def starts(self) -> dict[str, str]:
+        """Shard id → node of every StartShard sent."""
+        return {m.start_shard.shard_id: n for n, m in self.sent if m.start_shard is not None}
+
+
+async def _register(plane: ControlPlane, node_id: str, *shards: ShardStatus) -> None:
+    node = simulated_node("dgx-h100", node_id=node_id, hostname=node_id)
+    message = Register(protocol_version=PROTOCOL_VERSION, node=node, shards=list(shards))
+    await plane.register(node, message, peer=f"10.0.0.{len(plane.inventory.nodes) + 1}:5000")
+
+
+async def _apply(plane: ControlPlane, replicas: int) -> None:
+    deployment = Deployment(name="chat", profile="chat-tp2", replicas=replicas)
+    request = ApplyDeploymentRequest(deployment=deployment, profiles=[PROFILE])
+    await plane.desired.apply(check_apply(request, plane.desired.profiles))
+
+
+def _ready(loop_plane: ControlPlane, agents: FakeAgents) -> list[ShardStatus]:
+    """Every started shard reported READY by its node (as its agent would)."""
+    out = []
+    for node_id, message in agents.sent:
+        start = message.start_shard
+        if start is None:
+            continue
+        status = ShardStatus(
+            shard_id=start.shard_id,
+            replica_id=start.replica_id,
+            state=ShardState.READY,
+            endpoint=f"http://127.0.0.1:{start.port}",
+            profile_fingerprint=start.profile_fingerprint,
+            gpu_uuids=start.gpu_uuids,
+        )
+        loop_plane.shard_status(node_id, status)
+        out.append(status)
+    return out
+
+
+@pytest.fixture
+async def plane(tmp_path: Path) -> AsyncIterator[ControlPlane]:
+    async with Store(tmp_path / "s.db") as store:
+        plane = ControlPlane(store)
+        await plane.load()
+        yield plane
+
+
+async def test_apply_places_persists_before_sending_and_a_second_round_sends_nothing(
+    plane: ControlPlane,
+) -> None:
+    agents = FakeAgents(plane, {"a1", "a2"})
+    loop = ReconcileLoop(plane, agents.send)
+    pokes: list[int] = []
+    plane.reconcile_soon = lambda: pokes.append(1)
+    await _register(plane, "a1")
+    await _register(plane, "a2")
+    assert pokes  # a registration asks for a round
+    await _apply(plane, 4)
+
+    decision = await loop.round()
+    starts = agents.starts()
+    assert len(decision.replicas) == 4 and len(starts) == 4  # one node each: one shard
+    assert agents.stored_when_sent == [True] * len(agents.sent)
+    assert sorted(set(starts.values())) == ["a1", "a2"]  # spread over both nodes
+    for node_id, message in agents.sent:
+        start = message.start_shard
+        assert start is not None and len(start.gpu_uuids) == 2
+        record = plane.replicas[start.replica_id]
+        assert record.plan.shards[0].node_id == node_id
+        assert start.api_key == record.api_key and len(record.api_key) >= 32
+
+    sent = len(agents.sent)
+    await loop.round()
+    assert len(agents.sent) == sent  # level-based: in flight, nothing new
+
+    _ready(plane, agents)
+    cluster = plane.snapshot()
+    assert [r.state for r in cluster.replicas] == [ShardState.READY] * 4
+    replica = cluster.replicas[0]
+    assert replica.model == "chat" and not replica.out_of_date
+    node = plane.replicas[replica.replica_id].plan.leader.node_id
+    port = plane.replicas[replica.replica_id].plan.leader.port
+    peer = plane.inventory.nodes[node].peer.rpartition(":")[0]
+    assert replica.endpoint == f"http://{peer}:{port}"
+    await loop.round()
+    assert len(agents.sent) == sent
+    audit = [e for e in plane.snapshot().events if e.actor == "reconciler"]
+    assert sum("placed active replica" in e.result for e in audit) == 4
+
+
+async def test_restart_from_the_store_adopts_running_shards_without_starting_them_again(
+    tmp_path: Path,
+) -> None:
+    db = tmp_path / "s.db"
+    async with Store(db) as store:
+        plane = ControlPlane(store)
+        await plane.load()
+        agents = FakeAgents(plane, {"a1", "a2"})
+        loop = ReconcileLoop(plane, agents.send)
+        await _register(plane, "a1")
+        await _register(plane, "a2")
+        await _apply(plane, 4)
+        await loop.round()
+        running = _ready(plane, agents)
+        records = dict(plane.replicas)
+    async with Store(db) as store:  # the server again, from its file
+        plane = ControlPlane(store)
+        await plane.load()
+        assert plane.replicas == records
+        agents = FakeAgents(plane, {"a1", "a2"})
+        loop = ReconcileLoop(plane, agents.send)
+        await loop.round()
+        assert agents.sent == []  # its nodes are not back: nothing to anyone
+        for node_id in ("a1", "a2"):
+            mine = [s for s in running if records[s.replica_id].plan.leader.node_id == node_id]
+            await _register(plane, node_id, *mine)
+        await loop.round()
+        assert agents.sent == []  # every shard adopted, none started twice
+        assert [r.state for r in plane.snapshot().replicas] == [ShardState.READY] * 4
+
+
+async def test_scale_down_drains_extras_and_unknown_shards_are_stopped(
+    plane: ControlPlane,
+) -> None:
+    agents = FakeAgents(plane, {"a1"})
+    loop = ReconcileLoop(plane, agents.send)
+    stray = ShardStatus(shard_id="ghost-1.0", replica_id="ghost-1", state=ShardState.READY)
+    await _register(plane, "a1", stray)
+    await _apply(plane, 2)
+    await loop.round()
+    stops = [m.stop_shard.shard_id for _, m in agents.sent if m.stop_shard is not None]
+    assert stops == ["ghost-1.0"]
+    _ready(plane, agents)
+    await _apply(plane, 1)
+    await loop.round()
+    drains = [m.drain_shard.shard_id for _, m in agents.sent if m.drain_shard is not None]
+    assert len(drains) == 1
+    retiring = [r for r in plane.replicas.values() if r.lifecycle is Lifecycle.RETIRING]
+    assert [r.plan.shards[0].shard_id for r in retiring] == drains
+    views = {r.replica_id: r.state for r in plane.snapshot().replicas}
+    assert views[retiring[0].replica_id] is ShardState.DRAINING
+    plane.shard_status(
+        "a1", ShardStatus(shard_id=drains[0], replica_id=retiring[0].replica_id,
+                          state=ShardState.STOPPED)
+    )  # fmt: skip
+    await loop.round()
+    assert plane.replicas[retiring[0].replica_id].lifecycle is Lifecycle.RETIRED
+    assert retiring[0].replica_id not in {r.replica_id for r in plane.snapshot().replicas}
+
+
+async def test_unplaceable_is_audited_once_and_an_unsent_command_is_retried(
+    plane: ControlPlane,
+) -> None:
+    agents = FakeAgents(plane, set())  # registered, but sends fail
+    loop = ReconcileLoop(plane, agents.send)
+    await _register(plane, "a1")
+    await _apply(plane, 5)  # 4 fit on one DGX at TP=2
+    await loop.round()
+    await loop.round()
+    unplaceable = [e for e in plane.snapshot().events if e.action == "unplaceable"]
+    assert len(unplaceable) == 1 and unplaceable[0].target == "deployment/chat"
+    assert "chat" in loop.unplaceable
+    assert loop.pending == {}  # nothing reached the agent: nothing in flight
+    agents.connected.add("a1")
+    await loop.round()
+    assert len(agents.starts()) == 4
+
+
+def test_a_record_survives_its_encoding() -> None:
+    plan = ReplicaPlan(
+        "chat-1", "chat", "chat-tp2", "fp-1",
+        (ShardPlan("chat-1.0", "a1", 0, ("g0", "g1"), 20000, ("mlx5_0",), 0),
+         ShardPlan("chat-1.1", "a2", 1, ("g2",), 20001)),
+        master_port=20002,
+    )  # fmt: skip
+    record = ReplicaRecord(plan, PROFILE, Lifecycle.SURGE, 7, "key", "chat-0")
+    assert decode_replica(encode_replica(record)) == record
+
+
+async def test_a_schema_2_file_gains_the_replicas_table(tmp_path: Path) -> None:
+    import sqlite3
+
+    db = tmp_path / "v2.db"
+    async with Store(db):
+        pass
+    with sqlite3.connect(db) as conn:  # back to version 2 as it shipped: no replicas table
+        conn.executescript("DROP TABLE replicas; PRAGMA user_version=2;")
+    conn.close()
+    plan = ReplicaPlan(
+        "chat-1", "chat", "chat-tp2", "fp-1", (ShardPlan("chat-1.0", "a1", 0, ("g0",), 20000),)
+    )
+    record = ReplicaRecord(plan, PROFILE, Lifecycle.RETIRED, 1, "key")
+    async with Store(db) as store:
+        await store.save_replicas([record])
+    async with Store(db) as store:
+        assert await store.load_replicas() == [record]  # RETIRED records are kept
+    with sqlite3.connect(db) as conn:
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+    conn.close()
+    assert version == 3
