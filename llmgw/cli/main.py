@@ -116,8 +116,8 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--test-hooks",
         action="store_true",
         help="serve POST /debug/agents/NODE/command on the gRPC-web port, sending a "
-        "ControlMessage (proto3 JSON) to that agent; for tests until the reconciler "
-        "exists; unauthenticated, never on a reachable address",
+        "ControlMessage (proto3 JSON) to that agent, and turn the reconciler off; for "
+        "tests that drive agents by hand; unauthenticated, never on a reachable address",
     )
     p.set_defaults(command=_run_server)
 

@@ -1,6 +1,7 @@
 """Test hooks of the control server: ``llmgw server --test-hooks`` (off by default).
 
-A stand-in until the reconciler exists, so tests and demos can drive agents by hand.
+For tests that drive agents by hand; the server turns its reconciler off with it, since
+the reconciler would stop shards that no deployment wants.
 ``POST /debug/agents/{node_id}/command`` on the gRPC-web (HTTP) port takes one
 ``ControlMessage`` in proto3 JSON holding exactly one of ``startShard``, ``stopShard`` or
 ``drainShard``, and sends it down that node's agent stream::
