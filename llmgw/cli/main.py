@@ -59,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_agent(sub)
     _add_get(sub)
     _add_node_actions(sub)
+    _add_operator_actions(sub)
     _add_desired(sub)
     _add_demo(sub)
     _add_sim_engine(sub)
@@ -246,6 +247,12 @@ def _add_node_actions(sub: argparse._SubParsersAction[argparse.ArgumentParser]) 
         p.add_argument("node_id", metavar="NODE")
         _add_server_url(p)
         p.set_defaults(command=_run_node_action, verb=verb)
+
+
+def _add_operator_actions(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from llmgw.cli.actions import add_parsers
+
+    add_parsers(sub, _add_server_url)
 
 
 def _add_desired(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:

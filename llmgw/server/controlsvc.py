@@ -7,16 +7,20 @@ answering. Every apply and delete, refused or not, lands in the audit log with t
 the action, the target and the result. A refused apply answers INVALID_ARGUMENT with its
 first problems by key path, cut short (grpcio refuses a trailer over 16 KiB).
 
-The RPCs whose implementation belongs to later work (replicas, reprofiling, node drain,
-router statistics) answer UNIMPLEMENTED with a message naming what is missing, so a client
+Operator actions on replicas and nodes (start, drain, reprofile, drain a node) are
+``llmgw.server.actions``; each is audited with the result "ok: WHAT" or "refused: WHY",
+and a refusal answers the action's status and changes nothing.
+
+The RPCs whose implementation belongs to later work (router statistics) answer
+UNIMPLEMENTED with a message naming what is missing, so a client
 can tell "not yet" from "failed".
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from typing import NoReturn
+from collections.abc import AsyncIterator, Coroutine
+from typing import Any, NoReturn
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -38,6 +42,7 @@ from llmgw.api.llmgw.v1 import (
     WatchEvent,
     WatchRequest,
 )
+from llmgw.server import actions
 from llmgw.server.desired import Change, check_apply, plan_text, refusal
 from llmgw.server.errors import ProfileError, UnknownNode, quoted
 from llmgw.server.plane import ControlPlane
@@ -54,9 +59,6 @@ def _not_yet(rpc: str, arrives_with: str) -> NoReturn:
         Status.UNIMPLEMENTED,
         f"{rpc} is not implemented by this server yet: it arrives with {arrives_with}",
     )
-
-
-_DESIRED_STATE = "desired state (deployments, placement and the reconciler)"
 
 
 class ControlService(ControlServiceBase):
@@ -120,16 +122,39 @@ class ControlService(ControlServiceBase):
         return ActionResult(ok=True, message=f"deployment {message.name} deleted")
 
     async def start_replica(self, message: ReplicaRequest) -> ActionResult:
-        _not_yet("StartReplica", _DESIRED_STATE)
+        target = _replica_target(message.deployment, message.replica_id)
+        return await self._act(
+            "start",
+            target,
+            actions.start_replica(self.plane, message.deployment, message.replica_id),
+        )
 
     async def drain_replica(self, message: ReplicaRequest) -> ActionResult:
-        _not_yet("DrainReplica", _DESIRED_STATE)
+        target = f"replica/{message.replica_id[:64]}"
+        return await self._act(
+            "drain", target, actions.drain_replica(self.plane, message.replica_id)
+        )
 
     async def reprofile_replica(self, message: ReprofileReplicaRequest) -> ActionResult:
-        _not_yet("ReprofileReplica", _DESIRED_STATE)
+        target = _replica_target(message.deployment, message.replica_id)
+        work = actions.reprofile(
+            self.plane, message.deployment, message.replica_id, message.profile
+        )
+        return await self._act("reprofile", target, work)
 
     async def drain_node(self, message: NodeRequest) -> ActionResult:
-        _not_yet("DrainNode", _DESIRED_STATE)
+        work = actions.drain_node(self.plane, message.node_id, actor=OPERATOR)
+        return await self._act("drain-node", f"node/{message.node_id[:64]}", work)
+
+    async def _act(self, action: str, target: str, work: Coroutine[Any, Any, str]) -> ActionResult:
+        """Run an operator action and audit it: "ok: WHAT" or "refused: WHY"."""
+        try:
+            text = await work
+        except actions.ActionRefused as exc:
+            await self.plane.audit(OPERATOR, action, target, f"refused: {exc.why}")
+            raise GRPCError(exc.status, exc.why) from exc
+        await self.plane.audit(OPERATOR, action, target, f"ok: {text}")
+        return ActionResult(ok=True, message=text)
 
     async def list_profiles(self, message: ListProfilesRequest) -> ListProfilesResponse:
         profiles = self.plane.desired.profiles
@@ -137,6 +162,10 @@ class ControlService(ControlServiceBase):
 
     async def get_router_stats(self, message: GetRouterStatsRequest) -> RouterStats:
         _not_yet("GetRouterStats", "the gateway")
+
+
+def _replica_target(deployment: str, replica_id: str) -> str:
+    return f"replica/{replica_id[:64]}" if replica_id else f"deployment/{deployment[:64]}"
 
 
 def _requested_target(message: ApplyDeploymentRequest) -> str:

@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import tomllib
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any
@@ -262,8 +262,11 @@ class DesiredState:
         self._store = store
         self._hub = hub
         self._lock = asyncio.Lock()
+        self._edit_lock = asyncio.Lock()
         self.profiles: dict[str, EngineProfile] = {}
         self.deployments: dict[str, Deployment] = {}
+        self.retire: set[str] = set()  # replica ids an operator drained (in memory only)
+        self.replace: set[str] = set()  # replica ids to replace by surge (a node drain)
 
     async def load(self) -> None:
         """Read the stored profiles and deployments; a row that cannot be read is logged."""
@@ -301,6 +304,32 @@ class DesiredState:
             if deployment is not None:
                 self.deployments[deployment.name] = deployment
                 self._hub.publish(WatchEvent(deployment=deployment))
+
+    async def update(
+        self, name: str, edit: Callable[[Deployment], None], *, retire: str = ""
+    ) -> Deployment | None:
+        """Edit a stored deployment (its count or profile) and, with it, retire a replica.
+
+        Edits run one at a time (two drains lower the count twice). The id joins
+        :attr:`retire` in the same turn of the event loop as the edit becomes visible, so a
+        reconciliation round (which reads both at once) sees both or neither. None when
+        there is no deployment ``name``.
+        """
+        async with self._edit_lock:
+            current = self.deployments.get(name)
+            if current is None:
+                return None
+            deployment = Deployment.parse(bytes(current))
+            edit(deployment)
+            await self.apply(Change((), deployment, None))
+            if retire:
+                self.retire.add(retire)
+            return deployment
+
+    def keep_requests(self, live: set[str]) -> None:
+        """Forget retire and replace requests of replicas no longer ACTIVE or SURGE."""
+        self.retire &= live
+        self.replace &= live
 
     async def delete(self, name: str) -> bool:
         """Forget a deployment durably and publish it; False when there is none."""

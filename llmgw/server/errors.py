@@ -6,6 +6,8 @@
     ├── StoreError              the state database cannot be opened, read or written
     ├── ConfigError             a flag or setting is malformed (the message names it)
     ├── UnknownNode             an operator named a node that was never seen
+    ├── ActionRefused           an operator action that cannot be done; ``status`` is the
+    │                           gRPC status to answer with, ``why`` says why in words
     └── ProfileError            a profiles/deployments document is refused; ``problems``
                                 names each fault by its key path (``profiles.x.tp: …``)
 
@@ -15,6 +17,8 @@ Anything else escaping a handler is our bug and answers INTERNAL.
 """
 
 from __future__ import annotations
+
+from grpclib.const import Status
 
 QUOTE_LIMIT = 64
 """The most characters of a client's value that an error message repeats."""
@@ -63,3 +67,12 @@ class ProfileError(ServerError):
         super().__init__("\n".join(f"{source}: {problem}" for problem in problems))
         self.problems = problems
         self.source = source
+
+
+class ActionRefused(ServerError):
+    """An operator action that cannot be done: the gRPC status and why, in words."""
+
+    def __init__(self, status: Status, why: str) -> None:
+        super().__init__(why)
+        self.status = status
+        self.why = why

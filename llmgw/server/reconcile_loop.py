@@ -25,6 +25,12 @@ lacks replicas changes, one record (action ``unplaceable``, target ``deployment/
 the reason as result) is appended and the reason is logged; it is not repeated every
 round. :attr:`ReconcileLoop.unplaceable` holds the current reasons.
 
+**Operator requests**: the replicas an operator drained (``DesiredState.retire``) and those
+a node drain moves (``DesiredState.replace``) go into each round's input; once such a
+replica is no longer ACTIVE or SURGE its request is forgotten. They are kept in memory:
+a server killed before the round that retires a drained replica retires one of its own
+choice instead (the stored count is right either way).
+
 A round that fails (the store, a bug) is logged and the next tick tries again.
 """
 
@@ -44,10 +50,12 @@ from llmgw.server.plane import ControlPlane, node_address
 from llmgw.server.profiles import profile_fingerprint
 from llmgw.server.reconcile_state import (
     Decision,
+    Lifecycle,
     NodeView,
     PendingCommand,
     ReconcileConfig,
     ReconcileInput,
+    ReplicaRecord,
 )
 from llmgw.server.reconciler import reconcile
 from llmgw.server.store import AuditRecord, now_ms
@@ -118,6 +126,7 @@ class ReconcileLoop:
         async with self._lock:
             decision = reconcile(self.snapshot())
             await self.plane.save_replicas(decision.replicas)
+            self.plane.desired.keep_requests(_live(self.plane.replicas))
             self.pending = dict(decision.pending)
             for node_id, message in decision.commands:
                 await self._send(node_id, message)
@@ -140,6 +149,8 @@ class ReconcileLoop:
             now=now,
             api_key_for=api_key_for,
             config=self.config,
+            retire=frozenset(plane.desired.retire),
+            replace=frozenset(plane.desired.replace),
         )
 
     def _nodes(self, now: float) -> dict[str, NodeView]:
@@ -188,6 +199,10 @@ class ReconcileLoop:
             log.info("deployment %s: every replica it lacked is placed now", name)
         self.unplaceable = dict(decision.unplaceable)
         await self.plane.audit_all(records)
+
+
+def _live(records: Mapping[str, ReplicaRecord]) -> set[str]:
+    return {k for k, r in records.items() if r.lifecycle in (Lifecycle.ACTIVE, Lifecycle.SURGE)}
 
 
 def _shard_of(message: ControlMessage) -> str:

@@ -138,6 +138,10 @@ class PlaceFn(Protocol):
 class ReconcileInput:
     """Everything one round looks at.
 
+    ``retire`` names replicas to retire now, before the deployment's count is looked at
+    (an operator's drain, stored with the lowered count); ``replace`` names replicas to
+    treat as out of date, so the rolling surge replaces them first (a node drain).
+
     ``nodes`` must hold every node a replica's plan names: one missing reads as NOT_READY
     since an unknown time, which never reaches the grace (a server that restarted lists the
     nodes it has seen, NOT_READY since its start, until their agents come back).
@@ -154,6 +158,8 @@ class ReconcileInput:
     now: float
     api_key_for: Callable[[str], str]  # a fresh secret for a new replica id
     config: ReconcileConfig = field(default_factory=ReconcileConfig)
+    retire: frozenset[str] = frozenset()  # replica ids an operator drained: retire them now
+    replace: frozenset[str] = frozenset()  # replica ids to replace by surge (node drain)
 
 
 @dataclass(frozen=True, slots=True)

@@ -10,12 +10,14 @@ Rules, in the order a round applies them (every loop in sorted order):
 1. **Replace** an ACTIVE or SURGE replica one of whose nodes has been NOT_READY past
    ``node_grace_s``, or one of whose shards is FAILED with ``restarts >= max_restarts``:
    it goes RETIRED (its shards are fenced) and a new replica is placed avoiding that node.
+   Then a live replica named in ``retire`` (drained by an operator) goes RETIRING.
 2. **Deployments**: a deleted deployment retires all its replicas. Otherwise replicas are
    placed until the deployment has its count; extras are retired (not-READY ones first,
    then out-of-date ones, then the newest). A replica whose fingerprint differs from its
    deployment's profile is out of date and is replaced by a rolling surge of one: a SURGE
    replica with the new profile is placed, becomes ACTIVE once all its shards are READY,
    and only then is one out-of-date replica retired, so READY never drops below the count.
+   A replica named in ``replace`` counts as out of date (a node drain moves it this way).
    With no room for the surge the reprofile waits (``unplaceable`` says why).
 3. **Retiring** replicas: DrainShard every running shard (StopShard a FAILED one, lest its
    agent restart it); RETIRED once none runs.
@@ -75,6 +77,7 @@ def reconcile(state: ReconcileInput) -> Decision:
     """Decide one round (see the module docstring for the rules)."""
     round_ = _Round(state)
     round_.replace_broken()
+    round_.retire_requested()
     for name in sorted({*state.deployments, *round_.live_deployments()}):
         deployment = state.deployments.get(name)
         if deployment is None:
@@ -222,6 +225,11 @@ class _Round:
         why = f"shard {plan.shard_id} FAILED after {_restarts(shard)} restarts"
         return f"{why}: {reason}" if reason else why
 
+    def retire_requested(self) -> None:
+        for record in self.sorted_records(*_LIVE):
+            if record.replica_id in self.s.retire:
+                self.set_lifecycle(record, Lifecycle.RETIRING, "drained by an operator")
+
     # --- rule 2: deployments ------------------------------------------------------------
 
     def retire_deleted(self, name: str) -> None:
@@ -234,7 +242,7 @@ class _Round:
             self.unplaceable[deployment.name] = f"profile {deployment.profile!r} is not defined"
             return
         fingerprint = self.s.fingerprint(profile)
-        current = _Current(deployment.profile, fingerprint)
+        current = _Current(deployment.profile, fingerprint, self.s.replace)
         self.settle_surges(deployment.name, current)
         active = self.of(deployment.name, Lifecycle.ACTIVE)
         count = len(active) + len(self.of(deployment.name, Lifecycle.SURGE))
@@ -418,8 +426,11 @@ class _Current:
 
     profile: str
     fingerprint: str
+    replace: frozenset[str] = frozenset()  # replica ids out of date whatever they run
 
     def __call__(self, record: ReplicaRecord) -> bool:
+        if record.replica_id in self.replace:
+            return False
         return (record.plan.profile, record.plan.fingerprint) == (self.profile, self.fingerprint)
 
 

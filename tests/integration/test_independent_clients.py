@@ -127,9 +127,9 @@ def test_grpcio_client_reads_the_cluster_and_the_statuses(
 
         assert list(stub.ListProfiles(pb.control.ListProfilesRequest(), timeout=5).profiles) == []
         with pytest.raises(grpc.RpcError) as unimplemented:
-            stub.StartReplica(pb.control.ReplicaRequest(deployment="chat"), timeout=5)
+            stub.GetRouterStats(pb.control.GetRouterStatsRequest(), timeout=5)
         assert unimplemented.value.code() is grpc.StatusCode.UNIMPLEMENTED
-        assert "StartReplica is not implemented" in unimplemented.value.details()
+        assert "GetRouterStats is not implemented" in unimplemented.value.details()
 
         with pytest.raises(grpc.RpcError) as missing:
             stub.CordonNode(pb.control.NodeRequest(node_id="nope"), timeout=5)

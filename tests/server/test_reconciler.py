@@ -597,3 +597,29 @@ def test_reprofile_never_drops_ready_below_desired(
             if fleet.converged():
                 break
         assert fleet.converged()
+
+
+def test_operator_drain_retires_that_replica_not_the_reconcilers_choice() -> None:
+    state, _ = settle(one_deployment(3))
+    lowered = {"chat": Deployment(name="chat", profile="p", replicas=2)}
+    # Without the request the newest (chat-3) would go; the operator names chat-1.
+    drained = replace(state, deployments=lowered, retire=frozenset({"chat-1"}))
+    decision = reconcile(drained)
+    assert {k: r.lifecycle for k, r in decision.replicas.items()} == {"chat-1": Lifecycle.RETIRING}
+    assert kinds(decision) == [("n1", "drain", "chat-1.0")]
+    again = apply_decision(drained, decision)
+    assert reconcile(again).replicas == {}  # level-based: nothing new, nothing placed
+
+
+def test_replace_request_surges_a_replacement_before_retiring_the_named_replica() -> None:
+    state, shards = settle(one_deployment(2))
+    moving = replace(state, replace=frozenset({"chat-1"}))
+    first = reconcile(moving)
+    (surge,) = first.replicas.values()
+    assert (surge.lifecycle, surge.replaces) == (Lifecycle.SURGE, "chat-1")
+    moving = apply_decision(moving, first)
+    ready = {**shards, surge.plan.leader.shard_id: shard(surge.plan.leader, surge.replica_id)}
+    second = reconcile(replace(moving, shards=ready))
+    assert second.replicas[surge.replica_id].lifecycle is Lifecycle.ACTIVE
+    assert second.replicas["chat-1"].lifecycle is Lifecycle.RETIRING
+    assert "chat-2" not in second.replicas  # the other replica is left alone

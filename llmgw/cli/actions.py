@@ -1,0 +1,65 @@
+"""``llmgw start|drain|reprofile|drain-node``: operator actions on replicas and nodes.
+
+Each prints the server's one line of outcome; a refusal or an unreachable server is one
+line on stderr and exit status 1 (``CliError``). ``start`` and ``reprofile`` take a
+deployment or a replica: a name that is a deployment's is the deployment, anything else
+is taken as a replica id (``DEPLOYMENT-N``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Callable
+
+from llmgw.api.llmgw.v1 import ActionResult
+from llmgw.cli.get import _call
+from llmgw.client import ControlClient
+
+__all__ = ["add_parsers", "run_action"]
+
+
+def add_parsers(
+    sub: argparse._SubParsersAction[argparse.ArgumentParser],
+    add_server: Callable[[argparse.ArgumentParser], None],
+) -> None:
+    """Register the four subcommands; ``add_server`` adds the ``--server`` option."""
+    specs = (
+        ("start", "TARGET", "scale a deployment up by one, or start a stopped replica's again"),
+        ("drain", "REPLICA", "drain a replica: in-flight requests finish, then it stops"),
+        ("reprofile", "TARGET", "roll a deployment (or a replica's) onto another profile"),
+        ("drain-node", "NODE", "cordon a node and move its replicas elsewhere first"),
+    )
+    for verb, metavar, text in specs:
+        p = sub.add_parser(verb, help=text, description=f"{text[0].upper()}{text[1:]}.")
+        p.add_argument("target", metavar=metavar)
+        if verb == "reprofile":
+            p.add_argument("--profile", required=True, metavar="NAME", help="a stored profile")
+        add_server(p)
+        p.set_defaults(command=_run, verb=verb)
+
+
+def _run(args: argparse.Namespace) -> int:
+    return asyncio.run(
+        run_action(args.server, args.verb, args.target, getattr(args, "profile", ""))
+    )
+
+
+async def run_action(server: str, verb: str, target: str, profile: str = "") -> int:
+    """Send one action and print its outcome."""
+
+    async def act(client: ControlClient) -> ActionResult:
+        if verb == "drain":
+            return await client.drain_replica(target)
+        if verb == "drain-node":
+            return await client.drain_node(target)
+        deployments = {d.name for d in (await client.get_cluster()).deployments}
+        deployment, replica = (target, "") if target in deployments else ("", target)
+        if verb == "start":
+            return await client.start_replica(deployment, replica_id=replica)
+        return await client.reprofile_replica(replica, profile=profile, deployment=deployment)
+
+    result: ActionResult = await _call(server, act)
+    sys.stdout.write(f"{result.message}\n")
+    return 0
