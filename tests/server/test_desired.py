@@ -29,21 +29,8 @@ from llmgw.server.plane import ControlPlane
 from llmgw.server.profiles import parse_document, profile_fingerprint
 from llmgw.server.store import Store
 
-EXAMPLE = """
-[profiles.chat-tp2]
-engine = "sim"
-gpu_class = "H100"
-tp = 2
-model_path = "/models/chat"
-served_model_name = "chat"
-kv_events = true
-args = ["--max-model-len", "8192"]
-env = { VLLM_LOGGING_LEVEL = "INFO" }
-
-[deployments.chat]
-profile = "chat-tp2"
-replicas = 2
-"""
+# The issue's example, shared with the profile tests.
+EXAMPLE = (Path(__file__).parents[1] / "data" / "profiles" / "good-issue-example.toml").read_text()
 
 
 @pytest.fixture
