@@ -150,6 +150,7 @@ class ShardRunner:
             since_unix_ms=self.since_ms,
             restarts=self.restarts,
             engine=m.profile.engine if m.profile is not None else "",
+            gave_up=self.state is ShardState.FAILED and self.command is None,
         )
 
     def begin(self, state: ShardState, reason: str) -> None:

@@ -327,7 +327,9 @@ def _status_of(message: StartShard, state: ShardState, reason: str) -> ShardStat
 
 
 def _refused(message: StartShard, reason: str) -> ShardStatus:
-    return _status_of(message, ShardState.FAILED, f"StartShard refused: {reason}")
+    status = _status_of(message, ShardState.FAILED, f"StartShard refused: {reason}")
+    status.gave_up = True
+    return status
 
 
 def _unknown(shard_id: str) -> ShardStatus:

@@ -8,7 +8,8 @@ reflected is in ``pending`` and is only sent again after ``command_retry_s``.
 Rules, in the order a round applies them (every loop in sorted order):
 
 1. **Replace** an ACTIVE or SURGE replica one of whose nodes has been NOT_READY past
-   ``node_grace_s``, or one of whose shards is FAILED with ``restarts >= max_restarts``:
+   ``node_grace_s``, or one of whose shards is FAILED with ``restarts >= max_restarts``
+   or with ``gave_up`` (its agent will not restart it, e.g. it refused the command):
    it goes RETIRED (its shards are fenced) and a new replica is placed avoiding that node.
    Then a live replica named in ``retire`` (drained by an operator) goes RETIRING.
 2. **Deployments**: a deleted deployment retires all its replicas. Otherwise replicas are
@@ -32,7 +33,8 @@ Nothing is sent to, or concluded from, a node that is not READY (its last report
 stale), except that its absence past the grace replaces its replicas; a retiring replica's
 shard there counts as stopped (fenced should the node return).
 
-A FAILED shard with restarts left is its agent's to restart: the reconciler waits.
+A FAILED shard with restarts left and not given up is its agent's to restart: the
+reconciler waits.
 """
 
 from __future__ import annotations
@@ -219,10 +221,14 @@ class _Round:
         shard = self.on_node(plan)
         if shard is None or _state(shard) is not ShardState.FAILED:
             return ""
-        if _restarts(shard) < self.cfg.max_restarts:
+        gave_up = shard.status is not None and shard.status.gave_up
+        if not gave_up and _restarts(shard) < self.cfg.max_restarts:
             return ""  # its agent restarts it
         reason = shard.status.reason if shard.status else ""
-        why = f"shard {plan.shard_id} FAILED after {_restarts(shard)} restarts"
+        if gave_up:
+            why = f"shard {plan.shard_id} FAILED and its agent gave up"
+        else:
+            why = f"shard {plan.shard_id} FAILED after {_restarts(shard)} restarts"
         return f"{why}: {reason}" if reason else why
 
     def retire_requested(self) -> None:

@@ -408,6 +408,8 @@ async def test_bad_commands_are_reported_never_raised(harness: Harness) -> None:
     )
     assert harness.recorder.of("../etc")[-1].state is S.FAILED
     assert "invalid shard id" in harness.recorder.of("../etc")[-1].reason
+    # the agent will not restart what it refused: it says so, so the server replaces it
+    assert harness.recorder.of("bad1")[-1].gave_up and harness.recorder.of("../etc")[-1].gave_up
     assert harness.recorder.of("nobody")[-1].reason == "not running on this node"
     assert "carries no profile" in harness.recorder.of("noprofile")[-1].reason
     by_id = {s.shard_id: s.state for s in sup.statuses()}
@@ -417,6 +419,7 @@ async def test_bad_commands_are_reported_never_raised(harness: Harness) -> None:
     # a bad profile for a running shard leaves it running, and says so
     await sup.start(start("good", engine="bad"))
     assert sup.status("good").state is S.READY  # type: ignore[union-attr]
+    assert not sup.status("good").gave_up  # type: ignore[union-attr]
     assert "StartShard refused: tp: 3" in sup.status("good").reason  # type: ignore[union-attr]
 
 

@@ -237,6 +237,18 @@ def test_failed_shard_is_left_to_its_agent_until_restarts_run_out() -> None:
     assert any("FAILED after 3 restarts" in e.why for e in decision.events)
 
 
+def test_failed_shard_its_agent_gave_up_on_is_replaced_at_once() -> None:
+    state, shards = settle(one_deployment(1))
+    plan = state.replicas["chat-1"].plan.leader
+    refused = shard(plan, "chat-1", ShardState.FAILED, reason="StartShard refused: tp: 3")
+    refused.status.gave_up = True  # type: ignore[union-attr]
+    decision = reconcile(replace(state, shards={**shards, plan.shard_id: refused}))
+    assert decision.replicas["chat-1"].lifecycle is Lifecycle.RETIRED
+    assert decision.replicas["chat-2"].replaces == "chat-1"
+    why = "shard chat-1.0 FAILED and its agent gave up: StartShard refused: tp: 3"
+    assert [e.why for e in decision.events if e.subject == "chat-1"][0] == why
+
+
 def test_node_gone_past_grace_is_replaced_and_fenced_when_it_returns() -> None:
     state, shards = settle(one_deployment(1))
     down = {**state.nodes, "n1": node("n1", ready=False, since=100.0)}
