@@ -140,7 +140,7 @@ async def drain_node(plane: ControlPlane, node_id: str, *, actor: str) -> str:
         for r in plane.replicas.values()
         if r.lifecycle in _LIVE and node_id in r.plan.nodes
     )
-    plane.desired.replace.update(moving)
+    await plane.desired.request_replace(moving)
     plane.reconcile_soon()
     if not moving:
         return f"node {node_id} cordoned; no replica runs there"

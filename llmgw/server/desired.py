@@ -265,7 +265,8 @@ class DesiredState:
         self._edit_lock = asyncio.Lock()
         self.profiles: dict[str, EngineProfile] = {}
         self.deployments: dict[str, Deployment] = {}
-        self.retire: set[str] = set()  # replica ids an operator drained (in memory only)
+        # Operator requests on replicas, stored (schema 4) and forgotten once carried out:
+        self.retire: set[str] = set()  # replica ids an operator drained
         self.replace: set[str] = set()  # replica ids to replace by surge (a node drain)
 
     async def load(self) -> None:
@@ -276,17 +277,26 @@ class DesiredState:
         for d in await self._store.load_deployments():
             if (deployment := _read(Deployment, d.deployment, "deployment", d.name)) is not None:
                 self.deployments[d.name] = deployment
+        for replica_id, kind in await self._store.load_requests():
+            self._requests(kind).add(replica_id)
         log.info(
-            "restored %d profiles and %d deployments", len(self.profiles), len(self.deployments)
+            "restored %d profiles, %d deployments and %d replica requests",
+            len(self.profiles),
+            len(self.deployments),
+            len(self.retire) + len(self.replace),
         )
+
+    def _requests(self, kind: str) -> set[str]:
+        return self.retire if kind == "retire" else self.replace
 
     def fingerprint(self, profile_name: str) -> str:
         """The fingerprint of a stored profile, or "" when there is none by that name."""
         profile = self.profiles.get(profile_name)
         return profile_fingerprint(profile) if profile is not None else ""
 
-    async def apply(self, change: Change) -> None:
-        """Store ``change`` durably, then make it visible and publish it."""
+    async def apply(self, change: Change, *, retire: str = "") -> None:
+        """Store ``change`` (and a request to retire replica ``retire``) durably, in one
+        transaction, then make both visible at once and publish the change."""
         async with self._lock:
             at = now_ms()
             deployment = change.deployment
@@ -299,7 +309,10 @@ class DesiredState:
                     for p in change.profiles
                 ],
                 [StoredDeployment(deployment.name, bytes(deployment), at)] if deployment else [],
+                [(retire, "retire")] if retire else [],
             )
+            if retire:
+                self.retire.add(retire)
             self.profiles.update((p.name, p) for p in change.profiles)
             if deployment is not None:
                 self.deployments[deployment.name] = deployment
@@ -310,10 +323,10 @@ class DesiredState:
     ) -> Deployment | None:
         """Edit a stored deployment (its count or profile) and, with it, retire a replica.
 
-        Edits run one at a time (two drains lower the count twice). The id joins
-        :attr:`retire` in the same turn of the event loop as the edit becomes visible, so a
-        reconciliation round (which reads both at once) sees both or neither. None when
-        there is no deployment ``name``.
+        Edits run one at a time (two drains lower the count twice). The edit and the retire
+        request are stored in one transaction and become visible in the same turn of the
+        event loop, so a reconciliation round (which reads both at once) sees both or
+        neither, before and after a restart. None when there is no deployment ``name``.
         """
         async with self._edit_lock:
             current = self.deployments.get(name)
@@ -321,15 +334,20 @@ class DesiredState:
                 return None
             deployment = Deployment.parse(bytes(current))
             edit(deployment)
-            await self.apply(Change((), deployment, None))
-            if retire:
-                self.retire.add(retire)
+            await self.apply(Change((), deployment, None), retire=retire)
             return deployment
 
-    def keep_requests(self, live: set[str]) -> None:
-        """Forget retire and replace requests of replicas no longer ACTIVE or SURGE."""
+    async def request_replace(self, replica_ids: Sequence[str]) -> None:
+        """Ask, durably, for these replicas to be replaced elsewhere by surge (node drain)."""
+        await self._store.save_requests([(r, "replace") for r in replica_ids])
+        self.replace.update(replica_ids)
+
+    async def keep_requests(self, live: set[str]) -> None:
+        """Forget (here and in the store) the requests of replicas no longer ACTIVE or SURGE."""
+        done = sorted((self.retire | self.replace) - live)
         self.retire &= live
         self.replace &= live
+        await self._store.forget_requests(done)
 
     async def delete(self, name: str) -> bool:
         """Forget a deployment durably and publish it; False when there is none."""

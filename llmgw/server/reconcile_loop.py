@@ -27,9 +27,9 @@ round. :attr:`ReconcileLoop.unplaceable` holds the current reasons.
 
 **Operator requests**: the replicas an operator drained (``DesiredState.retire``) and those
 a node drain moves (``DesiredState.replace``) go into each round's input; once such a
-replica is no longer ACTIVE or SURGE its request is forgotten. They are kept in memory:
-a server killed before the round that retires a drained replica retires one of its own
-choice instead (the stored count is right either way).
+replica is no longer ACTIVE or SURGE its request is forgotten. They are stored with the
+action that made them, so a server killed before the round that carries one out does it
+after its restart (a drained replica, not one of its own choice, is retired).
 
 A round that fails (the store, a bug) is logged and the next tick tries again.
 """
@@ -126,7 +126,7 @@ class ReconcileLoop:
         async with self._lock:
             decision = reconcile(self.snapshot())
             await self.plane.save_replicas(decision.replicas)
-            self.plane.desired.keep_requests(_live(self.plane.replicas))
+            await self.plane.desired.keep_requests(_live(self.plane.replicas))
             self.pending = dict(decision.pending)
             for node_id, message in decision.commands:
                 await self._send(node_id, message)

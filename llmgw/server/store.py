@@ -5,17 +5,21 @@ was first and last seen), the audit log of operator actions, and the desired sta
 profiles and deployments, each as its serialized message; and the replicas the reconciler
 decided on (``ReplicaRecord``, as JSON: its plan, the profile it was placed with, its
 lifecycle, serial, API key and the replica it replaces; RETIRED ones are kept, so their
-shards stay fenced). Later issues add tokens to the same file.
+shards stay fenced); and the operator requests still to carry out on replicas (``retire``:
+drained by an operator; ``replace``: moved off a drained node). Later issues add tokens to
+the same file.
 
 Schema versions (``PRAGMA user_version``): 1 holds nodes and the audit log; 2 adds the
-profiles and deployments tables; 3 adds the replicas table. Opening an older file migrates
-it forward step by step in one transaction; a newer one is refused.
+profiles and deployments tables; 3 adds the replicas table; 4 the replica requests.
+Opening an older file migrates it forward step by step in one transaction; a newer one is
+refused.
 
 Durability: WAL with ``synchronous=FULL``, so a write that returned survives a kill -9 of
 the server at any later moment. Heartbeat times are written in batches (they are advisory:
 a restarted server waits for agents to reconnect anyway); registrations, cordons, audit
-records and applied profiles and deployments are written before the RPC that caused them
-answers (an apply's profiles and deployment in one transaction); replica records are
+records, applied profiles and deployments and replica requests are written before the RPC
+that caused them answers (an apply's profiles and deployment in one transaction, a drain's
+lowered count and its retire request in one); replica records are
 written, one round's in one transaction, before any command of that round is sent.
 """
 
@@ -40,7 +44,7 @@ from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 
 _SCHEMA_1 = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -82,8 +86,19 @@ CREATE TABLE IF NOT EXISTS replicas (
 );
 """
 
+_SCHEMA_4 = """
+CREATE TABLE IF NOT EXISTS replica_requests (
+    replica_id  TEXT PRIMARY KEY,
+    kind        TEXT NOT NULL,          -- 'retire' or 'replace'
+    at          INTEGER NOT NULL        -- Unix ms
+);
+"""
+
 # The script that brings a file from version N-1 to N, by N.
-_MIGRATIONS = {1: _SCHEMA_1, 2: _SCHEMA_2, 3: _SCHEMA_3}
+_MIGRATIONS = {1: _SCHEMA_1, 2: _SCHEMA_2, 3: _SCHEMA_3, 4: _SCHEMA_4}
+
+REQUEST_KINDS = ("retire", "replace")
+"""What an operator asked of a replica: retire it (a drain), or replace it (a node drain)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,11 +272,16 @@ class Store:
     # --- desired state ---------------------------------------------------------------
 
     async def save_desired(
-        self, profiles: Iterable[StoredProfile], deployments: Iterable[StoredDeployment]
+        self,
+        profiles: Iterable[StoredProfile],
+        deployments: Iterable[StoredDeployment],
+        requests: Iterable[tuple[str, str]] = (),
     ) -> None:
-        """Insert or replace profiles and deployments, all in one transaction."""
+        """Insert or replace profiles, deployments and replica requests (``(replica_id,
+        kind)``), all in one transaction."""
         db = self._conn
         try:
+            await self._put_requests(db, requests)
             await db.executemany(
                 "INSERT OR REPLACE INTO profiles (name, profile, fingerprint, updated)"
                 " VALUES (?, ?, ?, ?)",
@@ -275,6 +295,40 @@ class Store:
         except BaseException:
             await db.rollback()
             raise
+
+    @staticmethod
+    async def _put_requests(db: aiosqlite.Connection, requests: Iterable[tuple[str, str]]) -> None:
+        rows = [(replica_id, kind, now_ms()) for replica_id, kind in requests]
+        for _, kind, _ in rows:
+            if kind not in REQUEST_KINDS:
+                raise ValueError(f"unknown replica request kind {kind!r}")
+        await db.executemany(
+            "INSERT OR REPLACE INTO replica_requests (replica_id, kind, at) VALUES (?, ?, ?)", rows
+        )
+
+    async def save_requests(self, requests: Iterable[tuple[str, str]]) -> None:
+        """Insert or replace replica requests (``(replica_id, kind)``) in one transaction."""
+        db = self._conn
+        try:
+            await self._put_requests(db, requests)
+            await db.commit()
+        except BaseException:
+            await db.rollback()
+            raise
+
+    async def forget_requests(self, replica_ids: Iterable[str]) -> None:
+        """Drop the requests of these replicas (carried out, or moot)."""
+        rows = [(replica_id,) for replica_id in replica_ids]
+        if rows:
+            await self._conn.executemany("DELETE FROM replica_requests WHERE replica_id = ?", rows)
+            await self._conn.commit()
+
+    async def load_requests(self) -> list[tuple[str, str]]:
+        """Every stored replica request as ``(replica_id, kind)``, by id."""
+        query = "SELECT replica_id, kind FROM replica_requests ORDER BY replica_id"
+        async with self._conn.execute(query) as cursor:
+            rows = await cursor.fetchall()
+        return [(str(r[0]), str(r[1])) for r in rows]
 
     async def delete_deployment(self, name: str) -> bool:
         """Forget a deployment; False when there was none by that name."""

@@ -133,6 +133,38 @@ async def test_drain_retires_that_replica_and_lowers_the_count(fleet: Fleet) -> 
     assert audit.result.startswith("ok: replica chat-1 draining")
 
 
+async def restarted(fleet: Fleet) -> Fleet:
+    """A new plane over the same store, as a server killed and started again sees it."""
+    plane = ControlPlane(fleet.plane.store)
+    await plane.load()
+    for node_id, record in fleet.plane.inventory.nodes.items():
+        shards = [s.status for s in fleet.plane.inventory.shards_of(node_id) if s.status]
+        register = Register(protocol_version=PROTOCOL_VERSION, node=record.info, shards=shards)
+        await plane.register(record.info, register, peer="10.0.0.9:5000")
+    return Fleet(plane)
+
+
+async def test_a_drain_stored_before_a_kill_retires_that_replica_after_restart(
+    fleet: Fleet,
+) -> None:
+    await fleet.svc.drain_replica(ReplicaRequest(replica_id="chat-2"))  # no round runs
+    again = await restarted(fleet)
+    assert again.plane.desired.retire == {"chat-2"}
+    await again.settle()
+    assert again.lifecycles() == {"chat-1": Lifecycle.ACTIVE, "chat-2": Lifecycle.RETIRED}
+    assert await again.plane.store.load_requests() == []  # forgotten once carried out
+
+
+async def test_a_node_drain_stored_before_a_kill_still_moves_its_replicas(fleet: Fleet) -> None:
+    on_n1 = {k for k in fleet.live() if "n1" in fleet.plane.replicas[k].plan.nodes}
+    await fleet.svc.drain_node(NodeRequest(node_id="n1"))  # no round runs
+    again = await restarted(fleet)
+    assert again.plane.desired.replace == on_n1
+    await again.settle(12)
+    assert all(again.plane.replicas[k].plan.nodes == ("n2",) for k in again.live())
+    assert all(again.lifecycles()[k] is Lifecycle.RETIRED for k in on_n1)
+
+
 async def test_two_drains_at_once_each_lower_the_count(fleet: Fleet) -> None:
     await asyncio.gather(
         fleet.svc.drain_replica(ReplicaRequest(replica_id="chat-1")),

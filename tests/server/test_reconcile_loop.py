@@ -23,7 +23,7 @@ from llmgw.server.plan import ReplicaPlan, ShardPlan
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
-from llmgw.server.store import Store, decode_replica, encode_replica
+from llmgw.server.store import SCHEMA_VERSION, Store, decode_replica, encode_replica
 
 PROFILE = EngineProfile(
     name="chat-tp2", engine="sim", gpu_class="H100", tp=2, model_path="/m/chat",
@@ -227,14 +227,16 @@ def test_a_record_survives_its_encoding() -> None:
     assert decode_replica(encode_replica(record)) == record
 
 
-async def test_a_schema_2_file_gains_the_replicas_table(tmp_path: Path) -> None:
+async def test_a_schema_2_file_gains_the_replicas_and_requests_tables(tmp_path: Path) -> None:
     import sqlite3
 
     db = tmp_path / "v2.db"
     async with Store(db):
         pass
     with sqlite3.connect(db) as conn:  # back to version 2 as it shipped: no replicas table
-        conn.executescript("DROP TABLE replicas; PRAGMA user_version=2;")
+        conn.executescript(
+            "DROP TABLE replicas; DROP TABLE replica_requests; PRAGMA user_version=2;"
+        )
     conn.close()
     plan = ReplicaPlan(
         "chat-1", "chat", "chat-tp2", "fp-1", (ShardPlan("chat-1.0", "a1", 0, ("g0",), 20000),)
@@ -244,7 +246,8 @@ async def test_a_schema_2_file_gains_the_replicas_table(tmp_path: Path) -> None:
         await store.save_replicas([record])
     async with Store(db) as store:
         assert await store.load_replicas() == [record]  # RETIRED records are kept
+        assert await store.load_requests() == []
     with sqlite3.connect(db) as conn:
         (version,) = conn.execute("PRAGMA user_version").fetchone()
     conn.close()
-    assert version == 3
+    assert version == SCHEMA_VERSION == 4

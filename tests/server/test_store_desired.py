@@ -1,9 +1,12 @@
-"""The store keeps profiles and deployments across reopens, and migrates schema 1 files."""
+"""The store keeps profiles, deployments and replica requests across reopens, and migrates
+schema 1 files."""
 
 from __future__ import annotations
 
 import sqlite3
 from pathlib import Path
+
+import pytest
 
 from llmgw.server.store import (
     SCHEMA_VERSION,
@@ -54,4 +57,28 @@ async def test_schema_1_file_migrates_and_keeps_its_nodes(tmp_path: Path) -> Non
     with sqlite3.connect(db) as conn:
         (version,) = conn.execute("PRAGMA user_version").fetchone()
     conn.close()
-    assert version == SCHEMA_VERSION == 3
+    assert version == SCHEMA_VERSION == 4
+
+
+async def test_replica_requests_survive_reopen_until_forgotten(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    async with Store(db) as store:
+        d = StoredDeployment("chat", b"\x0a\x04chat", 11)
+        await store.save_desired([], [d], [("chat-1", "retire")])
+        await store.save_requests([("chat-2", "replace"), ("chat-3", "replace")])
+    async with Store(db) as store:
+        assert await store.load_requests() == [
+            ("chat-1", "retire"), ("chat-2", "replace"), ("chat-3", "replace"),
+        ]  # fmt: skip
+        await store.forget_requests(["chat-1", "chat-3"])
+        with pytest.raises(ValueError, match="unknown replica request kind 'evict'"):
+            await store.save_requests([("chat-4", "evict")])
+    async with Store(db) as store:
+        assert await store.load_requests() == [("chat-2", "replace")]
+
+
+async def test_a_refused_request_rolls_back_the_deployment_saved_with_it(tmp_path: Path) -> None:
+    async with Store(tmp_path / "s.db") as store:
+        with pytest.raises(ValueError):
+            await store.save_desired([], [StoredDeployment("chat", b"", 1)], [("c-1", "bad")])
+        assert await store.load_deployments() == []
