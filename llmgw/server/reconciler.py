@@ -13,11 +13,13 @@ Rules, in the order a round applies them (every loop in sorted order):
    it goes RETIRED (its shards are fenced) and a new replica is placed avoiding that node.
    Then a live replica named in ``retire`` (drained by an operator) goes RETIRING.
 2. **Deployments**: a deleted deployment retires all its replicas. Otherwise replicas are
-   placed until the deployment has its count; extras are retired (not-READY ones first,
-   then out-of-date ones, then the newest). A replica whose fingerprint differs from its
-   deployment's profile is out of date and is replaced by a rolling surge of one: a SURGE
-   replica with the new profile is placed, becomes ACTIVE once all its shards are READY,
-   and only then is one out-of-date replica retired, so READY never drops below the count.
+   placed until the deployment has its count, deployments with the largest shards first
+   (so small ones fill the gaps rather than break up whole nodes); extras are retired
+   (not-READY ones first, then out-of-date ones, then the newest). A replica whose
+   fingerprint differs from its deployment's profile is out of date and is replaced by a
+   rolling surge of one: a SURGE replica with the new profile is placed, becomes ACTIVE
+   once all its shards are READY, and only then is one out-of-date replica retired, so
+   READY never drops below the count.
    A replica named in ``replace`` counts as out of date (a node drain moves it this way).
    With no room for the surge the reprofile waits (``unplaceable`` says why).
 3. **Retiring** replicas: DrainShard every running shard (StopShard a FAILED one, lest its
@@ -80,16 +82,29 @@ def reconcile(state: ReconcileInput) -> Decision:
     round_ = _Round(state)
     round_.replace_broken()
     round_.retire_requested()
-    for name in sorted({*state.deployments, *round_.live_deployments()}):
-        deployment = state.deployments.get(name)
-        if deployment is None:
-            round_.retire_deleted(name)
-        else:
-            round_.scale(deployment)
+    for name in sorted(round_.live_deployments() - state.deployments.keys()):
+        round_.retire_deleted(name)
+    for deployment in _largest_first(state):
+        round_.scale(deployment)
     round_.retire_drained()
     round_.start_missing()
     round_.fence()
     return round_.decision()
+
+
+def _largest_first(state: ReconcileInput) -> list[Deployment]:
+    """Deployments in the order their replicas are placed: the most devices per shard
+    first, then by name. Small shards placed first spread over every node and leave no
+    node whole for a TP=8 one; placed last they fill the gaps."""
+
+    def size(deployment: Deployment) -> int:
+        profile = state.profiles.get(deployment.profile)
+        if profile is None:
+            return 0
+        return max(1, profile.tp) * max(1, profile.pp) // max(1, profile.nodes)
+
+    named = sorted(state.deployments.items())
+    return [d for _, d in sorted(named, key=lambda item: -size(item[1]))]
 
 
 def _state(shard: Shard) -> ShardState:

@@ -223,6 +223,21 @@ def test_multi_node_replica_starts_every_rank_at_the_leader() -> None:
         )
 
 
+def test_deployments_with_the_largest_shards_are_placed_first() -> None:
+    profiles = {
+        "small": profile("small", tp=1),
+        "big": profile("big", tp=8),
+        "wide": profile("wide", tp=8, nodes=2),  # 4 GPUs per shard
+    }
+    deployments = {
+        name: Deployment(name=name, profile=prof, replicas=1)
+        for name, prof in (("a-small", "small"), ("m-wide", "wide"), ("z-big", "big"))
+    }
+    state = state_of(deployments, profiles, ["n1", "n2"])
+    reconcile(state)
+    assert [call[0] for call in state.place.calls] == ["z-big", "m-wide", "a-small"]  # type: ignore[attr-defined]
+
+
 def test_failed_shard_is_left_to_its_agent_until_restarts_run_out() -> None:
     state, shards = settle(one_deployment(1))
     plan = state.replicas["chat-1"].plan.leader
