@@ -59,6 +59,7 @@ class AgentConfig:
     engine_bins: EngineBinaries = field(default_factory=EngineBinaries)  # --engine-bin
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # --restart-backoff[-max]
     startup_timeout_s: float = 900.0  # --startup-timeout
+    drain_settle_s: float = 2.0  # --drain-settle
 
 
 def parse_server(text: str) -> tuple[str, int]:
@@ -134,6 +135,7 @@ class Agent:
                 state_dir=config.state_dir,
                 restart=config.restart,
                 startup_timeout_s=config.startup_timeout_s,
+                drain_settle_s=config.drain_settle_s,
             ),
             launcher=self._launch,
             on_status=lambda status: self.link.send_status(status),

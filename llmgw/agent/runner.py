@@ -55,6 +55,9 @@ class SupervisorConfig:
     ready_probe_s: float = 5.0  # health probe of a READY engine
     probe_failures: int = 3  # failed health probes in a row that make a READY engine FAILED
     drain_poll_s: float = 0.5  # /metrics while draining
+    # A draining engine keeps serving at least this long (within the grace), so a router
+    # that saw it READY a moment ago (a gateway's table, a client's list) stops first.
+    drain_settle_s: float = 2.0
     probe: ProbeTimeouts = field(default_factory=ProbeTimeouts)
     log_lines: int = DEFAULT_LINES
     host: str = "127.0.0.1"
@@ -284,6 +287,7 @@ class ShardRunner:
         self._mark_stopping()
         self._set(ShardState.DRAINING, f"waiting for in-flight requests (grace {grace_s:g} s)")
         try:
+            await self._pause(min(grace_s, config.drain_settle_s))
             why = await self._wait_idle(grace_s)
         except EngineFailed as failure:
             self._ended_while_draining(failure)

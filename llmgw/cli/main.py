@@ -206,6 +206,14 @@ def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help="an engine not ready this long after it started is FAILED (default: 900)",
     )
     p.add_argument(
+        "--drain-settle",
+        type=float,
+        default=2.0,
+        metavar="SECONDS",
+        help="a draining engine keeps serving at least this long, so routers that still "
+        "send to it stop first (default: 2)",
+    )
+    p.add_argument(
         "--discover", action="store_true", help="print what the agent would register and exit"
     )
     p.add_argument(

@@ -65,6 +65,7 @@ def run_agent_command(args: argparse.Namespace) -> int:
                 cap_s=_positive(args.restart_backoff_max, "--restart-backoff-max"),
             ),
             startup_timeout_s=_positive(args.startup_timeout, "--startup-timeout"),
+            drain_settle_s=_not_negative(args.drain_settle, "--drain-settle"),
             **({"hostname": args.hostname} if args.hostname else {}),
         )
         if args.discover:
@@ -75,6 +76,12 @@ def run_agent_command(args: argparse.Namespace) -> int:
     except (AgentConfigError, DiscoveryError, EngineError) as exc:
         raise CliError(str(exc)) from exc
     return 0
+
+
+def _not_negative(value: float, flag: str) -> float:
+    if value < 0:
+        raise CliError(f"{flag} must not be negative, not {value}")
+    return value
 
 
 def _positive(value: float, flag: str) -> float:

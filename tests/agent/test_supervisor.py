@@ -126,6 +126,7 @@ class Harness:
             ready_probe_s=0.2,
             probe_failures=2,
             drain_poll_s=0.1,
+            drain_settle_s=0.0,
             probe=ProbeTimeouts(connect_s=0.5, read_s=0.5),
         )
         return dataclasses.replace(base, **overrides)
@@ -353,6 +354,20 @@ async def test_drain_waits_for_the_request_in_flight(harness: Harness) -> None:
     assert stopped.reason == "drained: no request in flight"
     assert stopped.since_unix_ms >= finished_ms - 50
     assert stopped.exit_code == -15 and gone(ready.pid)
+
+
+async def test_an_idle_drain_keeps_serving_for_the_settle_time(harness: Harness) -> None:
+    sup = await harness.open(drain_settle_s=1.0)
+    await sup.start(start("s1"))
+    ready = await harness.recorder.wait("s1", S.READY)
+    await sup.drain("s1", grace_s=10)
+    draining = await harness.recorder.wait("s1", S.DRAINING)
+    async with httpx.AsyncClient(timeout=10) as client:
+        await asyncio.sleep(0.6)  # a router that still sends, a moment after the drain began
+        assert (await client.get(f"{ready.endpoint}/health")).status_code == 200
+    stopped = await harness.recorder.wait("s1", S.STOPPED)
+    assert stopped.since_unix_ms - draining.since_unix_ms >= 1000
+    assert stopped.reason == "drained: no request in flight"
 
 
 async def test_drain_stops_when_its_grace_runs_out(harness: Harness) -> None:
