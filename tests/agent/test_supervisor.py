@@ -13,6 +13,7 @@ import dataclasses
 import json
 import os
 import signal
+import socket
 import stat
 import sys
 import time
@@ -436,6 +437,23 @@ async def test_bad_commands_are_reported_never_raised(harness: Harness) -> None:
     assert sup.status("good").state is S.READY  # type: ignore[union-attr]
     assert not sup.status("good").gave_up  # type: ignore[union-attr]
     assert "StartShard refused: tp: 3" in sup.status("good").reason  # type: ignore[union-attr]
+
+
+async def test_a_port_another_process_holds_is_refused_before_any_engine_starts(
+    harness: Harness,
+) -> None:
+    sup = await harness.open()
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", 0))
+        squatter.listen()
+        port = squatter.getsockname()[1]
+        message = start("s1")
+        message.port = port
+        await sup.start(message)
+        failed = harness.recorder.of("s1")[-1]
+    assert failed.state is S.FAILED and failed.gave_up and failed.pid == 0
+    why = f"port {port} on 127.0.0.1 is in use by another process (Address already in use)"
+    assert failed.reason == why
 
 
 async def test_an_adapter_bug_is_reported_as_failed(harness: Harness) -> None:
