@@ -1,0 +1,127 @@
+"""The routing table: which replicas serve which model, and where.
+
+The gateway asks `RoutingTable.candidates(model)` once per request, so every read is an
+O(1) lookup of tuples rebuilt on each change (changes are rare: a replica becomes READY,
+drains, or goes away). Writers are the control-plane feed (in-process server or the
+`llmgw gateway` router stream); everything runs on one event loop, so no locks.
+
+`on_removed` callbacks tell the policies to forget a replica: they fire, after the table
+has changed, for every replica id that was READY and now is gone, no longer READY, or
+serves another model, and for every id removed outright.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """One replica as the gateway sees it."""
+
+    replica_id: str
+    model: str  # served model name: the routing key (`model` in the request)
+    url: str  # leader endpoint "http://HOST:PORT", no trailing slash
+    api_key: str = ""  # sent upstream as "Authorization: Bearer KEY" ("" → no header)
+    ready: bool = True  # only READY replicas are routed to; DRAINING etc. → ready=False
+    deployment: str = ""
+    kv_events: bool = False
+
+
+_NO_TARGETS: tuple[Target, ...] = ()
+
+
+class RoutingTable:
+    """Targets by replica id, with per-model tuples of READY targets precomputed."""
+
+    def __init__(self, targets: Iterable[Target] = ()) -> None:
+        self.version = 0
+        self._by_id: dict[str, Target] = {}
+        self._ready_by_model: dict[str, tuple[Target, ...]] = {}
+        self._models: tuple[str, ...] = ()
+        self._all: tuple[Target, ...] = ()
+        self._callbacks: list[Callable[[str], None]] = []
+        self.replace_all(targets)
+
+    def replace_all(self, targets: Iterable[Target]) -> None:
+        """Make the table exactly `targets` (a later duplicate id wins)."""
+        self._apply({target.replica_id: target for target in targets})
+
+    def upsert(self, target: Target) -> None:
+        """Add or replace one target."""
+        if self._by_id.get(target.replica_id) == target:
+            return
+        self._apply({**self._by_id, target.replica_id: target})
+
+    def remove(self, replica_id: str) -> None:
+        """Drop one target; unknown ids are ignored."""
+        if replica_id not in self._by_id:
+            return
+        new = dict(self._by_id)
+        del new[replica_id]
+        self._apply(new)
+
+    def get(self, replica_id: str) -> Target | None:
+        return self._by_id.get(replica_id)
+
+    def candidates(self, model: str) -> tuple[Target, ...]:
+        """READY targets serving `model`, sorted by replica id."""
+        return self._ready_by_model.get(model, _NO_TARGETS)
+
+    def models(self) -> tuple[str, ...]:
+        """Models with at least one READY target, sorted."""
+        return self._models
+
+    def targets(self) -> tuple[Target, ...]:
+        """All targets, READY or not, sorted by replica id."""
+        return self._all
+
+    def on_removed(self, callback: Callable[[str], None]) -> None:
+        """Call `callback(replica_id)` when a replica is gone or no longer routable."""
+        self._callbacks.append(callback)
+
+    def _apply(self, new: dict[str, Target]) -> None:
+        if new == self._by_id:
+            return
+        gone = _removed_ids(self._by_id, new)
+        self._by_id = new
+        self._reindex()
+        self.version += 1
+        for replica_id in gone:
+            self._notify(replica_id)
+
+    def _reindex(self) -> None:
+        self._all = tuple(sorted(self._by_id.values(), key=_by_replica_id))
+        ready: dict[str, list[Target]] = {}
+        for target in self._all:
+            if target.ready:
+                ready.setdefault(target.model, []).append(target)
+        self._ready_by_model = {model: tuple(group) for model, group in ready.items()}
+        self._models = tuple(sorted(self._ready_by_model))
+
+    def _notify(self, replica_id: str) -> None:
+        for callback in self._callbacks:
+            try:
+                callback(replica_id)
+            except Exception:  # a listener's bug must not stop the table from updating
+                logger.exception("on_removed callback failed for replica %s", replica_id)
+
+
+def _by_replica_id(target: Target) -> str:
+    return target.replica_id
+
+
+def _removed_ids(old: dict[str, Target], new: dict[str, Target]) -> list[str]:
+    """Ids that were removed, or were READY and are no longer routable the same way."""
+    gone: list[str] = []
+    for replica_id, before in sorted(old.items()):
+        after = new.get(replica_id)
+        if after is None:
+            gone.append(replica_id)
+        elif before.ready and (not after.ready or after.model != before.model):
+            gone.append(replica_id)
+    return gone
