@@ -1,0 +1,137 @@
+"""scripts/bench_routing.py: the routing benchmark's replay, figures and bounds, on tiny runs."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+
+
+@pytest.fixture(scope="module")
+def bench() -> ModuleType:
+    """The script as a module (it imports benchkit from its own directory)."""
+    spec = importlib.util.spec_from_file_location("bench_routing", SCRIPTS / "bench_routing.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.syspath_prepend(str(SCRIPTS))
+        patch.setitem(sys.modules, "bench_routing", module)  # dataclasses look it up
+        spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def quick(bench: ModuleType) -> Any:
+    config = replace(bench.BenchConfig(), **bench.QUICK)
+    return bench.run_bench(config)
+
+
+def _tiny(bench: ModuleType, **overrides: Any) -> Any:
+    fields = {"engines": 2, "groups": 1, "users": 2, "turns": 2, "system_tokens": 200}
+    fields |= {"question_tokens": 40, "rate": 0.02, "think_s": 1.0, "kv_blocks": 256}
+    return replace(bench.BenchConfig(), **(fields | overrides))
+
+
+def test_every_policy_replays_every_request_and_reports_its_figures(quick: Any) -> None:
+    names = [r.policy for r in quick.results]
+    assert names == ["prefix", "round_robin", "least_load", "session", "oracle"]
+    for r in quick.results:
+        assert r.requests == quick.facts.requests == 6 * 6 * 3
+        assert sum(r.per_engine) == r.requests == sum(r.decisions.values())
+        assert 0.0 < r.hit_rate < 1.0 and 0.0 < r.prompt_cached_share < 1.0
+        assert 0.0 < r.ttft_p50_s <= r.ttft_p90_s <= r.ttft_p99_s
+        assert r.imbalance_max_mean >= 1.0 and r.imbalance_cv >= 0.0
+        assert 0.0 < r.utilization_mean <= r.utilization_max <= 1.0
+    assert set(quick.ratios()) == {"default_hit_rate_over_oracle", "rr_ttft_p90_over_default"}
+    assert quick.targets_met() in (True, False)
+
+
+def test_no_policy_beats_the_reuse_ceiling(quick: Any) -> None:
+    # The ceiling (one unbounded cache, any arrival order) bounds every policy's cached
+    # share at first admission, the oracle's included; the oracle itself is no bound: it
+    # scores exact caches against load and cannot see requests still queued.
+    ceiling = quick.facts.reuse_ceiling
+    assert 0.5 < ceiling < 1.0
+    for r in quick.results:
+        assert r.prompt_cached_share <= ceiling, r.policy
+
+
+def test_cache_aware_policies_hit_far_more_than_cache_blind_ones(quick: Any) -> None:
+    rates = {r.policy: r.hit_rate for r in quick.results}
+    blind = max(rates["round_robin"], rates["least_load"], rates["session"])
+    assert rates["prefix"] > 2 * blind
+    assert rates["oracle"] > 2 * blind
+
+
+def test_the_replay_is_deterministic(bench: ModuleType) -> None:
+    config = _tiny(bench, users=3, rate=2.0)
+    first = bench.run_bench(config, ["prefix", "oracle"])
+    again = bench.run_bench(config, ["prefix", "oracle"])
+    assert first.results == again.results
+
+
+def test_reusable_tokens_match_a_brute_force_over_the_token_sequences(bench: ModuleType) -> None:
+    config = _tiny(bench, users=3, turns=3)
+    workload = bench.build_workload(config)
+    size = config.block_size
+    whole = [
+        workload.prompt(c, c.turns[-1]) + list(c.turns[-1].answer) for c in workload.conversations
+    ]
+    expected = []
+    for i, conv in enumerate(workload.conversations):
+        others = max(_common(whole[i], whole[j]) for j in range(len(whole)) if j != i)
+        earlier = 0
+        for turn in conv.turns:
+            usable = (turn.prompt_len - 1) // size
+            expected.append(min(max(others // size, earlier), usable) * size)
+            earlier = (turn.prompt_len + len(turn.answer)) // size
+    assert bench.reusable_tokens(workload, size) == expected
+    assert expected[1] > expected[0] > 0  # a second turn reuses its own first turn
+
+
+def _common(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+def test_the_oracle_reads_the_engines_exact_caches(bench: ModuleType) -> None:
+    # Two conversations of one group, far apart in time, on two idle engines: the first
+    # goes by load to engine-00; the oracle then sees the shared system prompt there.
+    config = _tiny(bench, turns=1)
+    workload = bench.build_workload(config)
+    result = bench.Replay(config, workload, "oracle").run()
+    assert result.decisions == {"approximate/hit": 1, "load/miss": 1}
+    assert result.per_engine == (2, 0)
+    reusable = bench.reusable_tokens(workload, config.block_size)
+    prompts = [c.turns[0].prompt_len for c in workload.conversations]
+    assert result.prompt_cached_share == pytest.approx(max(reusable) / sum(prompts))
+    assert result.exact_chosen_share == result.exact_best_share == result.prompt_cached_share
+    blind = bench.Replay(config, workload, "least_load").run()
+    assert blind.per_engine == (1, 1) and blind.prompt_cached_share == 0.0
+
+
+def test_a_conversation_larger_than_an_engine_is_refused(bench: ModuleType) -> None:
+    with pytest.raises(ValueError, match="raise --kv-blocks"):
+        bench.run_bench(_tiny(bench, kv_blocks=8), ["round_robin"])
+
+
+def test_the_command_prints_json_and_refuses_unknown_policies(
+    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code = bench.main(["--quick", "--users", "2", "--json", "--policies", "prefix,round_robin"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == (0 if out["ratios"]["rr_ttft_p90_over_default"] >= 2 else 1)
+    assert out["config"]["users"] == 2 and out["targets_met"] is None
+    assert [r["policy"] for r in out["results"]] == ["prefix", "round_robin"]
+    with pytest.raises(SystemExit, match="unknown policies"):
+        bench.main(["--quick", "--policies", "prefix,nope"])
