@@ -56,6 +56,8 @@ from llmgw.server.reconcile_state import (
     ReconcileConfig,
     ReconcileInput,
     ReplicaRecord,
+    crash_delay,
+    held_reason,
 )
 from llmgw.server.reconciler import reconcile
 from llmgw.server.store import AuditRecord, now_ms
@@ -72,8 +74,11 @@ SendFn = Callable[[str, ControlMessage], Awaitable[bool]]
 
 
 def api_key_for(replica_id: str) -> str:
-    """A fresh secret API key for a new replica (its engines require it as a bearer token)."""
-    return secrets.token_urlsafe(24)
+    """A fresh secret API key for a new replica (its engines require it as a bearer token).
+
+    It never starts with "-": an engine's argument parser would read ``--api-key -x…`` as
+    a flag with no value."""
+    return "llmgw-" + secrets.token_urlsafe(24)
 
 
 class ReconcileLoop:
@@ -97,6 +102,7 @@ class ReconcileLoop:
         self.unplaceable: dict[str, str] = {}  # deployment → why some replicas have no place
         self._started = clock()
         self._down_since: dict[str, float] = {}  # node id → monotonic time it was seen down
+        self.failures: dict[str, tuple[int, float]] = {}  # deployment → (in a row, last at)
         self._wakeup = asyncio.Event()
         self._lock = asyncio.Lock()
         plane.reconcile_soon = self.poke
@@ -124,7 +130,9 @@ class ReconcileLoop:
     async def round(self) -> Decision:
         """One round: decide, store, send, audit. Rounds never overlap."""
         async with self._lock:
-            decision = reconcile(self.snapshot())
+            state = self.snapshot()
+            decision = reconcile(state)
+            self._count_failures(decision, state.now)
             await self.plane.save_replicas(decision.replicas)
             await self.plane.desired.keep_requests(_live(self.plane.replicas))
             self.pending = dict(decision.pending)
@@ -151,7 +159,29 @@ class ReconcileLoop:
             config=self.config,
             retire=frozenset(plane.desired.retire),
             replace=frozenset(plane.desired.replace),
+            held=self._held(now),
+            streak=self._streak(now),
         )
+
+    def _count_failures(self, decision: Decision, now: float) -> None:
+        for name, failed in decision.failed.items():
+            count, last = self.failures.get(name, (0, now))
+            if now - last > self.config.crash_reset_s:
+                count = 0
+            self.failures[name] = (count + failed, now)
+
+    def _held(self, now: float) -> dict[str, str]:
+        """Deployments whose next placement waits (failed replicas in a row), and why."""
+        return {
+            name: held_reason(name, count, self.config)
+            for name, (count, last) in self.failures.items()
+            if now < last + crash_delay(count, self.config)
+        }
+
+    def _streak(self, now: float) -> dict[str, int]:
+        """Failed replicas in a row, by deployment, not yet forgiven."""
+        reset = self.config.crash_reset_s
+        return {n: count for n, (count, last) in self.failures.items() if now - last <= reset}
 
     def _nodes(self, now: float) -> dict[str, NodeView]:
         inventory = self.plane.inventory

@@ -40,6 +40,8 @@ __all__ = [
     "ReconcileInput",
     "ReplicaRecord",
     "apply_decision",
+    "crash_delay",
+    "held_reason",
 ]
 
 
@@ -112,6 +114,12 @@ class ReconcileConfig:
     node_grace_s: float = 60.0  # NOT_READY this long: its replicas are replaced elsewhere
     command_retry_s: float = 30.0  # a command not reflected after this is sent again
     max_restarts: int = 5  # a FAILED shard restarted this often: its replica is replaced
+    # After failed replicas in a row, a deployment's next placement waits this long,
+    # doubling per failure up to the cap; a deployment that has not failed for
+    # ``crash_reset_s`` starts again from the first delay (as kubelet's CrashLoopBackOff).
+    crash_backoff_s: float = 5.0
+    crash_backoff_max_s: float = 300.0
+    crash_reset_s: float = 600.0
     drain_grace_s: int = 30  # DrainShard grace
     stop_grace_s: int = 10  # StopShard grace
 
@@ -160,6 +168,8 @@ class ReconcileInput:
     config: ReconcileConfig = field(default_factory=ReconcileConfig)
     retire: frozenset[str] = frozenset()  # replica ids an operator drained: retire them now
     replace: frozenset[str] = frozenset()  # replica ids to replace by surge (node drain)
+    held: Mapping[str, str] = field(default_factory=dict)  # deployment → why nothing is placed
+    streak: Mapping[str, int] = field(default_factory=dict)  # deployment → failures in a row
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,6 +194,22 @@ class Decision:
     pending: Mapping[str, PendingCommand]
     events: tuple[Event, ...]
     unplaceable: Mapping[str, str]  # deployment → why some of its replicas have no place
+    failed: Mapping[str, int] = field(default_factory=dict)  # deployment → replicas that failed
+
+
+def crash_delay(failures: int, config: ReconcileConfig) -> float:
+    """How long a deployment's next placement waits after ``failures`` in a row."""
+    if failures <= 0:
+        return 0.0
+    delay = config.crash_backoff_s * 2.0 ** min(failures - 1, 30)
+    return float(min(delay, config.crash_backoff_max_s))
+
+
+def held_reason(name: str, failures: int, config: ReconcileConfig) -> str:
+    """Why a deployment's next replica waits, in an operator's words."""
+    replicas = f"{failures} replica{'' if failures == 1 else 's'}"
+    delay = crash_delay(failures, config)
+    return f"{replicas} of {name} failed in a row; waiting {delay:g} s before placing another"
 
 
 def apply_decision(state: ReconcileInput, decision: Decision) -> ReconcileInput:

@@ -11,6 +11,10 @@ Rules, in the order a round applies them (every loop in sorted order):
    ``node_grace_s``, or one of whose shards is FAILED with ``restarts >= max_restarts``
    or with ``gave_up`` (its agent will not restart it, e.g. it refused the command):
    it goes RETIRED (its shards are fenced) and a new replica is placed avoiding that node.
+   Replicas that fail are counted (``Decision.failed``): the first failure is replaced at
+   once; after failures in a row (``streak``) the caller holds the deployment's next
+   placements back (``held``, delays doubling as ``crash_delay`` says), so a replica that
+   cannot run anywhere is not replaced in a tight loop.
    Then a live replica named in ``retire`` (drained by an operator) goes RETIRING.
 2. **Deployments**: a deleted deployment retires all its replicas. Otherwise replicas are
    placed until the deployment has its count, deployments with the largest shards first
@@ -64,6 +68,7 @@ from llmgw.server.reconcile_state import (
     PendingCommand,
     ReconcileInput,
     ReplicaRecord,
+    held_reason,
 )
 
 __all__ = ["reconcile", "replica_id_for", "start_message"]
@@ -127,6 +132,7 @@ class _Round:
         self.pending: dict[str, PendingCommand] = {}
         self.events: list[Event] = []
         self.unplaceable: dict[str, str] = {}
+        self.failed: dict[str, int] = {}  # deployment → replicas replaced for failing
         self.avoid: dict[str, set[str]] = {}  # deployment → nodes its replacements avoid
         self.replaced: dict[str, list[str]] = {}  # deployment → replica ids to replace
         self.by_deployment: dict[str, dict[str, ReplicaRecord]] = {}
@@ -210,18 +216,22 @@ class _Round:
             broken = self.broken(record)
             if broken is None:
                 continue
-            node_id, why = broken
+            node_id, why, failed = broken
             self.set_lifecycle(record, Lifecycle.RETIRED, why)
             name = record.plan.deployment
             self.avoid.setdefault(name, set()).add(node_id)
             self.replaced.setdefault(name, []).append(record.replica_id)
+            if failed:
+                self.failed[name] = self.failed.get(name, 0) + 1
 
-    def broken(self, record: ReplicaRecord) -> tuple[str, str] | None:
-        """The node to avoid and why, when ``record`` must be replaced."""
+    def broken(self, record: ReplicaRecord) -> tuple[str, str, bool] | None:
+        """The node to avoid, why, and whether a shard failed (rather than its node went),
+        when ``record`` must be replaced."""
         for plan in record.plan.shards:
-            why = self.node_gone(plan.node_id) or self.exhausted(plan)
-            if why:
-                return plan.node_id, why
+            if why := self.node_gone(plan.node_id):
+                return plan.node_id, why, False
+            if why := self.exhausted(plan):
+                return plan.node_id, why, True
         return None
 
     def node_gone(self, node_id: str) -> str:
@@ -316,6 +326,9 @@ class _Round:
     ) -> None:
         """Place ``count`` replicas; the first ones replace ``replaces`` (consumed) in order."""
         name = deployment.name
+        if held := self.held(name):
+            self.unplaceable[name] = held
+            return
         serials = self.new_serials(name, count)
         ids = [replica_id_for(name, serial) for serial in serials]
         placed = self.s.place(
@@ -347,6 +360,15 @@ class _Round:
         what = f"placed {lifecycle.value} replica {plan.replica_id} of {plan.deployment} on {nodes}"
         why = _placement_why(lifecycle, old)
         self.events.append(Event(plan.replica_id, what, why))
+
+    def held(self, name: str) -> str:
+        """Why ``name`` places nothing now: held by its caller, or a replica of it failed
+        this round after others had (the first failure is replaced at once)."""
+        held = self.s.held.get(name, "")
+        streak, failed = self.s.streak.get(name, 0), self.failed.get(name, 0)
+        if not held and streak and failed:
+            held = held_reason(name, streak + failed, self.cfg)
+        return held
 
     def new_serials(self, name: str, count: int) -> list[int]:
         """The next ``count`` serials of a deployment whose ids are not taken."""
@@ -438,6 +460,7 @@ class _Round:
             pending=self.pending,
             events=tuple(self.events),
             unplaceable=self.unplaceable,
+            failed=self.failed,
         )
 
 

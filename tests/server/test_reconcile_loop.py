@@ -21,8 +21,8 @@ from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server.desired import check_apply
 from llmgw.server.plan import ReplicaPlan, ShardPlan
 from llmgw.server.plane import ControlPlane
-from llmgw.server.reconcile_loop import ReconcileLoop
-from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.server.reconcile_loop import ReconcileLoop, api_key_for
+from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord, crash_delay
 from llmgw.server.store import SCHEMA_VERSION, Store, decode_replica, encode_replica
 
 PROFILE = EngineProfile(
@@ -214,6 +214,51 @@ async def test_unplaceable_is_audited_once_and_an_unsent_command_is_retried(
     agents.connected.add("a1")
     await loop.round()
     assert len(agents.starts()) == 4
+
+
+async def test_replicas_that_keep_failing_are_replaced_with_a_growing_delay(
+    plane: ControlPlane,
+) -> None:
+    now = [100.0]
+    agents = FakeAgents(plane, {"a1", "a2"})
+    loop = ReconcileLoop(plane, agents.send, clock=lambda: now[0])
+    for node_id in ("a1", "a2"):
+        await _register(plane, node_id)
+    await _apply(plane, 1)
+
+    def refuse_every_start() -> None:  # as an agent refusing the command does
+        for node_id, message in agents.sent:
+            start = message.start_shard
+            if start is not None and plane.replicas[start.replica_id].lifecycle.value == "active":
+                status = ShardStatus(
+                    shard_id=start.shard_id, replica_id=start.replica_id,
+                    state=ShardState.FAILED, reason="StartShard refused: port in use", gave_up=True,
+                )  # fmt: skip
+                plane.shard_status(node_id, status)
+
+    async def at(t: float) -> int:
+        now[0] = t
+        refuse_every_start()
+        await loop.round()
+        return len(agents.starts())
+
+    assert await at(100.0) == 1  # chat-1 placed
+    assert await at(100.0) == 2  # chat-1 failed: replaced at once by chat-2
+    assert await at(101.0) == 2  # chat-2 failed: 2 in a row, the next waits 10 s
+    assert await at(101.5) == 2
+    why = "2 replicas of chat failed in a row; waiting 10 s before placing another"
+    assert loop.unplaceable["chat"] == why
+    assert await at(110.9) == 2
+    assert await at(111.0) == 3  # chat-3, after the delay
+    assert await at(112.0) == 3 and loop.failures["chat"][0] == 3  # failed: no replacement
+    assert loop.unplaceable["chat"].startswith("3 replicas of chat failed in a row; waiting 20 s")
+    assert await at(131.9) == 3 and await at(132.0) == 4
+    assert await at(800.0) == 5  # forgiven after crash_reset_s: replaced at once again
+    assert [crash_delay(n, loop.config) for n in (0, 1, 2, 3, 20)] == [0, 5, 10, 20, 300]
+
+
+def test_api_keys_never_start_with_a_dash() -> None:
+    assert not any(api_key_for("r").startswith("-") for _ in range(2000))
 
 
 def test_a_record_survives_its_encoding() -> None:
