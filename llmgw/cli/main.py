@@ -16,6 +16,8 @@ from pathlib import Path
 from llmgw import __version__
 
 DEFAULT_WEB_URL = "http://127.0.0.1:8080"
+GATEWAY_POLICIES = "prefix, round_robin, least_load or session"
+"""The gateway's policies in words (llmgw.server.router.policy.POLICIES, tested to agree)."""
 
 Command = Callable[[argparse.Namespace], int]
 
@@ -63,6 +65,8 @@ def build_parser() -> argparse.ArgumentParser:
     _add_desired(sub)
     _add_demo(sub)
     _add_sim_engine(sub)
+    _add_gateway(sub)
+    _add_console(sub)
     return parser
 
 
@@ -71,7 +75,8 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "server",
         help="run the control server",
         description="Run the control server: native gRPC for agents and "
-        "operators, gRPC-web and /healthz for the console and browsers.",
+        "operators, gRPC-web and /healthz for the console and browsers, and the "
+        "OpenAI-compatible gateway (`llmgw gateway` runs more of them beside it).",
     )
     p.add_argument(
         "--grpc-listen",
@@ -84,6 +89,18 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         default="127.0.0.1:8080",
         metavar="HOST:PORT",
         help="gRPC-web and health (HTTP/1.1) address (default: 127.0.0.1:8080)",
+    )
+    p.add_argument(
+        "--gateway-listen",
+        default="127.0.0.1:8000",
+        metavar="HOST:PORT|off",
+        help="the OpenAI-compatible gateway's address, or off (default: 127.0.0.1:8000)",
+    )
+    p.add_argument(
+        "--gateway-policy",
+        default="prefix",
+        metavar="NAME",
+        help=f"the gateway's routing policy: {GATEWAY_POLICIES} (default: prefix)",
     )
     p.add_argument(
         "--db",
@@ -318,6 +335,18 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 def _add_sim_engine(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from llmgw.cli.simengine import add_parser
+
+    add_parser(sub)
+
+
+def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from llmgw.cli.gateway import add_parser
+
+    add_parser(sub)
+
+
+def _add_console(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from llmgw.cli.console import add_parser
 
     add_parser(sub)
 

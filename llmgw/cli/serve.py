@@ -37,6 +37,8 @@ def run_server_command(args: argparse.Namespace) -> int:
             ),
             max_message_bytes=int(_positive(args.max_message_bytes, "--max-message-bytes")),
             test_hooks=args.test_hooks,
+            gateway_listen=_gateway_listen(args.gateway_listen),
+            gateway_policy=_gateway_policy(args.gateway_policy),
         )
         asyncio.run(run_server(config))
     except ServerError as exc:
@@ -76,6 +78,18 @@ def run_agent_command(args: argparse.Namespace) -> int:
     except (AgentConfigError, DiscoveryError, EngineError) as exc:
         raise CliError(str(exc)) from exc
     return 0
+
+
+def _gateway_listen(text: str) -> Listen | None:
+    return None if text == "off" else Listen.parse(text, "--gateway-listen")
+
+
+def _gateway_policy(name: str) -> str:
+    from llmgw.server.router.policy import POLICIES
+
+    if name not in POLICIES:
+        raise CliError(f"--gateway-policy {name!r} is not one of {', '.join(POLICIES)}")
+    return name
 
 
 def _not_negative(value: float, flag: str) -> float:

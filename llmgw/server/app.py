@@ -2,9 +2,12 @@
 
 One event loop serves the same service objects on two ports: native gRPC (grpclib, HTTP/2)
 for agents and operator clients, and gRPC-web plus ``/healthz`` (uvicorn, HTTP/1.1) for the
-console, browsers and ``llmgw get``. SIGINT and SIGTERM stop both ports, flush heartbeat
-times and close the database. The reconciler (``llmgw.server.reconcile_loop``) runs in
-the same loop, unless turned off or test hooks are on.
+console, browsers and ``llmgw get``. The router feed (``llmgw.server.routersvc``, carrying
+API keys) is on the native port only. Unless turned off, the OpenAI gateway
+(``llmgw.server.router``) serves on a third port, fed in process from the plane. SIGINT and
+SIGTERM stop every port, flush heartbeat times and close the database. The reconciler
+(``llmgw.server.reconcile_loop``) runs in the same loop, unless turned off or test hooks are
+on.
 """
 
 from __future__ import annotations
@@ -29,6 +32,8 @@ from llmgw.server.grpcweb import GrpcWebApp
 from llmgw.server.inventory import InventoryConfig
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
+from llmgw.server.router.gateway import GatewayConfig
+from llmgw.server.routersvc import RouterService, serve_gateway
 from llmgw.server.store import Store
 from llmgw.server.testhooks import AgentCommandHook
 
@@ -36,6 +41,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_GRPC_LISTEN = "127.0.0.1:50051"
 DEFAULT_HTTP_LISTEN = "127.0.0.1:8080"
+DEFAULT_GATEWAY_LISTEN = "127.0.0.1:8000"
 
 
 def default_db_path() -> Path:
@@ -78,6 +84,8 @@ class ServerConfig:
     test_hooks: bool = False  # POST /debug/agents/{node}/command (llmgw.server.testhooks)
     reconcile: bool = True  # run the reconciler (off with test hooks: it would fence their shards)
     reconcile_every_s: float = 1.0  # a round at least this often, and after every change
+    gateway_listen: Listen | None = None  # the in-server OpenAI gateway; None: none
+    gateway_policy: str = "prefix"  # llmgw.server.router.policy.POLICIES
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -97,13 +105,15 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
         await plane.load()
         control = ControlService(plane)
         agents = AgentService(plane, heartbeat_interval_ms=config.heartbeat_interval_ms)
+        router = RouterService(plane)  # API keys: native gRPC only, never gRPC-web
         grpc = grpclib.server.Server(
-            [agents, control], codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes)
+            [agents, control, router],
+            codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
         )
         await grpc.start(config.grpc_listen.host, config.grpc_listen.port)
         web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents))
         try:
-            async with asyncio.TaskGroup() as tasks:
+            async with _gateway(config, plane), asyncio.TaskGroup() as tasks:
                 web_task = tasks.create_task(web.serve(), name="grpc-web")
                 tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
                 loop = _reconcile_loop(config, plane, agents)
@@ -121,11 +131,23 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
                     reconcile_task.cancel()
         finally:
             agents.shutdown()
+            router.shutdown()
             await asyncio.sleep(0)  # let the streams send their trailers
             grpc.close()
             await grpc.wait_closed()
             await plane.flush()
     log.info("llmgw server stopped")
+
+
+def _gateway(
+    config: ServerConfig, plane: ControlPlane
+) -> contextlib.AbstractAsyncContextManager[object]:
+    if config.gateway_listen is None:
+        log.info("the in-server gateway is off")
+        return contextlib.nullcontext()
+    listen = config.gateway_listen
+    gateway = GatewayConfig(host=listen.host, port=listen.port, policy=config.gateway_policy)
+    return serve_gateway(plane, gateway)
 
 
 def _reconcile_loop(

@@ -33,6 +33,15 @@ def wait_for(check: Callable[[], Any], timeout: float, what: str, every: float =
     raise AssertionError(f"timed out after {timeout}s waiting for {what}; last: {last!r}")
 
 
+def _answers(url: str) -> bool:
+    import httpx
+
+    try:
+        return httpx.get(url, timeout=1).status_code == 200
+    except httpx.HTTPError:
+        return False
+
+
 @dataclass
 class Cluster:
     """A server and agents as subprocesses, with their logs under ``root``."""
@@ -40,11 +49,17 @@ class Cluster:
     root: Path
     grpc_port: int = field(default_factory=free_port)
     http_port: int = field(default_factory=free_port)
+    gateway_port: int = field(default_factory=free_port)  # the in-server gateway's
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.http_port}"
+
+    @property
+    def gateway_url(self) -> str:
+        """The in-server gateway's OpenAI base (without ``/v1``)."""
+        return f"http://127.0.0.1:{self.gateway_port}"
 
     def spawn(self, name: str, *args: str) -> subprocess.Popen[bytes]:
         log = (self.root / f"{name}.log").open("ab")
@@ -70,10 +85,27 @@ class Cluster:
             f"127.0.0.1:{self.http_port}",
             "--db",
             str(self.root / "server.db"),
+            "--gateway-listen",  # never the default port 8000: tests run beside each other
+            f"127.0.0.1:{self.gateway_port}",
             *extra,
         )
         wait_for(self.healthy, 20, "the server's /healthz")
         return proc
+
+    def start_gateway(self, name: str = "gateway", *extra: str) -> str:
+        """``llmgw gateway`` following this cluster's server; returns its URL once healthy."""
+        url = f"http://127.0.0.1:{free_port()}"
+        self.spawn(
+            name,
+            "gateway",
+            "--server",
+            f"127.0.0.1:{self.grpc_port}",
+            "--listen",
+            url.removeprefix("http://"),
+            *extra,
+        )
+        wait_for(lambda: _answers(f"{url}/healthz"), 20, f"{name}'s /healthz")
+        return url
 
     def start_agent(
         self, node_id: str, fixture: str = "dgx-h100", *extra: str

@@ -726,6 +726,9 @@ default_message_pool.register_message("llmgw.v1", "Imex", Imex)
 class KvDelta(betterproto2.Message):
     """
     Net changes to one engine's KV block set, packed: 8-byte big-endian hashes.
+    Apply reset, then removed, then stored (a hash in both changed its key). On every new
+    stream the agent first sends a full copy of each engine it follows (reset set; a large
+    one continues in messages without reset); an engine missing from it holds no blocks.
     """
 
     shard_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
@@ -742,6 +745,27 @@ class KvDelta(betterproto2.Message):
     removed: "bytes" = betterproto2.field(5, betterproto2.TYPE_BYTES)
 
     seq: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+    """
+    the engine's last event batch seq reflected here
+    """
+
+    stored_keys: "bytes" = betterproto2.field(7, betterproto2.TYPE_BYTES)
+    """
+    Added with issue #6. llmgw block keys (llmgw.kvcache.mirror.block_key), 8 bytes each,
+    in the order of `stored` / `removed`; 0 where unknown.
+    """
+
+    removed_keys: "bytes" = betterproto2.field(8, betterproto2.TYPE_BYTES)
+
+    block_size: "int" = betterproto2.field(9, betterproto2.TYPE_UINT32)
+    """
+    tokens per block in the engine's events; 0: none seen
+    """
+
+    oldest_event_ts: "float" = betterproto2.field(10, betterproto2.TYPE_DOUBLE)
+    """
+    engine's unix time of the oldest batch here; 0: none
+    """
 
 
 default_message_pool.register_message("llmgw.v1", "KvDelta", KvDelta)

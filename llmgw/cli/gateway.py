@@ -1,0 +1,134 @@
+"""``llmgw gateway``: the OpenAI gateway as its own process, following a control server.
+
+It serves what the in-server gateway serves (``llmgw.server.router.gateway``) and learns
+the replicas from the control server's router feed (``llmgw.server.router.feed``), so
+gateways scale out beside one control server. While the control server is away it keeps
+routing with the last replicas it knew and reconnects by itself. SIGINT and SIGTERM stop
+it: the listener closes, requests in flight are cancelled, the feed's channel is closed.
+The event loop is uvloop's. This module imports only the standard library at import
+time; the gateway is imported when the command runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from llmgw.cli.main import GATEWAY_POLICIES, CliError
+
+if TYPE_CHECKING:
+    from llmgw.server.router.gateway import GatewayConfig
+
+log = logging.getLogger(__name__)
+
+DEFAULT_SERVER = "127.0.0.1:50051"
+DEFAULT_LISTEN = "127.0.0.1:8000"
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``gateway`` and its flags."""
+    p = sub.add_parser(
+        "gateway",
+        help="run an OpenAI-compatible gateway that follows a control server",
+        description="Serve /v1/models, /v1/completions and /v1/chat/completions (and "
+        "/metrics, /healthz), routing each request by its model to the READY replicas "
+        "that the control server's router feed names. While the control server is away "
+        "it keeps routing with the replicas it last knew and reconnects by itself. "
+        "SIGINT or SIGTERM stops it.",
+    )
+    p.add_argument(
+        "--server",
+        default=DEFAULT_SERVER,
+        metavar="HOST:PORT",
+        help=f"the control server's native gRPC address (default: {DEFAULT_SERVER})",
+    )
+    p.add_argument(
+        "--listen",
+        default=DEFAULT_LISTEN,
+        metavar="HOST:PORT",
+        help=f"the address to serve the OpenAI API on (default: {DEFAULT_LISTEN})",
+    )
+    p.add_argument(
+        "--policy",
+        default="prefix",
+        metavar="NAME",
+        help=f"routing policy: {GATEWAY_POLICIES} (default: prefix)",
+    )
+    p.set_defaults(command=run_gateway_command)
+
+
+def host_port(text: str, flag: str) -> tuple[str, int]:
+    """``HOST:PORT`` or ``[V6]:PORT``; a malformed value names the flag."""
+    host, sep, port = text.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise CliError(f"{flag} {text!r} is not HOST:PORT (for example 127.0.0.1:8000)")
+    return host, int(port)
+
+
+def run_gateway_command(args: argparse.Namespace) -> int:
+    from llmgw.server.router.gateway import GatewayConfig
+    from llmgw.server.router.policy import POLICIES
+
+    server = host_port(args.server, "--server")
+    host, port = host_port(args.listen, "--listen")
+    if args.policy not in POLICIES:
+        raise CliError(f"--policy {args.policy!r} is not one of {', '.join(POLICIES)}")
+    config = GatewayConfig(host=host, port=port, policy=args.policy)
+    try:
+        _run_on_uvloop(server, config)
+    except OSError as exc:
+        raise CliError(f"cannot serve: {exc}") from exc
+    return 0
+
+
+def _run_on_uvloop(server: tuple[str, int], config: GatewayConfig) -> None:
+    import uvloop
+
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        runner.run(run_gateway(server, config))
+
+
+async def run_gateway(
+    server: tuple[str, int], config: GatewayConfig, stop: asyncio.Event | None = None
+) -> None:
+    """Serve until SIGINT/SIGTERM (or ``stop`` is set), following ``server``'s feed."""
+    from llmgw.server.router.feed import feed_channel, follow
+    from llmgw.server.router.gateway import Gateway
+    from llmgw.server.router.table import RoutingTable
+
+    stop = stop or asyncio.Event()
+    table = RoutingTable()
+    gateway = Gateway(table, config)
+    host, port = await gateway.start()
+    try:
+        log.info(
+            "llmgw gateway: OpenAI API on http://%s:%d (policy %s), following %s:%d",
+            host,
+            port,
+            config.policy,
+            *server,
+        )
+        with _signals_set(stop):
+            await follow(lambda: feed_channel(*server), table, stop=stop)
+    finally:
+        await gateway.stop()
+    log.info("llmgw gateway stopped")
+
+
+@contextlib.contextmanager
+def _signals_set(stop: asyncio.Event) -> Iterator[None]:
+    loop = asyncio.get_running_loop()
+    signals = (signal.SIGINT, signal.SIGTERM)
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        yield
+    finally:
+        for sig in signals:
+            loop.remove_signal_handler(sig)

@@ -1,0 +1,221 @@
+"""``RouterService``: the router feed that gateways follow, and the in-server gateway.
+
+SECRETS: every ``RouteTarget`` carries its replica's API key (the key only gateways may
+know). So this service is served on the native gRPC port only, never over gRPC-web, and
+once tokens with roles exist (issue #8) ``Feed`` must be refused to every caller but the
+gateway role. Do not add it to ``GrpcWebApp`` or log its messages.
+
+The feed is the plane's watch stream (``plane.hub``) seen through a gateway's eyes: one
+snapshot of every replica that is not RETIRED, then a target for each one that changed
+and a removal for each one that went away. Each subscriber remembers what it last sent,
+so a shard report that does not change what a gateway routes on sends nothing. A
+subscriber that falls behind gets a fresh snapshot (the hub's resync).
+
+What a target says: the endpoint and state are the operator API's view of the replica
+(``ControlPlane.replica_view``: READY only when every shard is READY, DRAINING once it
+retires); the API key and whether it publishes KV events come from the replica's record
+and the profile it was placed with.
+
+:func:`serve_gateway` runs the OpenAI gateway inside the server, fed from the same events
+without a gRPC hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from llmgw.api.llmgw.v1 import (
+    RouterFeedEvent,
+    RouterFeedRequest,
+    RouterServiceBase,
+    RouterSnapshot,
+    RouteTarget,
+    WatchEvent,
+)
+from llmgw.server.plane import ControlPlane
+from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.server.router.feed import apply_feed_event, targets_from_snapshot
+from llmgw.server.router.gateway import Gateway, GatewayConfig
+from llmgw.server.router.table import RoutingTable
+
+log = logging.getLogger(__name__)
+
+
+def route_target(plane: ControlPlane, record: ReplicaRecord) -> RouteTarget:
+    """One replica as a gateway routes to it (with its API key: a secret)."""
+    view = plane.replica_view(record)
+    return RouteTarget(
+        replica_id=view.replica_id,
+        deployment=view.deployment,
+        model=view.model,
+        endpoint=view.endpoint,
+        api_key=record.api_key,
+        state=view.state,
+        kv_events=record.profile.kv_events,
+    )
+
+
+def route_targets(plane: ControlPlane) -> dict[str, RouteTarget]:
+    """Every replica that is not RETIRED, by replica id."""
+    return {
+        replica_id: route_target(plane, record)
+        for replica_id, record in sorted(plane.replicas.items())
+        if record.lifecycle is not Lifecycle.RETIRED
+    }
+
+
+class _FeedView:
+    """What one subscriber was last told, and the feed events that bring it up to date."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self._plane = plane
+        self._sent: dict[str, RouteTarget] = {}
+
+    def events(self, event: WatchEvent) -> list[RouterFeedEvent]:
+        """The feed events one watch event calls for (often none)."""
+        if event.snapshot is not None:
+            return [self._snapshot(event.revision)]
+        if event.replica is not None:
+            return self._changes(event.revision, {event.replica.replica_id})
+        if event.replica_removed is not None:
+            return self._changes(event.revision, {event.replica_removed})
+        if event.node is not None or event.node_removed is not None:
+            # a node's address may have changed, and with it the endpoints of its replicas
+            # (a replica that becomes live always has its own event)
+            return self._changes(event.revision, set(self._sent))
+        return []  # telemetry, shards (their replica's event follows), desired state, audit
+
+    def _snapshot(self, revision: int) -> RouterFeedEvent:
+        self._sent = route_targets(self._plane)
+        targets = list(self._sent.values())
+        return RouterFeedEvent(
+            revision=revision, snapshot=RouterSnapshot(targets=targets, revision=revision)
+        )
+
+    def _changes(self, revision: int, replica_ids: set[str]) -> list[RouterFeedEvent]:
+        out: list[RouterFeedEvent] = []
+        for replica_id in sorted(replica_ids):
+            record = self._plane.replicas.get(replica_id)
+            target = None
+            if record is not None and record.lifecycle is not Lifecycle.RETIRED:
+                target = route_target(self._plane, record)
+            before = self._sent.get(replica_id)
+            if target is None and before is not None:
+                del self._sent[replica_id]
+                out.append(RouterFeedEvent(revision=revision, target_removed=replica_id))
+            elif target is not None and target != before:
+                self._sent[replica_id] = target
+                out.append(RouterFeedEvent(revision=revision, target=target))
+        return out
+
+
+async def route_events(plane: ControlPlane) -> AsyncGenerator[RouterFeedEvent, None]:
+    """A snapshot of every route target, then each change, forever (a fresh snapshot
+    after falling behind)."""
+    view = _FeedView(plane)
+    # WatchHub.subscribe is an async generator (typed as an iterator): close it with us,
+    # so the hub forgets this watcher as soon as the feed ends
+    subscription = cast(AsyncGenerator[WatchEvent, None], plane.hub.subscribe())
+    async with contextlib.aclosing(subscription) as events:
+        async for event in events:
+            for out in view.events(event):
+                yield out
+
+
+class RouterService(RouterServiceBase):
+    """The router feed over gRPC. Carries API keys: native gRPC only; gate it by the
+    gateway role when roles exist (issue #8)."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self.plane = plane
+        self._feeds: set[asyncio.Task[Any]] = set()
+        self._closing = ""
+
+    async def feed(self, message: RouterFeedRequest) -> AsyncIterator[RouterFeedEvent]:
+        task = asyncio.current_task()
+        assert task is not None
+        self._feeds.add(task)
+        log.info("a gateway follows the router feed (%d now)", len(self._feeds))
+        try:
+            async with contextlib.aclosing(route_events(self.plane)) as events:
+                async for event in events:
+                    yield event
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+            raise GRPCError(Status.UNAVAILABLE, self._closing) from None
+        finally:
+            self._feeds.discard(task)
+            log.info("a gateway stopped following the router feed")
+
+    def shutdown(self) -> None:
+        """End every feed with UNAVAILABLE, so gateways know at once (and keep routing
+        with what they have) instead of waiting for the connection to drop."""
+        self._closing = "the control server is shutting down"
+        for task in list(self._feeds):
+            task.cancel()
+
+
+RESUBSCRIBE_S = 1.0
+"""How long the in-server gateway's feed waits before subscribing again after a failure."""
+
+
+async def feed_table(plane: ControlPlane, table: RoutingTable) -> None:
+    """Keep ``table`` in step with the plane, in process (the in-server gateway), until
+    cancelled. A failure (our bug) is logged and the feed starts again from a snapshot:
+    the gateway never silently stops following."""
+    while True:
+        try:
+            async for event in route_events(plane):
+                apply_feed_event(table, event)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the in-server gateway's feed failed; subscribing again")
+        await asyncio.sleep(RESUBSCRIBE_S)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedGateway:
+    """The in-server gateway and the address it listens on."""
+
+    gateway: Gateway
+    host: str
+    port: int
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(plane: ControlPlane, config: GatewayConfig) -> AsyncIterator[ServedGateway]:
+    """The OpenAI gateway on ``config``'s address, routing to the plane's replicas; its
+    table holds every target before the first request is accepted."""
+    snapshot = RouterSnapshot(targets=list(route_targets(plane).values()))
+    table = RoutingTable(targets_from_snapshot(snapshot))
+    gateway = Gateway(table, config)
+    feed = asyncio.create_task(feed_table(plane, table), name="gateway-feed")
+    try:
+        host, port = await gateway.start()
+        yield ServedGateway(gateway, host, port)
+    finally:
+        feed.cancel()
+        await asyncio.gather(feed, return_exceptions=True)
+        await gateway.stop()
+
+
+__all__ = [
+    "RESUBSCRIBE_S",
+    "RouterService",
+    "ServedGateway",
+    "feed_table",
+    "route_events",
+    "route_target",
+    "route_targets",
+    "serve_gateway",
+]
