@@ -747,6 +747,8 @@ async def start_llmgw_server(children: Children, settings: Settings) -> tuple[Ch
         f"{HOST}:{grpc_port}",
         "--http-listen",
         f"{HOST}:{http_port}",
+        "--gateway-listen",
+        "off",
         "--db",
         str(children.workdir / "server.db"),
         "--node-grace",

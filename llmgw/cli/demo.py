@@ -26,6 +26,7 @@ DEMO_NODES = (("dgx-1", "dgx-h100"), ("mig-1", "a100-mig"), ("l4-1", "l4-pcie"))
 READY_TIMEOUT_S = 60.0
 DEFAULT_GRPC_PORT = 50051  # the server's defaults, so `llmgw get …` works without --server
 DEFAULT_HTTP_PORT = 8080
+DEFAULT_GATEWAY_PORT = 8000
 
 
 def free_port(preferred: int = 0) -> int:
@@ -41,6 +42,7 @@ def free_port(preferred: int = 0) -> int:
 def run_demo(duration: float | None, state_dir: Path | None) -> int:
     with _state_dir(state_dir) as root:
         grpc_port, http_port = free_port(DEFAULT_GRPC_PORT), free_port(DEFAULT_HTTP_PORT)
+        gateway_port = free_port(DEFAULT_GATEWAY_PORT)
         url = f"http://127.0.0.1:{http_port}"
         logs = root / "logs"
         logs.mkdir(parents=True, exist_ok=True)
@@ -52,6 +54,8 @@ def run_demo(duration: float | None, state_dir: Path | None) -> int:
                     f"127.0.0.1:{grpc_port}",
                     "--http-listen",
                     f"127.0.0.1:{http_port}",
+                    "--gateway-listen",
+                    f"127.0.0.1:{gateway_port}",
                     "--db",
                     str(root / "server.db"),
                 ],
@@ -77,7 +81,7 @@ def run_demo(duration: float | None, state_dir: Path | None) -> int:
                     )
                 )
             asyncio.run(_wait_ready(url, len(DEMO_NODES)))
-            _show(url, root)
+            _show(url, root, f"http://127.0.0.1:{gateway_port}")
             _wait(duration)
         finally:
             _stop(procs)
@@ -118,8 +122,9 @@ async def _wait_ready(url: str, count: int) -> None:
     raise CliError(f"only {ready} of {count} demo nodes became READY in {READY_TIMEOUT_S:g}s")
 
 
-def _show(url: str, root: Path) -> None:
-    print(f"llmgw demo: control server at {url} (gRPC-web), state and logs in {root}\n")
+def _show(url: str, root: Path, gateway: str) -> None:
+    print(f"llmgw demo: control server at {url} (gRPC-web), state and logs in {root}")
+    print(f"llmgw demo: OpenAI-compatible gateway at {gateway}/v1\n")
     asyncio.run(run_get(url, "nodes", "table"))
     print()
     asyncio.run(run_get(url, "gpus", "table"))
