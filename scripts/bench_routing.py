@@ -1,30 +1,18 @@
 #!/usr/bin/env python3
 """Benchmark: the gateway's routing policies on a shared-prefix, multi-turn chat workload.
 
-The workload is shaped like llm-d's prefix-cache benchmark: ``--groups`` groups, each with a
-long shared system prompt (``--system-tokens``, 6,000 by default), ``--users`` users per
-group, each in a ``--turns``-turn conversation: every turn appends a fresh question
-(``--question-tokens``, 1,000) to the conversation so far, the model's earlier answers
-included, rendered as ChatML. Conversations start as a seeded Poisson process
-(``--rate`` requests per second offered: conversations start at ``rate / turns`` per
-second) and a user sends the next turn an exponential think time (``--think`` seconds,
-mean) after the previous answer ends. Everything is generated from ``--seed``, and the
-model's answers are a function of the prompt, so every policy replays the same workload.
-
-It is replayed in simulated time, in-process, against ``--engines`` simulated engines
-built from the simulated engine's own parts (llmgw/sim/engine): its vLLM v1 block pool
-(prefix hashes, LRU eviction of free cached blocks), its scheduler (admission with prefix
-reuse, preemption) and its timing model (a step costs ``prefill_s × uncached tokens +
-decode_s``, the simulated engine's defaults), with ``--kv-blocks`` blocks per engine: by
+The workload (llm-d's shape: ``--groups`` groups with a long shared system prompt of
+``--system-tokens``, ``--users`` users per group in ``--turns``-turn ChatML conversations
+of ``--question-tokens`` questions that carry the model's earlier answers, ``--rate``
+requests per second offered, ``--think`` seconds between an answer and the next question)
+is replayed in simulated time against ``--engines`` simulated engines built from the
+simulated engine's block pool, scheduler and timing model, ``--kv-blocks`` blocks each: by
 default a third of the groups' system prompts fit in one engine, so no engine holds the
-working set. A discrete-event loop (step completions and arrivals on one heap) drives them;
-wall time does not enter, so figures depend on the seed only.
+working set. scripts/routing_sim.py builds and replays it; figures depend on the seed only.
 
-Per policy (the gateway's own ``make_policy`` for prefix, round_robin, least_load and
-session, and an ORACLE that reads every engine's exact cache at decision time: the longest
-cached prefix of the request's block hashes, turned into a decision by the same scoring,
-guard and tie-break as the prefix policy), with in-flight load counted at decision time by
-the gateway's `LoadTracker`:
+Per policy (the gateway's own prefix, round_robin, least_load and session, and an ORACLE
+that reads every engine's exact cache at decision time and decides with the prefix
+policy's own ``prefix_decision``), with in-flight load counted at decision time:
 
 * delivered prefix-hit rate: prefix_cache_hits / prefix_cache_queries summed over the
   engines' own counters (as vLLM counts them, re-admissions after preemption included);
@@ -33,6 +21,12 @@ the gateway's `LoadTracker`:
 * load imbalance: max / mean requests per engine, and their coefficient of variation;
 * ratios: default hit rate / oracle hit rate (target >= 0.8) and round-robin TTFT p90 /
   default TTFT p90 (target >= 2); the exit status is 1 when a measured ratio misses.
+
+The prefix policy is told each engine's KV capacity in characters (its KV tokens × the
+workload's characters per prompt token), as a gateway that knows its replicas' KV
+capacity tells it (``PrefixPolicy.set_replica_capacity``); ``--kv-hint F`` scales what it
+is told, and ``--kv-hint 0`` tells it nothing (its tree then holds up to
+``PrefixConfig.max_chars_per_replica`` per engine, sized for real GPUs, not these engines).
 
 Besides, the reuse ceiling: the share of prompt tokens one unbounded cache could serve in
 any arrival order, a bound on every policy's cached share. The oracle is the issue's upper
@@ -44,10 +38,9 @@ once. The JSON also says, per policy, the share the decisions claimed
 between the first two is the approximate tree's staleness, between the last two the cost
 of the choice.
 
-The default rate, 12 requests/s, keeps the oracle's engines about half busy (52 %, TTFT
-p90 0.5 s) while round-robin, least-load and session are past saturation (their engines
-~90 % busy over the whole run and their last answers 40 s later than the oracle's). At
-8 requests/s round-robin still keeps up; from 10 it falls behind.
+The default rate, 12 requests/s, keeps the oracle's engines about half busy while
+round-robin, least-load and session are past saturation. At 8 requests/s round-robin
+still keeps up; from 10 it falls behind.
 
     .venv/bin/python scripts/bench_routing.py             # 8 engines, 16 × 32 users, 4 turns
     .venv/bin/python scripts/bench_routing.py --quick     # a small workload, seconds
@@ -58,406 +51,42 @@ p90 0.5 s) while round-robin, least-load and session are past saturation (their 
 from __future__ import annotations
 
 import argparse
-import heapq
 import json
 import math
-import random
 import statistics
-import string
 import sys
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any, Protocol
+from typing import Any
 
 from benchkit import base_machine, command_line
-
-from llmgw.kvcache import hash_block, none_hash
-from llmgw.server.router.load import LoadTracker
-from llmgw.server.router.policy import (
-    Decision,
-    Policy,
-    PrefixConfig,
-    PrefixPolicy,
-    RouteRequest,
-    make_policy,
+from routing_sim import (
+    DEFAULT_POLICY,
+    ORACLE,
+    POLICY_ORDER,
+    BenchConfig,
+    Replay,
+    Replayed,
+    Workload,
+    build_workload,
+    kv_chars_told,
 )
-from llmgw.server.router.prefix_tree import PrefixTree
-from llmgw.server.router.table import RoutingTable, Target
-from llmgw.sim.engine.blocks import BlockPool
-from llmgw.sim.engine.config import SimBehaviour
-from llmgw.sim.engine.generation import OutputPlan, SamplingSpec, word_token_ids
-from llmgw.sim.engine.metrics import EngineStats
-from llmgw.sim.engine.scheduler import (
-    HashingConfig,
-    Scheduler,
-    SchedulerConfig,
-    SimRequest,
-    StepPlan,
-    TokenOutput,
-)
-from llmgw.sim.engine.tokenizer import IM_END, SimTokenizer
 
-MODEL = "bench-model"
-ORACLE = "oracle"
-DEFAULT_POLICY = "prefix"
-POLICY_ORDER = (DEFAULT_POLICY, "round_robin", "least_load", "session")
-HASH_ALGO, HASH_SEED, VLLM_VERSION = "sha256", "0", "0.32.0"
+QUICK: dict[str, Any] = {
+    "engines": 4, "groups": 6, "users": 6, "turns": 3, "system_tokens": 1500,
+    "question_tokens": 250, "rate": 6.0, "think_s": 2.0,
+}  # fmt: skip
 HIT_RATIO, TTFT_RATIO = "default_hit_rate_over_oracle", "rr_ttft_p90_over_default"
 TARGETS = {HIT_RATIO: 0.8, TTFT_RATIO: 2.0}  # issue #5
 TARGET_LABELS = {
     HIT_RATIO: "default hit rate / oracle hit rate",
     TTFT_RATIO: "round-robin TTFT p90 / default TTFT p90",
 }
-_SHARED = SimBehaviour()  # the simulated engine's default timing
 
 
-@dataclass(frozen=True, slots=True)
-class BenchConfig:
-    """The workload, the fleet and the timing model of one run."""
-
-    engines: int = 8
-    groups: int = 16
-    users: int = 32  # per group
-    turns: int = 4
-    seed: int = 1
-    system_tokens: int = 6000
-    question_tokens: int = 1000
-    rate: float = 12.0  # requests per second offered (conversations start at rate / turns)
-    think_s: float = 5.0  # mean pause between an answer and the next question
-    block_size: int = 16
-    kv_blocks: int = 0  # per engine; 0 → a third of the groups' system prompts
-    max_tokens: int = 256
-    max_num_seqs: int = 256
-    prefill_s_per_token: float = _SHARED.prefill_s_per_token
-    decode_s_per_token: float = _SHARED.decode_s_per_token
-    prefix: PrefixConfig = PrefixConfig()  # the prefix policy's knobs (and the oracle's)
-
-    @property
-    def blocks_per_engine(self) -> int:
-        if self.kv_blocks:
-            return self.kv_blocks
-        return max(self.groups * self.system_tokens // (3 * self.block_size), 1)
-
-    @property
-    def max_model_len(self) -> int:
-        per_turn = self.question_tokens + self.max_tokens + 16
-        return self.system_tokens + self.turns * per_turn + 64
-
-
-QUICK: dict[str, Any] = {
-    "engines": 4, "groups": 6, "users": 6, "turns": 3, "system_tokens": 1500,
-    "question_tokens": 250, "rate": 6.0, "think_s": 2.0,
-}  # fmt: skip
-
-
-# -- the workload --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Turn:
-    """One request of a conversation: its prompt is a prefix of the conversation's tokens."""
-
-    prompt_len: int  # tokens
-    text_len: int  # characters of the rendered prompt
-    answer: tuple[int, ...]  # the tokens the model answers (a function of the prompt)
-    think_s: float  # pause after the previous answer (0 for the first turn)
-
-
-@dataclass(frozen=True, slots=True)
-class Conversation:
-    """One user's turns; tokens, hashes and text beyond the group's shared prefix."""
-
-    user: str
-    group: int
-    start_s: float
-    tail_tokens: tuple[int, ...]
-    tail_text: str
-    hashes: tuple[bytes, ...]  # block hashes of the whole conversation, group prefix included
-    turns: tuple[Turn, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Group:
-    """A group's shared system prompt, rendered and tokenized."""
-
-    tokens: tuple[int, ...]
-    text: str
-    hashes: tuple[bytes, ...]
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    groups: tuple[Group, ...]
-    conversations: tuple[Conversation, ...]
-
-    @property
-    def requests(self) -> int:
-        return sum(len(c.turns) for c in self.conversations)
-
-    def prompt(self, conv: Conversation, turn: Turn) -> list[int]:
-        group = self.groups[conv.group]
-        return [*group.tokens, *conv.tail_tokens[: turn.prompt_len - len(group.tokens)]]
-
-    def text(self, conv: Conversation, turn: Turn) -> str:
-        group = self.groups[conv.group]
-        return group.text + conv.tail_text[: turn.text_len - len(group.text)]
-
-
-class _Words:
-    """Seeded random lowercase words, each one token of the simulated tokenizer."""
-
-    def __init__(self, rng: random.Random, size: int = 20_000) -> None:
-        letters = string.ascii_lowercase
-        self._rng = rng
-        self._vocab = [
-            " " + "".join(rng.choices(letters, k=rng.randint(3, 9))) for _ in range(size)
-        ]
-
-    def text(self, count: int) -> str:
-        return "".join(self._rng.choices(self._vocab, k=count))
-
-
-class _Builder:
-    """Builds conversations turn by turn: tokens, text and block hashes in lockstep."""
-
-    def __init__(self, config: BenchConfig, tokenizer: SimTokenizer) -> None:
-        self.config = config
-        self.tokenizer = tokenizer
-        self.words = word_token_ids(tokenizer)
-        self.root = none_hash(HASH_ALGO, HASH_SEED, VLLM_VERSION)
-
-    def extend_hashes(self, hashes: list[bytes], tokens: Sequence[int]) -> None:
-        size = self.config.block_size
-        for index in range(len(hashes), len(tokens) // size):
-            parent = hashes[-1] if hashes else self.root
-            block = tokens[index * size : (index + 1) * size]
-            hashes.append(hash_block(parent, block, None, HASH_ALGO))
-
-    def group(self, system: str) -> Group:
-        text = f"<|im_start|>system\n{system}<|im_end|>\n"
-        tokens = self.tokenizer.encode(text)
-        hashes: list[bytes] = []
-        self.extend_hashes(hashes, tokens)
-        return Group(tuple(tokens), text, tuple(hashes))
-
-    def answer(self, prompt: Sequence[int]) -> tuple[int, ...]:
-        """What the simulated engine answers, exactly as its scheduler samples it."""
-        spec = SamplingSpec(max_tokens=self.config.max_tokens)
-        plan = OutputPlan(prompt, spec, self.words, 0)
-        out: list[int] = []
-        while True:
-            out.append(plan.token(len(out)))
-            if plan.finish_reason(len(out), len(prompt) + len(out), self.config.max_model_len):
-                return tuple(out)
-
-    def conversation(
-        self, user: str, group_index: int, group: Group, start_s: float, draw: _Draw
-    ) -> Conversation:
-        tokens, text, hashes = list(group.tokens), group.text, list(group.hashes)
-        turns: list[Turn] = []
-        for _ in range(self.config.turns):
-            closing = "" if not turns or turns[-1].answer[-1] == IM_END else "<|im_end|>"
-            opening = "" if not turns else "\n"
-            piece = f"{closing}{opening}<|im_start|>user\n{draw.question()}<|im_end|>\n"
-            piece += "<|im_start|>assistant\n"
-            tokens += self.tokenizer.encode(piece)
-            text += piece
-            answer = self.answer(tokens)
-            think = draw.think() if turns else 0.0
-            turns.append(Turn(len(tokens), len(text), answer, think))
-            tokens += answer
-            text += self.tokenizer.decode(answer)
-        self.extend_hashes(hashes, tokens)
-        tail = len(group.tokens)
-        return Conversation(
-            user, group_index, start_s, tuple(tokens[tail:]), text[len(group.text) :],
-            tuple(hashes), tuple(turns),
-        )  # fmt: skip
-
-
-@dataclass(slots=True)
-class _Draw:
-    """The seeded random draws of a workload, in a fixed order."""
-
-    rng: random.Random
-    words: _Words
-    config: BenchConfig
-
-    def question(self) -> str:
-        return self.words.text(self.config.question_tokens)
-
-    def think(self) -> float:
-        return self.rng.expovariate(1.0 / self.config.think_s) if self.config.think_s else 0.0
-
-
-def build_workload(config: BenchConfig) -> Workload:
-    """The whole workload, deterministic in ``config.seed``."""
-    rng = random.Random(config.seed)
-    draw = _Draw(rng, _Words(rng), config)
-    builder = _Builder(config, SimTokenizer())
-    groups = tuple(
-        builder.group(f"You are assistant {g}." + draw.words.text(config.system_tokens))
-        for g in range(config.groups)
-    )
-    members = [(g, u) for g in range(config.groups) for u in range(config.users)]
-    rng.shuffle(members)
-    starts_per_s = config.rate / config.turns
-    clock, conversations = 0.0, []
-    for g, u in members:
-        clock += rng.expovariate(starts_per_s)
-        user = f"user-{g:03d}-{u:03d}"
-        conversations.append(builder.conversation(user, g, groups[g], clock, draw))
-    return Workload(groups, tuple(conversations))
-
-
-# -- the engines ---------------------------------------------------------------------------
-
-
-class SimEngine:
-    """One simulated engine: the sim's block pool, scheduler and counters, driven by events."""
-
-    def __init__(self, replica_id: str, config: BenchConfig) -> None:
-        self.replica_id = replica_id
-        self.block_size = config.block_size
-        self.pool = BlockPool(config.blocks_per_engine, config.block_size)
-        self.stats = EngineStats(config.max_model_len)
-        root = none_hash(HASH_ALGO, HASH_SEED, VLLM_VERSION)
-        scheduler_config = SchedulerConfig(
-            block_size=config.block_size,
-            max_model_len=config.max_model_len,
-            max_num_seqs=config.max_num_seqs,
-            prefill_s_per_token=config.prefill_s_per_token,
-            decode_s_per_token=config.decode_s_per_token,
-            hashing=HashingConfig(HASH_ALGO, root, VLLM_VERSION),
-        )
-        self.scheduler = Scheduler(scheduler_config, self.pool, self.stats)
-        self.step: StepPlan | None = None  # the step in progress; None when idle
-        self.busy_s = 0.0
-        self.routed = 0
-
-    def cached_tokens(self, hashes: Sequence[bytes], num_tokens: int) -> int:
-        """The prompt tokens this engine would find cached right now (its exact cache)."""
-        usable = (num_tokens - 1) // self.block_size
-        return len(self.pool.longest_hit(hashes, usable)) * self.block_size
-
-    def submit(self, request: SimRequest) -> None:
-        self.routed += 1
-        self.scheduler.add(request)
-
-    def start_step(self, now_s: float) -> float | None:
-        """Plan the next step; its end time, or None when nothing can run."""
-        plan = self.scheduler.schedule(now_s)
-        if plan.empty:
-            self.step = None
-            return None
-        self.step = plan
-        self.busy_s += plan.duration_s
-        return now_s + plan.duration_s
-
-    def finish_step(self, now_s: float) -> None:
-        plan, self.step = self.step, None
-        assert plan is not None, "a step ended on an idle engine"
-        self.scheduler.complete(plan, now_s)
-
-
-# -- choosers: the gateway's policies and the oracle ----------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class Ask:
-    """What a chooser may look at for one request."""
-
-    request: RouteRequest
-    hashes: Sequence[bytes]  # the prompt's full-block hashes (only the oracle reads them)
-    num_tokens: int
-
-
-class Chooser(Protocol):
-    name: str
-
-    def choose(self, ask: Ask, load: LoadTracker) -> Decision: ...
-
-
-class PolicyChooser:
-    """A gateway policy, asked exactly as the gateway asks it."""
-
-    def __init__(self, policy: Policy, candidates: tuple[Target, ...]) -> None:
-        self.name = policy.name
-        self._policy = policy
-        self._candidates = candidates
-
-    def choose(self, ask: Ask, load: LoadTracker) -> Decision:
-        decision = self._policy.choose(ask.request, self._candidates, load)
-        if decision is None:
-            raise RuntimeError(f"policy {self.name} chose nothing among the candidates")
-        return decision
-
-
-class ExactCacheView(PrefixTree):
-    """The prefix tree's questions answered from the engines' exact caches.
-
-    ``match`` reports, per engine, the request's longest cached prefix (whole blocks of its
-    block hashes, as the engine's admission finds them) converted to characters of the
-    text at the same share; ``replica_chars`` (the prefix policy's spread tie-break) is the
-    engine's cached tokens; ``insert`` records nothing: the engines' caches are the truth.
-    """
-
-    def __init__(self, engines: dict[str, SimEngine]) -> None:
-        super().__init__()
-        self._engines = engines
-        self.ask: Ask | None = None  # the request being decided
-
-    def match(self, text: str) -> dict[str, int]:
-        ask = self.ask
-        if ask is None or ask.request.text != text:
-            raise RuntimeError("the oracle was asked about a request it was not given")
-        matched = {}
-        for rid, engine in self._engines.items():
-            cached = engine.cached_tokens(ask.hashes, ask.num_tokens)
-            if cached:
-                matched[rid] = round(len(text) * cached / ask.num_tokens)
-        return matched
-
-    def insert(self, text: str, replica_id: str, now: float) -> None:
-        del text, replica_id, now
-
-    def replica_chars(self, replica_id: str) -> int:
-        engine = self._engines[replica_id]
-        return engine.pool.num_cached_blocks * engine.block_size
-
-
-class OraclePolicy(PrefixPolicy):
-    """The prefix policy's scoring, guard and tie-breaks over the exact caches."""
-
-    name = ORACLE
-
-    def __init__(self, engines: dict[str, SimEngine], config: PrefixConfig) -> None:
-        super().__init__(config)
-        self.view = ExactCacheView(engines)
-
-    def tree(self, model: str) -> PrefixTree:
-        del model
-        return self.view
-
-
-class OracleChooser(PolicyChooser):
-    """Hands the oracle the request's block hashes before it decides."""
-
-    def __init__(self, policy: OraclePolicy, candidates: tuple[Target, ...]) -> None:
-        super().__init__(policy, candidates)
-        self._view = policy.view
-
-    def choose(self, ask: Ask, load: LoadTracker) -> Decision:
-        self._view.ask = ask
-        try:
-            return super().choose(ask, load)
-        finally:
-            self._view.ask = None
-
-
-# -- the replay ------------------------------------------------------------------------------
+# -- the figures --------------------------------------------------------------------------
 
 
 @dataclass(frozen=True, slots=True)
@@ -485,152 +114,6 @@ class PolicyResult:
     decisions: dict[str, int] = field(default_factory=dict)  # "tier/outcome" → count
 
 
-@dataclass(slots=True)
-class DecisionTally:
-    """What the decisions claimed against what the engines held when they were taken."""
-
-    decisions: Counter[str] = field(default_factory=Counter)  # "tier/outcome" → count
-    prompt: int = 0
-    predicted: float = 0.0  # tokens the policy believed cached at its choice
-    exact_chosen: int = 0  # tokens the chosen engine held at decision time
-    exact_best: int = 0  # tokens the best-holding engine held at decision time
-
-    def record(self, decision: Decision, ask: Ask, engines: dict[str, SimEngine]) -> None:
-        self.decisions[f"{decision.tier}/{decision.outcome}"] += 1
-        held = {rid: e.cached_tokens(ask.hashes, ask.num_tokens) for rid, e in engines.items()}
-        self.prompt += ask.num_tokens
-        self.predicted += decision.matched * ask.num_tokens
-        self.exact_chosen += held[decision.target.replica_id]
-        self.exact_best += max(held.values())
-
-
-@dataclass(order=True, slots=True)
-class _Event:
-    at_s: float
-    seq: int
-    engine: SimEngine | None = field(compare=False)  # a step ends on this engine …
-    conv: Conversation | None = field(compare=False, default=None)  # … or a turn arrives
-    turn: int = field(compare=False, default=0)
-
-
-class Replay:
-    """One policy against a fresh fleet: arrivals and engine steps on one event heap."""
-
-    def __init__(self, config: BenchConfig, workload: Workload, policy: str) -> None:
-        self.config = config
-        self.workload = workload
-        self.engines = {
-            f"engine-{i:02d}": SimEngine(f"engine-{i:02d}", config) for i in range(config.engines)
-        }
-        table = RoutingTable(
-            Target(rid, MODEL, f"http://127.0.0.1:{9000 + i}") for i, rid in enumerate(self.engines)
-        )
-        candidates = table.candidates(MODEL)
-        self.chooser = self._chooser(policy, candidates)
-        self.load = LoadTracker()
-        self._words = word_token_ids(SimTokenizer())
-        self.ttfts: list[float] = []
-        self.tally = DecisionTally()
-        self._heap: list[_Event] = []
-        self._seq = 0
-        self._now = 0.0
-
-    def _chooser(self, name: str, candidates: tuple[Target, ...]) -> Chooser:
-        prefix = self.config.prefix
-        if name == ORACLE:
-            return OracleChooser(OraclePolicy(self.engines, prefix), candidates)
-        if name == DEFAULT_POLICY:  # the gateway's prefix policy, on the simulated clock
-            return PolicyChooser(PrefixPolicy(prefix, clock=self._clock), candidates)
-        return PolicyChooser(make_policy(name), candidates)
-
-    def _clock(self) -> float:
-        return self._now
-
-    def run(self) -> PolicyResult:
-        for conv in self.workload.conversations:
-            self._push(conv.start_s, conv=conv, turn=0)
-        while self._heap:
-            event = heapq.heappop(self._heap)
-            self._now = event.at_s
-            if event.engine is not None:
-                event.engine.finish_step(self._now)
-                self._start(event.engine)
-            else:
-                assert event.conv is not None
-                self._arrive(event.conv, event.turn)
-        return self._result()
-
-    def _push(self, at_s: float, engine: SimEngine | None = None, **kw: Any) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, _Event(at_s, self._seq, engine, **kw))
-
-    def _start(self, engine: SimEngine) -> None:
-        end = engine.start_step(self._now)
-        if end is not None:
-            self._push(end, engine)
-
-    def _arrive(self, conv: Conversation, index: int) -> None:
-        turn = conv.turns[index]
-        ask = Ask(
-            RouteRequest(MODEL, self.workload.text(conv, turn), conv.user),
-            conv.hashes[: turn.prompt_len // self.config.block_size],
-            turn.prompt_len,
-        )
-        decision = self.chooser.choose(ask, self.load)
-        rid = decision.target.replica_id
-        self.tally.record(decision, ask, self.engines)
-        self.load.acquire(rid)
-        engine = self.engines[rid]
-        engine.submit(self._request(conv, index, rid, list(ask.hashes)))
-        if engine.step is None:
-            self._start(engine)
-
-    def _request(self, conv: Conversation, index: int, rid: str, hashes: list[bytes]) -> SimRequest:
-        turn = conv.turns[index]
-        prompt = self.workload.prompt(conv, turn)
-        spec = SamplingSpec(max_tokens=self.config.max_tokens)
-        request = SimRequest(
-            request_id=f"{conv.user}/{index}",
-            prompt_token_ids=prompt,
-            plan=OutputPlan(prompt, spec, self._words, 0),  # as the engine plans it
-            sink=_ignore,
-            arrival_s=self._now,
-            block_hashes=hashes,
-        )
-        request.sink = self._sink(request, conv, index, rid)
-        return request
-
-    def _sink(
-        self, request: SimRequest, conv: Conversation, index: int, rid: str
-    ) -> Callable[[TokenOutput], None]:
-        def done(output: TokenOutput) -> None:
-            if output.finish_reason is None:
-                return
-            self._finished(request, conv, index, rid)
-
-        return done
-
-    def _finished(self, request: SimRequest, conv: Conversation, index: int, rid: str) -> None:
-        turn = conv.turns[index]
-        if tuple(request.output_token_ids) != turn.answer or request.first_token_s is None:
-            raise RuntimeError(f"{request.request_id}: the engine answered other tokens")
-        self.ttfts.append(request.first_token_s - request.arrival_s)
-        self.load.release(rid)
-        if index + 1 < len(conv.turns):
-            self._push(self._now + conv.turns[index + 1].think_s, conv=conv, turn=index + 1)
-
-    def _result(self) -> PolicyResult:
-        engines = list(self.engines.values())
-        stuck = [e.replica_id for e in engines if e.scheduler.has_work()]
-        if stuck or len(self.ttfts) != self.workload.requests:
-            raise RuntimeError(f"replay ended with work left on {stuck or 'the heap'}")
-        return summarize(self.chooser.name, engines, self.ttfts, self.tally, self._now)
-
-
-def _ignore(output: TokenOutput) -> None:
-    del output
-
-
 def percentile(values: Sequence[float], q: float) -> float:
     """The nearest-rank ``q`` quantile (0..1) of ``values``."""
     ordered = sorted(values)
@@ -638,21 +121,21 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(rank, len(ordered)) - 1]
 
 
-def summarize(
-    name: str,
-    engines: Sequence[SimEngine],
-    ttfts: Sequence[float],
-    tally: DecisionTally,
-    makespan_s: float,
-) -> PolicyResult:
+def replay(config: BenchConfig, workload: Workload, policy: str) -> PolicyResult:
+    """One policy's figures on a fresh fleet."""
+    return summarize(Replay(config, workload, policy).run())
+
+
+def summarize(run: Replayed) -> PolicyResult:
     """The figures of a finished replay, from the engines' own counters."""
+    engines, ttfts, tally, makespan_s = run.engines, run.ttfts, run.tally, run.makespan_s
     queries = sum(e.stats.prefix_queries for e in engines)
     prompt = sum(e.stats.prompt_tokens for e in engines)
     per_engine = tuple(e.routed for e in engines)
     mean = statistics.fmean(per_engine)
     busy = [e.busy_s / makespan_s for e in engines]
     return PolicyResult(
-        policy=name,
+        policy=run.policy,
         requests=len(ttfts),
         hit_rate=sum(e.stats.prefix_hits for e in engines) / queries,
         prompt_cached_share=sum(e.stats.cached_prompt_tokens for e in engines) / prompt,
@@ -685,6 +168,8 @@ class WorkloadFacts:
     distinct_tokens: int  # every system prompt and every conversation, answers included
     engine_kv_tokens: int
     reuse_ceiling: float  # cached share of prompt tokens with one unbounded cache (bound)
+    chars_per_token: float  # of the rendered prompts
+    prefix_replica_chars: int  # what the prefix policy's tree may hold per engine
 
     @staticmethod
     def of(config: BenchConfig, workload: Workload) -> WorkloadFacts:
@@ -697,7 +182,15 @@ class WorkloadFacts:
             distinct_tokens=shared + sum(len(c.tail_tokens) for c in workload.conversations),
             engine_kv_tokens=config.blocks_per_engine * config.block_size,
             reuse_ceiling=sum(reusable_tokens(workload, config.block_size)) / sum(prompts),
+            chars_per_token=workload.chars_per_token,
+            prefix_replica_chars=_tree_cap(config, workload),
         )
+
+
+def _tree_cap(config: BenchConfig, workload: Workload) -> int:
+    told = kv_chars_told(config, workload)
+    cap = told if told is not None else config.prefix.max_chars_per_replica
+    return min(cap or config.prefix.max_chars, config.prefix.max_chars)
 
 
 def reusable_tokens(workload: Workload, block_size: int) -> list[int]:
@@ -785,6 +278,14 @@ class Report:
             f"{c.decode_s_per_token * 1e3:g} ms",
             f"reuse ceiling (one unbounded cache, any order): {_pct(f.reuse_ceiling)} of "
             "prompt tokens",
+            f"prefix policy: its tree holds at most {f.prefix_replica_chars:,} characters per "
+            + (
+                f"engine, the KV capacity it is told ({c.kv_hint:g} × {kv:,} tokens × "
+                f"{f.chars_per_token:.2f} characters per prompt token)"
+                if c.kv_hint > 0
+                else "engine (told no KV capacity: PrefixConfig defaults)"
+            )
+            + f", {c.prefix.max_chars:,} in all",
         ]
 
     def rows(self) -> list[tuple[str, ...]]:
@@ -857,7 +358,7 @@ def run_bench(config: BenchConfig, policies: Sequence[str] = (*POLICY_ORDER, ORA
             f"a conversation reaches {longest:,} tokens, more than one engine's KV cache "
             f"({config.blocks_per_engine:,} blocks of {config.block_size}): raise --kv-blocks"
         )
-    results = tuple(Replay(config, workload, name).run() for name in policies)
+    results = tuple(replay(config, workload, name) for name in policies)
     facts = WorkloadFacts.of(config, workload)
     return Report(config, facts, results, time.perf_counter() - start)
 
@@ -873,6 +374,7 @@ _FLAGS: tuple[tuple[str, type, str], ...] = (
     ("rate", float, "requests per second offered (conversations start at rate / turns)"),
     ("think_s", float, "mean seconds between an answer and the next question"),
     ("kv_blocks", int, "KV blocks per engine (0: a third of the groups' system prompts)"),
+    ("kv_hint", float, "tell the prefix policy each engine's KV capacity × this (0: nothing)"),
     ("block_size", int, "tokens per KV block"),
 )
 _PREFIX_FLAGS: tuple[tuple[str, type], ...] = (
@@ -881,6 +383,7 @@ _PREFIX_FLAGS: tuple[tuple[str, type], ...] = (
     ("guard_abs", int),
     ("guard_rel", float),
     ("max_chars", int),
+    ("max_chars_per_replica", int),
 )
 
 

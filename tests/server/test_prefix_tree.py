@@ -43,6 +43,7 @@ def check_invariants(tree: PrefixTree) -> None:
     assert root.replicas == {}
     size = 0
     chars: dict[str, int] = {}
+    holding: dict[str, set[int]] = {}
     stack = [root]
     while stack:
         node = stack.pop()
@@ -55,11 +56,24 @@ def check_invariants(tree: PrefixTree) -> None:
                     assert replica in node.replicas
                     assert node.replicas[replica] >= seen
                 chars[replica] = chars.get(replica, 0) + len(child.edge)
+                holding.setdefault(replica, set()).add(id(child))
             size += len(child.edge)
             stack.append(child)
     assert tree.size == size
     for replica in REPLICAS:
         assert tree.replica_chars(replica) == chars.get(replica, 0)
+        assert tree.replica_chars(replica) <= tree.replica_limit(replica)
+        # the per-replica walk visits exactly the replica's nodes, parents first
+        walked = list(tree._replica_nodes(replica))
+        assert {id(node) for node in walked} == holding.get(replica, set())
+        seen_ids = {id(root)}
+        for node in walked:
+            assert node.parent is not None and id(node.parent) in seen_ids
+            seen_ids.add(id(node))
+        tails = {
+            id(n) for n in walked if not any(replica in c.replicas for c in n.children.values())
+        }
+        assert {id(node) for node in tree._replica_leaves(replica)} == tails
     assert tree.replicas() == frozenset(chars)
 
 
@@ -172,6 +186,63 @@ def test_size_eviction_lowers_to_the_watermark() -> None:
     check_invariants(tree)
 
 
+def test_a_replica_over_its_cap_loses_its_own_oldest_leaves_only() -> None:
+    tree = PrefixTree(max_chars=1_000, max_chars_per_replica=30, low_watermark=1.0)
+    tree.insert("x" * 10, "r2", 0.0)  # older than everything r1 inserts
+    for when, letter in enumerate("abc", start=1):
+        tree.insert(letter * 10, "r1", float(when))
+    tree.insert("a" * 10, "r1", 4.0)  # touched again: "b" (t=2) is now r1's oldest
+    tree.insert("d" * 10, "r1", 5.0)  # r1 at 40 > 30: "b" goes, r2's older "x" stays
+    assert tree.match("b" * 10) == {}
+    assert tree.match("x" * 10) == {"r2": 10}
+    assert [tree.match(c * 10) for c in "acd"] == [{"r1": 10}] * 3
+    assert (tree.replica_chars("r1"), tree.replica_chars("r2"), tree.size) == (30, 10, 40)
+    check_invariants(tree)
+
+
+def test_a_replicas_cap_trims_its_tails_and_keeps_a_prefix_others_share() -> None:
+    system = "S" * 50
+    tree = PrefixTree(max_chars_per_replica=100, low_watermark=0.8)
+    tree.insert(system + "r2's own question", "r2", 0.0)
+    for turn in range(10):
+        tree.insert(system + chr(ord("A") + turn) * 20, "r1", float(turn + 1))
+        assert tree.replica_chars("r1") <= 100
+    assert tree.match(system + "J" * 20) == {"r1": 70, "r2": 50}
+    assert tree.match(system + "A" * 20) == {"r1": 50, "r2": 50}  # r1 keeps the prefix
+    assert tree.match(system + "r2's own question") == {"r1": 50, "r2": 67}
+    check_invariants(tree)
+
+
+def test_set_replica_limit_trims_at_once_and_none_restores_the_default() -> None:
+    tree = PrefixTree(max_chars=200, max_chars_per_replica=100, low_watermark=1.0)
+    for when, letter in enumerate("abcde"):
+        tree.insert(letter * 20, "r1", float(when))
+    tree.insert("z" * 20, "r2", 0.0)
+    assert tree.replica_chars("r1") == 100
+    tree.set_replica_limit("r1", 50)
+    assert tree.replica_limit("r1") == 50
+    assert tree.replica_chars("r1") == 40  # whole leaves, oldest first: a, b, c gone
+    assert tree.match("c" * 20) == {} and tree.match("d" * 20) == {"r1": 20}
+    assert tree.match("z" * 20) == {"r2": 20}
+    tree.set_replica_limit("r1", 10_000)
+    assert tree.replica_limit("r1") == 200  # never above the whole tree's bound
+    tree.remove_replica("r1")
+    assert tree.replica_limit("r1") == 200  # a fact about the replica: kept
+    tree.set_replica_limit("r1", None)
+    assert tree.replica_limit("r1") == 100
+    check_invariants(tree)
+
+
+def test_a_text_longer_than_the_replicas_cap_is_stored_truncated_to_it() -> None:
+    tree = PrefixTree(max_chars=100, max_chars_per_replica=50)
+    tree.set_replica_limit("r2", 8)
+    tree.insert("abcdefghijkl", "r2", 1.0)
+    tree.insert("abcdefghijkl" * 10, "r1", 2.0)
+    assert tree.match("abcdefghijkl" * 10) == {"r1": 50, "r2": 8}
+    assert tree.size == 50
+    check_invariants(tree)
+
+
 def test_a_text_longer_than_the_tree_is_stored_truncated() -> None:
     tree = PrefixTree(max_chars=8)
     tree.insert("x" * 5, "r2", 1.0)
@@ -222,6 +293,10 @@ def test_bad_limits_are_refused() -> None:
         PrefixTree(max_chars=0)
     with pytest.raises(ValueError, match="max_age_s"):
         PrefixTree(max_age_s=0.0)
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        PrefixTree(max_chars_per_replica=0)
+    with pytest.raises(ValueError, match="limit must be >= 1"):
+        PrefixTree().set_replica_limit("r1", 0)
 
 
 # --- properties against brute force ----------------------------------------------------
@@ -257,7 +332,7 @@ def test_age_sweep_keeps_exactly_the_fresh_texts(ops: list[tuple[str, str]], max
 def test_size_eviction_keeps_invariants_and_the_newest_text(
     ops: list[tuple[str, str]], max_chars: int, watermark: float
 ) -> None:
-    tree = PrefixTree(max_chars=max_chars, low_watermark=watermark)
+    tree = PrefixTree(max_chars=max_chars, max_chars_per_replica=None, low_watermark=watermark)
     for step, (text, replica) in enumerate(ops):
         tree.insert(text, replica, float(step))
         check_invariants(tree)
@@ -268,6 +343,50 @@ def test_size_eviction_keeps_invariants_and_the_newest_text(
     # keeps, per replica, a union of prefixes of texts it served, and nothing else.
     retained = [(text[: tree.match(text).get(replica, 0)], replica) for text, replica in ops]
     for probe in probes_for(ops):
+        assert tree.match(probe) == brute(probe, [(t, r) for t, r in retained if t])
+
+
+caps = st.dictionaries(st.sampled_from(REPLICAS), st.integers(min_value=1, max_value=20))
+
+
+@settings(max_examples=150)
+@given(
+    st.lists(st.tuples(texts, st.sampled_from(REPLICAS), st.booleans()), max_size=30),
+    caps,
+    st.sampled_from([None, 6, 12]),
+    st.sampled_from([0.0, 0.5, 0.9, 1.0]),
+)
+def test_per_replica_caps_bound_each_replica_and_touch_no_other(
+    ops: list[tuple[str, str, bool]],
+    limits: dict[str, int],
+    default: int | None,
+    watermark: float,
+) -> None:
+    # max_chars far above the caps' sum: only the per-replica bound evicts here.
+    tree = PrefixTree(max_chars=1_000, max_chars_per_replica=default, low_watermark=watermark)
+    for replica, chars in limits.items():
+        tree.set_replica_limit(replica, chars)
+    served: list[tuple[str, str]] = []
+    for step, (text, replica, lower_cap_after) in enumerate(ops):
+        others = {r for r in REPLICAS if r != replica}
+        probes = probes_for(served)
+        before = [{r: n for r, n in tree.match(p).items() if r in others} for p in probes]
+        tree.insert(text, replica, float(step))
+        served.append((text, replica))
+        check_invariants(tree)
+        after = [{r: n for r, n in tree.match(p).items() if r in others} for p in probes]
+        assert after == before, "a replica's cap evicted another replica's entries"
+        kept = text[: tree.replica_limit(replica)]
+        assert tree.match(kept).get(replica, 0) == len(kept)
+        if lower_cap_after:  # a cap lowered at once trims that replica only
+            probes = probes_for(served)
+            before = [{r: n for r, n in tree.match(p).items() if r in others} for p in probes]
+            tree.set_replica_limit(replica, max(1, tree.replica_chars(replica) // 2))
+            check_invariants(tree)
+            after = [{r: n for r, n in tree.match(p).items() if r in others} for p in probes]
+            assert after == before
+    retained = [(text[: tree.match(text).get(replica, 0)], replica) for text, replica in served]
+    for probe in probes_for(served):
         assert tree.match(probe) == brute(probe, [(t, r) for t, r in retained if t])
 
 

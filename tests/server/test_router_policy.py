@@ -17,6 +17,8 @@ from llmgw.server.router import (
     Target,
     make_policy,
 )
+from llmgw.server.router.policy import prefix_decision
+from llmgw.server.router.prefix_tree import DEFAULT_MAX_CHARS_PER_REPLICA
 
 SYSTEM = "You are a careful assistant. " * 40  # ~1.1 k characters shared by a group
 
@@ -348,3 +350,107 @@ def test_prefix_config_refuses_nonsense() -> None:
         PrefixConfig(min_share=1.5)
     with pytest.raises(ValueError, match="guard_rel"):
         PrefixConfig(guard_rel=0.5)
+    with pytest.raises(ValueError, match="max_chars_per_replica"):
+        PrefixConfig(max_chars_per_replica=0)
+
+
+# --- the per-replica capacity ------------------------------------------------------------
+
+
+def test_replica_capacity_reaches_every_tree_now_and_later() -> None:
+    policy = prefix_policy()
+    assert policy.config.max_chars_per_replica == DEFAULT_MAX_CHARS_PER_REPLICA
+    before = policy.tree("a")
+    policy.set_replica_capacity("r1", 5_000)
+    assert before.replica_limit("r1") == policy.tree("b").replica_limit("r1") == 5_000
+    assert before.replica_limit("r2") == DEFAULT_MAX_CHARS_PER_REPLICA
+    policy.forget("r1")
+    assert policy.tree("c").replica_limit("r1") == 5_000  # the engine's size, kept
+    policy.set_replica_capacity("r1", None)
+    assert before.replica_limit("r1") == policy.tree("d").replica_limit("r1")
+    assert before.replica_limit("r1") == DEFAULT_MAX_CHARS_PER_REPLICA
+
+
+def test_a_replica_sized_to_its_cache_stops_claiming_what_it_evicted() -> None:
+    other = "A different system prompt for another group of users. " * 20
+    claims = {}
+    for capacity in (None, len(SYSTEM) + len(other)):
+        policy = prefix_policy()
+        policy.set_replica_capacity("r1", capacity)
+        assert pick(policy.choose(RouteRequest("m", SYSTEM + "q0"), fleet(), LoadTracker())) == "r1"
+        busy = loaded(r2=3, r3=3)  # r1 takes the other group too, filling its cache
+        assert pick(policy.choose(RouteRequest("m", other + "q0"), fleet(), busy)) == "r1"
+        decision = policy.choose(RouteRequest("m", SYSTEM + "q1"), fleet(), loaded(r1=1))
+        assert decision is not None
+        claims[capacity] = (decision.target.replica_id, decision.outcome)
+    assert claims[None] == ("r1", "hit")  # unbounded: still believes r1 holds SYSTEM
+    assert claims[len(SYSTEM) + len(other)] == ("r2", "miss")  # r1 dropped its oldest
+
+
+# --- prefix_decision: the scoring on plain values --------------------------------------
+
+
+def test_prefix_decision_scores_shares_in_any_unit() -> None:
+    in_tokens = prefix_decision(fleet(), {"r2": 600, "r3": 300}, {}, total=1_000)
+    assert (in_tokens.target.replica_id, in_tokens.tier, in_tokens.outcome) == (
+        "r2",
+        "approximate",
+        "hit",
+    )
+    assert in_tokens.matched == pytest.approx(0.6)
+    as_shares = prefix_decision(fleet(), {"r2": 0.6, "r3": 0.3}, {})
+    assert as_shares == in_tokens
+    clamped = prefix_decision(fleet(), {"r1": 1_200}, {}, total=1_000)
+    assert clamped.matched == 1.0
+
+
+def test_prefix_decision_trades_share_for_load_and_guards_a_hot_replica() -> None:
+    # 0.6 vs 0.5 share: r2 is 2 requests busier, costing 0.25 * 2 / 4 = 0.125 > 0.1
+    decision = prefix_decision(fleet(), {"r1": 0.5, "r2": 0.6}, {"r2": 2})
+    assert (decision.target.replica_id, decision.outcome) == ("r1", "hit")
+    guarded = prefix_decision(fleet(), {"r1": 0.9}, {"r1": 5, "r3": 1})
+    assert (guarded.target.replica_id, guarded.tier, guarded.outcome) == ("r2", "load", "guarded")
+
+
+def test_prefix_decision_misses_by_load_then_by_what_replicas_hold() -> None:
+    held = {"r1": 10, "r2": 500, "r3": 20}
+    decision = prefix_decision(fleet(), {"r2": 0.05}, {"r1": 1}, cached=held.__getitem__)
+    assert (decision.target.replica_id, decision.tier, decision.outcome) == ("r3", "load", "miss")
+    assert prefix_decision(fleet(), {}, {}, cached=held.__getitem__).target.replica_id == "r1"
+    assert prefix_decision(fleet(), {}, {}).target.replica_id == "r1"
+
+
+def test_prefix_decision_reads_what_replicas_hold_only_on_a_miss() -> None:
+    def unreadable(replica_id: str) -> int:
+        raise AssertionError(f"read {replica_id} on a hit")
+
+    decision = prefix_decision(fleet(), {"r3": 0.8}, {}, cached=unreadable)
+    assert decision.target.replica_id == "r3"
+
+
+def test_prefix_decision_refuses_no_candidates_and_an_empty_total() -> None:
+    with pytest.raises(ValueError, match="no candidate"):
+        prefix_decision((), {}, {})
+    with pytest.raises(ValueError, match="total"):
+        prefix_decision(fleet(), {}, {}, total=0)
+
+
+def test_the_prefix_policy_decides_exactly_as_prefix_decision() -> None:
+    policy = prefix_policy()
+    load = LoadTracker()
+    for n in range(40):
+        text = (SYSTEM if n % 3 else "other " * 200) + f"question {n % 7}"
+        tree = policy.tree("m")
+        loads = load.snapshot()
+        expected = prefix_decision(
+            fleet(),
+            tree.match(text),
+            loads,
+            policy.config,
+            total=len(text),
+            cached=tree.replica_chars,
+        )
+        assert policy.choose(RouteRequest("m", text), fleet(), load) == expected
+        load.acquire(expected.target.replica_id)
+        if n % 4 == 3:
+            load.release(expected.target.replica_id)

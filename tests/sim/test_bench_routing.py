@@ -1,4 +1,4 @@
-"""scripts/bench_routing.py: the routing benchmark's replay, figures and bounds, on tiny runs."""
+"""scripts/bench_routing.py and routing_sim.py: the routing benchmark's replay, figures, bounds."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
 
 @pytest.fixture(scope="module")
 def bench() -> ModuleType:
-    """The script as a module (it imports benchkit from its own directory)."""
+    """The script as a module (it imports benchkit and routing_sim from its own directory)."""
     spec = importlib.util.spec_from_file_location("bench_routing", SCRIPTS / "bench_routing.py")
     assert spec is not None and spec.loader is not None
     module = importlib.util.module_from_spec(spec)
@@ -26,6 +26,12 @@ def bench() -> ModuleType:
         patch.setitem(sys.modules, "bench_routing", module)  # dataclasses look it up
         spec.loader.exec_module(module)
     return module
+
+
+@pytest.fixture(scope="module")
+def sim(bench: ModuleType) -> ModuleType:
+    """scripts/routing_sim.py, as the bench imported it."""
+    return sys.modules["routing_sim"]
 
 
 @pytest.fixture(scope="module")
@@ -109,15 +115,45 @@ def test_the_oracle_reads_the_engines_exact_caches(bench: ModuleType) -> None:
     # goes by load to engine-00; the oracle then sees the shared system prompt there.
     config = _tiny(bench, turns=1)
     workload = bench.build_workload(config)
-    result = bench.Replay(config, workload, "oracle").run()
+    result = bench.replay(config, workload, "oracle")
     assert result.decisions == {"approximate/hit": 1, "load/miss": 1}
     assert result.per_engine == (2, 0)
     reusable = bench.reusable_tokens(workload, config.block_size)
     prompts = [c.turns[0].prompt_len for c in workload.conversations]
     assert result.prompt_cached_share == pytest.approx(max(reusable) / sum(prompts))
     assert result.exact_chosen_share == result.exact_best_share == result.prompt_cached_share
-    blind = bench.Replay(config, workload, "least_load").run()
+    blind = bench.replay(config, workload, "least_load")
     assert blind.per_engine == (1, 1) and blind.prompt_cached_share == 0.0
+
+
+def test_the_prefix_policy_is_told_each_engines_kv_capacity_in_characters(
+    bench: ModuleType, sim: ModuleType
+) -> None:
+    config = _tiny(bench, kv_blocks=300)
+    workload = bench.build_workload(config)
+    per_token = workload.chars_per_token
+    texts = [workload.text(c, t) for c in workload.conversations for t in c.turns]
+    tokens = [t.prompt_len for c in workload.conversations for t in c.turns]
+    assert per_token == pytest.approx(sum(map(len, texts)) / sum(tokens))
+    for hint in (1.0, 0.5):
+        told = round(hint * 300 * config.block_size * per_token)
+        replay = sim.Replay(replace(config, kv_hint=hint), workload, "prefix")
+        tree = replay.chooser._policy.tree(sim.MODEL)
+        assert [tree.replica_limit(rid) for rid in replay.engines] == [told, told]
+    untold = sim.Replay(replace(config, kv_hint=0.0), workload, "prefix")
+    tree = untold.chooser._policy.tree(sim.MODEL)
+    assert tree.replica_limit("engine-00") == config.prefix.max_chars_per_replica
+
+
+def test_a_tree_sized_to_the_kv_claims_what_the_engines_hold(bench: ModuleType) -> None:
+    # Told nothing, the tree remembers every prefix it routed and claims far more than the
+    # small engines still hold; sized to their KV, its claims match what they hold.
+    config = replace(bench.BenchConfig(), **bench.QUICK)
+    workload = bench.build_workload(config)
+    sized = bench.replay(config, workload, "prefix")
+    untold = bench.replay(replace(config, kv_hint=0.0), workload, "prefix")
+    assert abs(sized.predicted_share - sized.exact_chosen_share) < 0.05
+    assert untold.predicted_share - untold.exact_chosen_share > 0.15
 
 
 def test_a_conversation_larger_than_an_engine_is_refused(bench: ModuleType) -> None:

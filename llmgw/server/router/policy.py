@@ -45,6 +45,21 @@ is a miss: the request goes by load (least in flight, then the replica with the 
 characters in the tree, so new prefixes spread over the fleet's caches, then id) with
 tier "load" and outcome "miss". Either way the tree records the choice, so the next
 request sharing the prefix hits. Requests without text route by load and are not recorded.
+`prefix_decision` is this scoring on plain values; the policy feeds it the tree's matches.
+
+What the tree may claim per replica (`max_chars_per_replica`, prefix_tree.py) should be
+what the replica's KV cache holds, in characters: its KV tokens × the traffic's characters
+per token. scripts/bench_routing.py measured both ways of getting it wrong (8 engines,
+shared 6 k-token prompts, 8-16 requests/s; share of the oracle's hit rate): sized to the
+KV, the tree claims what the engines hold and reaches 0.97-1.0; at 1.5× or 2× the KV it
+claims 77-86 % cached where the chosen engines hold 59-82 %, and reaches 0.93-0.99 and
+0.82-0.96; at 0.75× or 0.5× it forgets prefixes the engines still hold, misses, and
+spreads them over engines that must prefill them again: 0.82-0.95 and 0.60-0.65. Too
+small is the worse error, so the default errs large: 2 M characters, llm-d's per-server
+sizing (~500 k tokens: an 8 B model on an 80 GB H100) at ~4 characters per token.
+`PrefixConfig(max_chars_per_replica=...)` sets it per gateway, and
+`PrefixPolicy.set_replica_capacity(replica_id, chars)` per replica once the engine's KV
+capacity is known (vLLM reports num_gpu_blocks × block_size tokens).
 """
 
 from __future__ import annotations
@@ -53,12 +68,17 @@ import hashlib
 import itertools
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from llmgw.server.router.load import LoadTracker
-from llmgw.server.router.prefix_tree import DEFAULT_MAX_AGE_S, DEFAULT_MAX_CHARS, PrefixTree
+from llmgw.server.router.prefix_tree import (
+    DEFAULT_MAX_AGE_S,
+    DEFAULT_MAX_CHARS,
+    DEFAULT_MAX_CHARS_PER_REPLICA,
+    PrefixTree,
+)
 from llmgw.server.router.table import Target
 
 TIER_APPROXIMATE = "approximate"
@@ -110,7 +130,8 @@ class PrefixConfig:
     load_weight: float = 0.25
     guard_abs: int = 4
     guard_rel: float = 2.0
-    max_chars: int = DEFAULT_MAX_CHARS  # per model tree
+    max_chars: int = DEFAULT_MAX_CHARS  # per model tree: the memory bound
+    max_chars_per_replica: int | None = DEFAULT_MAX_CHARS_PER_REPLICA  # the accuracy bound
     max_age_s: float = DEFAULT_MAX_AGE_S
 
     def __post_init__(self) -> None:
@@ -118,6 +139,9 @@ class PrefixConfig:
             raise ValueError("min_share must be in 0..1 and load_weight >= 0")
         if self.guard_abs < 0 or self.guard_rel < 1.0:
             raise ValueError("guard_abs must be >= 0 and guard_rel >= 1")
+        per_replica = self.max_chars_per_replica
+        if self.max_chars < 1 or (per_replica is not None and per_replica < 1):
+            raise ValueError("max_chars and max_chars_per_replica must be >= 1")
 
 
 def _eligible(candidates: Sequence[Target], exclude: frozenset[str]) -> Sequence[Target]:
@@ -230,14 +254,6 @@ def _rendezvous(session: str, replica_id: str) -> bytes:
     return hashlib.blake2b(key, digest_size=8).digest()
 
 
-@dataclass(frozen=True, slots=True)
-class _Scored:
-    target: Target
-    share: float
-    load: int
-    score: float
-
-
 class PrefixPolicy:
     """Prefix match against load, with a per-request hot-replica guard (module docstring)."""
 
@@ -252,14 +268,36 @@ class PrefixPolicy:
         self.config = config
         self._clock = clock
         self._trees: dict[str, PrefixTree] = {}
+        self._capacities: dict[str, int] = {}  # replica id → chars its KV cache holds
 
     def tree(self, model: str) -> PrefixTree:
         """The model's tree (created empty on first use)."""
         tree = self._trees.get(model)
         if tree is None:
-            tree = PrefixTree(max_chars=self.config.max_chars, max_age_s=self.config.max_age_s)
+            tree = PrefixTree(
+                max_chars=self.config.max_chars,
+                max_chars_per_replica=self.config.max_chars_per_replica,
+                max_age_s=self.config.max_age_s,
+            )
+            for replica_id, chars in self._capacities.items():
+                tree.set_replica_limit(replica_id, chars)
             self._trees[model] = tree
         return tree
+
+    def set_replica_capacity(self, replica_id: str, chars: int | None) -> None:
+        """What `replica_id`'s KV cache holds, in characters of request text (None: unknown).
+
+        The tree then remembers at most that much for the replica instead of
+        `max_chars_per_replica`: KV tokens × characters per token of the traffic (about 4
+        for English text). Kept across `forget` (a fact about the replica's engine, not
+        about what it served); None drops it.
+        """
+        if chars is None:
+            self._capacities.pop(replica_id, None)
+        else:
+            self._capacities[replica_id] = chars
+        for tree in self._trees.values():
+            tree.set_replica_limit(replica_id, chars)
 
     def choose(
         self,
@@ -272,12 +310,14 @@ class PrefixPolicy:
         eligible = _eligible(candidates, exclude)
         if not eligible:
             return None
+        loads = {target.replica_id: load.in_flight(target.replica_id) for target in eligible}
         if not request.text:
-            return self._by_load(_score(eligible, {}, 1, load, self.config), None)
+            return _by_load(_score(eligible, {}, 1.0, loads, self.config), None)
         tree = self.tree(request.model)
         served = tree.match(request.text)
-        scored = _score(eligible, served, len(request.text), load, self.config)
-        decision = self._decide(scored, tree)
+        decision = prefix_decision(
+            eligible, served, loads, self.config, total=len(request.text), cached=tree.replica_chars
+        )
         tree.insert(request.text, decision.target.replica_id, self._clock())
         return decision
 
@@ -285,44 +325,77 @@ class PrefixPolicy:
         for tree in self._trees.values():
             tree.remove_replica(replica_id)
 
-    def _decide(self, scored: list[_Scored], tree: PrefixTree) -> Decision:
-        config = self.config
-        ranked = sorted(scored, key=_rank)
-        top = ranked[0]
-        if top.share < config.min_share:
-            return self._by_load(scored, tree)
-        low = min(item.load for item in scored)
-        allowed = [item for item in ranked if not _is_hot(item.load, low, config)]
-        if allowed[0] is top:
-            return Decision(top.target, TIER_APPROXIMATE, OUTCOME_HIT, top.share)
-        best = allowed[0]
-        tier = TIER_APPROXIMATE if best.share >= config.min_share else TIER_LOAD
-        return Decision(best.target, tier, OUTCOME_GUARDED, best.share)
 
-    @staticmethod
-    def _by_load(scored: list[_Scored], tree: PrefixTree | None) -> Decision:
-        def key(item: _Scored) -> tuple[int, int, str]:
-            cached = tree.replica_chars(item.target.replica_id) if tree is not None else 0
-            return (item.load, cached, item.target.replica_id)
+class _Scored(NamedTuple):  # a tuple: built per candidate per request, cheaply
+    target: Target
+    share: float
+    load: int
+    score: float
 
-        best = min(scored, key=key)
-        return Decision(best.target, TIER_LOAD, OUTCOME_MISS, best.share)
+
+def prefix_decision(
+    candidates: Sequence[Target],
+    matched: Mapping[str, float],
+    loads: Mapping[str, int],
+    config: PrefixConfig = PrefixConfig(),
+    *,
+    total: float = 1.0,
+    cached: Callable[[str], int] | None = None,
+) -> Decision:
+    """The prefix policy's choice among `candidates`, from plain values (no tree, no I/O).
+
+    Per replica id (absent = 0): `matched[r] / total` is the share of the request that r
+    holds (characters of the text and its length, tokens and the prompt's length, or
+    shares and 1.0); `loads[r]` its requests in flight; `cached(r)` how much it holds
+    overall, in any one unit: the tie-break that spreads new prefixes on a miss, a
+    function because only a miss reads it. The scoring, the guard and the tie-breaks are
+    the module docstring's. `PrefixPolicy` decides through this function, and so can
+    anything that learns the shares another way (exact KV caches, a precise index).
+    ValueError when `candidates` is empty.
+    """
+    if not candidates:
+        raise ValueError("no candidate to choose from")
+    scored = _score(candidates, matched, total, loads, config)
+    ranked = sorted(scored, key=_rank)
+    top = ranked[0]
+    if top.share < config.min_share:
+        return _by_load(scored, cached)
+    low = min(item.load for item in scored)
+    allowed = [item for item in ranked if not _is_hot(item.load, low, config)]
+    if allowed[0] is top:
+        return Decision(top.target, TIER_APPROXIMATE, OUTCOME_HIT, top.share)
+    best = allowed[0]
+    tier = TIER_APPROXIMATE if best.share >= config.min_share else TIER_LOAD
+    return Decision(best.target, tier, OUTCOME_GUARDED, best.share)
+
+
+def _by_load(scored: list[_Scored], cached: Callable[[str], int] | None) -> Decision:
+    """Least in flight, then the replica holding least (new prefixes spread), then id."""
+
+    def key(item: _Scored) -> tuple[int, int, str]:
+        replica_id = item.target.replica_id
+        return (item.load, cached(replica_id) if cached else 0, replica_id)
+
+    best = min(scored, key=key)
+    return Decision(best.target, TIER_LOAD, OUTCOME_MISS, best.share)
 
 
 def _score(
-    eligible: Sequence[Target],
-    served: dict[str, int],
-    length: int,
-    load: LoadTracker,
+    candidates: Sequence[Target],
+    matched: Mapping[str, float],
+    total: float,
+    loads: Mapping[str, int],
     config: PrefixConfig,
 ) -> list[_Scored]:
-    loads = [load.in_flight(target.replica_id) for target in eligible]
-    low = min(loads)
+    if total <= 0:
+        raise ValueError(f"total must be > 0, not {total}")
+    busy = [loads.get(target.replica_id, 0) for target in candidates]
+    low = min(busy)
     scale = config.load_weight / max(1, low + config.guard_abs)
     scored = []
-    for target, busy in zip(eligible, loads, strict=True):
-        share = served.get(target.replica_id, 0) / length
-        scored.append(_Scored(target, share, busy, share - scale * (busy - low)))
+    for target, in_flight in zip(candidates, busy, strict=True):
+        share = min(1.0, matched.get(target.replica_id, 0) / total)
+        scored.append(_Scored(target, share, in_flight, share - scale * (in_flight - low)))
     return scored
 
 
