@@ -18,26 +18,8 @@ SIM_BIN = f"sim={sys.executable} -m llmgw sim-engine"
 BACKOFF = ("--restart-backoff", "1", "--restart-backoff-max", "1")
 READY = "SHARD_STATE_READY"
 
-FILE = """
-[profiles.chat-a]
-engine = "sim"
-gpu_class = "H100"
-tp = 2
-model_path = "/models/chat"
-served_model_name = "chat"
-
-[profiles.chat-b]
-engine = "sim"
-gpu_class = "H100"
-tp = 2
-model_path = "/models/chat"
-served_model_name = "chat"
-args = ["--max-model-len", "4096"]
-
-[deployments.chat]
-profile = "chat-a"
-replicas = 2
-"""
+PROFILES = Path(__file__).parents[1] / "data" / "profiles" / "good-chat-a-b.toml"
+FILE = PROFILES.read_text() + '\n[deployments.chat]\nprofile = "chat-a"\nreplicas = 2\n'
 
 
 def _replicas(cluster: Cluster) -> list[dict[str, Any]]:

@@ -41,26 +41,8 @@ AGENT_FLAGS = ("--engine-bin", SIM_BIN, "--restart-backoff", "1", "--restart-bac
 NODES = ("a1", "a2", "a3")
 COUNT = 4
 
-FILE = """
-[profiles.chat-a]
-engine = "sim"
-gpu_class = "H100"
-tp = 2
-model_path = "/models/chat"
-served_model_name = "chat"
-
-[profiles.chat-b]
-engine = "sim"
-gpu_class = "H100"
-tp = 2
-model_path = "/models/chat"
-served_model_name = "chat"
-args = ["--max-model-len", "4096"]
-
-[deployments.chat]
-profile = "chat-a"
-replicas = 4
-"""
+PROFILES = Path(__file__).parents[1] / "data" / "profiles" / "good-chat-a-b.toml"
+FILE = PROFILES.read_text() + '\n[deployments.chat]\nprofile = "chat-a"\nreplicas = 4\n'
 
 
 class Observer:
