@@ -13,13 +13,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import logging
-import signal
-from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
 from llmgw.cli.main import GATEWAY_POLICIES, CliError
+from llmgw.signals import stop_on_signals
 
 if TYPE_CHECKING:
     from llmgw.server.router.gateway import GatewayConfig
@@ -114,21 +112,8 @@ async def run_gateway(
             config.policy,
             *server,
         )
-        with _signals_set(stop):
+        with stop_on_signals(stop):
             await follow(lambda: feed_channel(*server), table, stop=stop)
     finally:
         await gateway.stop()
     log.info("llmgw gateway stopped")
-
-
-@contextlib.contextmanager
-def _signals_set(stop: asyncio.Event) -> Iterator[None]:
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)

@@ -16,7 +16,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import signal
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -36,6 +35,7 @@ from llmgw.server.router.gateway import GatewayConfig
 from llmgw.server.routersvc import RouterService, serve_gateway
 from llmgw.server.store import Store
 from llmgw.server.testhooks import AgentCommandHook
+from llmgw.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -123,7 +123,7 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
                     else None
                 )
                 _serving_message(config)
-                with _signals_set(stop):
+                with stop_on_signals(stop):
                     await _first_of(stop, web_task)
                 web.should_exit = True
                 tick_task.cancel()
@@ -195,19 +195,6 @@ async def _first_of(stop: asyncio.Event, web_task: asyncio.Task[None]) -> None:
         stop_task.cancel()
     if web_task.done() and not stop.is_set():
         raise ConfigError("the gRPC-web port stopped serving (is the address in use?)")
-
-
-@contextlib.contextmanager
-def _signals_set(stop: asyncio.Event) -> Iterator[None]:
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
 
 
 def _serving_message(config: ServerConfig) -> None:

@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 import socket
 from collections.abc import AsyncIterator, Callable, Iterator
 from typing import Any
@@ -20,6 +19,7 @@ from typing import Any
 import uvicorn
 
 from llmgw.kvcache import HashAlgorithmError
+from llmgw.signals import stop_on_signals
 from llmgw.sim.engine.api import SimServer
 from llmgw.sim.engine.config import SimEngineConfig
 from llmgw.sim.engine.core import EngineCore
@@ -91,7 +91,7 @@ async def serve(config: SimEngineConfig, stop: asyncio.Event | None = None) -> i
     """Run until SIGTERM/SIGINT (or ``stop``); the process exit code."""
     stop = stop or asyncio.Event()
     crashed = asyncio.Event()
-    with _signals_set(stop):
+    with stop_on_signals(stop):
         _log_start(config)
         if config.parallel.headless:
             return await _headless(config, stop)
@@ -199,19 +199,6 @@ def _uvicorn_config(config: SimEngineConfig, server: SimServer) -> uvicorn.Confi
         timeout_graceful_shutdown=2,
         timeout_keep_alive=30,
     )
-
-
-@contextlib.contextmanager
-def _signals_set(stop: asyncio.Event) -> Iterator[None]:
-    loop = asyncio.get_running_loop()
-    signals = (signal.SIGINT, signal.SIGTERM)
-    for sig in signals:
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        yield
-    finally:
-        for sig in signals:
-            loop.remove_signal_handler(sig)
 
 
 def _host_text(host: str) -> str:
