@@ -23,6 +23,7 @@ from llmgw.agent.backoff import BackoffPolicy
 from llmgw.agent.discovery import NvmlTelemetry, SimulatedTelemetry, nvml_node, simulated_node
 from llmgw.agent.engines import build_launch
 from llmgw.agent.engines.base import EngineBinaries, LaunchSpec, ShardSpec
+from llmgw.agent.kvevents import KvEventHub, KvFollowConfig
 from llmgw.agent.link import AgentLink, LinkConfig
 from llmgw.agent.shards import RestartPolicy
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
@@ -60,6 +61,7 @@ class AgentConfig:
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # --restart-backoff[-max]
     startup_timeout_s: float = 900.0  # --startup-timeout
     drain_settle_s: float = 2.0  # --drain-settle
+    kv_events: KvFollowConfig = field(default_factory=KvFollowConfig)
 
 
 def parse_server(text: str) -> tuple[str, int]:
@@ -130,6 +132,7 @@ class Agent:
         self.node_id = resolve_node_id(config.state_dir, config.node_id)
         self.node = discover(config, self.node_id)
         self._telemetry = self._sampler()
+        self.kv = KvEventHub(config.kv_events)  # the engines' KV blocks, for the stream
         self.supervisor = Supervisor(
             SupervisorConfig(
                 state_dir=config.state_dir,
@@ -139,6 +142,7 @@ class Agent:
             ),
             launcher=self._launch,
             on_status=lambda status: self.link.send_status(status),
+            kv=self.kv,
         )
         self.link = AgentLink(
             LinkConfig(config.server_host, config.server_port, backoff=config.backoff),
@@ -146,6 +150,7 @@ class Agent:
             telemetry=self.telemetry,
             shards=self.supervisor.statuses,
             on_command=self.supervisor.handle,
+            kv=self.kv,
         )
 
     def _launch(self, spec: ShardSpec) -> LaunchSpec:
@@ -185,6 +190,7 @@ class Agent:
             link.cancel()
             await asyncio.gather(link, return_exceptions=True)
             await self.supervisor.close()
+            await self.kv.aclose()
             for sig in (signal.SIGINT, signal.SIGTERM):
                 loop.remove_signal_handler(sig)
             if isinstance(self._telemetry, NvmlTelemetry):

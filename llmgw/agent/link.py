@@ -11,6 +11,12 @@ read timeout but an idle watchdog: no message from the server for ``idle_timeout
 ends the session. Sessions repeat with jittered, capped backoff for as long as the agent
 runs; a refused registration (an unsupported protocol version, say) is retried the same
 way, because the server may be upgraded meanwhile.
+
+KV deltas do not go through the outbound queue: with a ``kv`` source (the agent's
+`~llmgw.agent.kvevents.KvEventHub`), every session sends a full copy of every engine's
+blocks right after registering, then the net changes as the source batches them. While no
+session runs nothing is taken from the source, so nothing piles up: the next full copy
+covers whatever changed meanwhile.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import grpclib.client
 from grpclib.const import Cardinality
@@ -33,6 +40,7 @@ from llmgw.api.llmgw.v1 import (
     ControlMessage,
     GpuTelemetry,
     Heartbeat,
+    KvDelta,
     NodeInfo,
     Register,
     ShardStatus,
@@ -58,6 +66,18 @@ class LinkConfig:
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
 
 
+class KvSource(Protocol):
+    """What the link sends about KV blocks (``llmgw.agent.kvevents.KvEventHub``)."""
+
+    def full_copy(self) -> list[KvDelta]:
+        """Every engine's blocks; later deltas are relative to this copy."""
+        ...
+
+    async def next_deltas(self) -> list[KvDelta]:
+        """The next batch of net changes (waits until there are some)."""
+        ...
+
+
 class SessionEnded(Exception):
     """A session with the server ended; the message says why."""
 
@@ -70,6 +90,7 @@ class LinkStats:
     heartbeats: int = 0
     rtt_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     connected: bool = False
+    kv_deltas: int = 0  # KvDelta messages sent, full copies included
 
 
 class AgentLink:
@@ -83,8 +104,10 @@ class AgentLink:
         telemetry: Callable[[], Sequence[GpuTelemetry]],
         shards: Callable[[], Sequence[ShardStatus]] = list,
         on_command: CommandHandler | None = None,
+        kv: KvSource | None = None,
     ) -> None:
         self.config = config
+        self._kv = kv
         self._node = node
         self._telemetry = telemetry
         self._shards = shards
@@ -138,6 +161,8 @@ class AgentLink:
                 async with asyncio.TaskGroup() as tasks:
                     tasks.create_task(self._heartbeats(stream, interval_s))
                     tasks.create_task(self._send_queued(stream))
+                    if self._kv is not None:
+                        tasks.create_task(self._send_kv(stream, self._kv))
                     await self._receive(stream)
                     raise SessionEnded("the server closed the stream")
         except* Exception as group:
@@ -181,6 +206,15 @@ class AgentLink:
         while True:
             message = await self._outbox.get()
             await self._send(stream, message)
+
+    async def _send_kv(self, stream: _Stream, kv: KvSource) -> None:
+        """A full copy of every engine's blocks first, then the net changes as they come."""
+        deltas = kv.full_copy()
+        while True:
+            for delta in deltas:
+                await self._send(stream, AgentMessage(kv_delta=delta))
+                self.stats.kv_deltas += 1
+            deltas = await kv.next_deltas()
 
     async def _send(self, stream: _Stream, message: AgentMessage) -> None:
         """One message at a time: concurrent sends could interleave their frames."""

@@ -15,6 +15,11 @@ invalid shard id) is reported as FAILED with the reason; nothing is raised to th
 added environment) changes nothing; with another command the old engine is stopped and
 the new one started. Opening the supervisor adopts the engines a previous agent left
 running (``llmgw.agent.records``); closing it leaves every engine running.
+
+With a `KvEventHub`, the supervisor follows the KV events of every shard whose command
+publishes them (``LaunchSpec.kv_events``) while the shard is LOADING, READY or DRAINING
+(an adopted engine starts LOADING), and forgets them in any other state: a stopped, failed
+or restarting engine's blocks leave the mirror, and upstream, at once.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from types import TracebackType
 from typing import Self
 
 from llmgw.agent.engines.base import EngineError, LaunchSpec, ShardSpec
+from llmgw.agent.kvevents import KvEventHub
 from llmgw.agent.probe import EngineProbe
 from llmgw.agent.process import EngineProcess, is_running, kill_leftovers
 from llmgw.agent.records import SHARD_ID, EngineRecord, RecordStore
@@ -50,16 +56,25 @@ log = logging.getLogger(__name__)
 Launcher = Callable[[ShardSpec], LaunchSpec]
 """Builds an engine's command line (``llmgw.agent.engines.build_launch`` with its options)."""
 
+_KV_FOLLOWED = frozenset({ShardState.LOADING, ShardState.READY, ShardState.DRAINING})
+"""Shard states whose engine's KV events are followed (its sockets are bound)."""
+
 
 class Supervisor:
     """Every shard of this agent, by shard id."""
 
     def __init__(
-        self, config: SupervisorConfig, *, launcher: Launcher, on_status: StatusSink | None = None
+        self,
+        config: SupervisorConfig,
+        *,
+        launcher: Launcher,
+        on_status: StatusSink | None = None,
+        kv: KvEventHub | None = None,
     ) -> None:
         self.config = config
         self._launcher = launcher
         self._on_status = on_status
+        self._kv = kv
         self._records = RecordStore(config.records_dir)
         self._shards: dict[str, ShardRunner] = {}
         self._ctx: RunnerContext | None = None
@@ -304,8 +319,20 @@ class Supervisor:
         return self._ctx
 
     def _emit(self, status: ShardStatus) -> None:
+        if self._kv is not None:
+            self._follow_kv(self._kv, status)
         if self._on_status is not None:
             self._on_status(status)
+
+    def _follow_kv(self, kv: KvEventHub, status: ShardStatus) -> None:
+        """Follow the shard's KV events while its engine runs; forget them otherwise."""
+        runner = self._shards.get(status.shard_id)
+        command = runner.command if runner is not None else None
+        endpoints = command.launch.kv_events if command is not None else None
+        if endpoints is not None and status.state in _KV_FOLLOWED:
+            kv.follow(status.shard_id, endpoints)
+        else:
+            kv.forget(status.shard_id)
 
 
 def _describe(message: ControlMessage) -> str:
