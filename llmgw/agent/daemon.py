@@ -11,7 +11,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import socket
 import uuid
 from collections.abc import Sequence
@@ -29,6 +28,7 @@ from llmgw.agent.shards import RestartPolicy
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
 from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo
 from llmgw.protocol import NODE_ID_RULE, valid_node_id
+from llmgw.signals import stop_on_signals
 
 log = logging.getLogger(__name__)
 
@@ -173,9 +173,6 @@ class Agent:
         """
         stop = stop or asyncio.Event()
         await self.supervisor.open()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
         log.info(
             "agent %s (%s) starting; server %s:%d",
             self.node_id,
@@ -185,14 +182,13 @@ class Agent:
         )
         link = asyncio.create_task(self.link.run(), name="link")
         try:
-            await stop.wait()
+            with stop_on_signals(stop):
+                await stop.wait()
         finally:
             link.cancel()
             await asyncio.gather(link, return_exceptions=True)
             await self.supervisor.close()
             await self.kv.aclose()
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                loop.remove_signal_handler(sig)
             if isinstance(self._telemetry, NvmlTelemetry):
                 self._telemetry.close()
         log.info("agent %s stopped", self.node_id)
