@@ -66,6 +66,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_demo(sub)
     _add_sim_engine(sub)
     _add_gateway(sub)
+    _add_console(sub)
     return parser
 
 
@@ -340,6 +341,12 @@ def _add_sim_engine(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 
 def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     from llmgw.cli.gateway import add_parser
+
+    add_parser(sub)
+
+
+def _add_console(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from llmgw.cli.console import add_parser
 
     add_parser(sub)
 

@@ -1,0 +1,191 @@
+"""The overview (the cluster's pulse) and the router view: numbers and sparklines.
+
+Both redraw only when what they show changed (their frozen summaries compare by value).
+Router figures come from ``GetRouterStats``; while the server does not give them, both
+views say so in words, with the server's reason, instead of drawing zeros.
+"""
+
+from __future__ import annotations
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import VerticalScroll
+from textual.widget import Widget
+from textual.widgets import Label, Sparkline, Static
+
+from llmgw.tui.model import ConsoleSnapshot, RouterStatus, RouterView
+from llmgw.tui.summary import Overview, summarize
+from llmgw.tui.widgets.cells import NOT_REPORTED, GiB, percent, shard_state_cell
+
+__all__ = ["OverviewView", "RouterPanel", "overview_text", "router_text"]
+
+NOT_ON_API = "not reported by the server yet"
+
+
+def _grid() -> Table:
+    grid = Table.grid(padding=(0, 2))
+    grid.add_column(style="bold", no_wrap=True)
+    grid.add_column()
+    return grid
+
+
+def overview_text(overview: Overview, router: RouterView, server: str) -> RenderableType:
+    grid = _grid()
+    grid.add_row("server", Text(server))
+    grid.add_row(
+        "nodes",
+        Text(
+            f"{overview.nodes_ready}/{overview.nodes_total} ready, "
+            f"{overview.nodes_cordoned} cordoned, {overview.nodes_not_ready} not ready"
+        ),
+    )
+    grid.add_row("GPUs", _gpus(overview))
+    grid.add_row("replicas", _replicas(overview))
+    grid.add_row(
+        "",
+        Text(
+            f"{overview.replicas_out_of_date} out of date, {overview.shards_total} shards, "
+            f"{overview.deployments} deployments"
+        ),  # fmt: skip
+    )
+    grid.add_row("requests", _requests(router))
+    return grid
+
+
+def _gpus(overview: Overview) -> Text:
+    text = Text(f"{overview.gpus_used}/{overview.gpus_total} used, ")
+    text.append(
+        f"{overview.gpus_unhealthy} unhealthy", "bold red" if overview.gpus_unhealthy else ""
+    )
+    text.append(f", {overview.gpus_unknown_health} health unknown; memory ")
+    text.append(
+        f"{overview.gpu_memory_used_bytes / GiB:.0f}/{overview.gpu_memory_total_bytes / GiB:.0f}"
+        " GiB, util "
+    )
+    text.append_text(percent(overview.mean_utilization_pct))
+    return text
+
+
+def _replicas(overview: Overview) -> Text:
+    text = Text(f"{overview.replicas_total}: ")
+    shown = [(s, n) for s, n in overview.replicas_by_state if n]
+    for i, (state, count) in enumerate(shown):
+        if i:
+            text.append("  ")
+        text.append_text(shard_state_cell(state))
+        text.append(f" {count}")
+    return text
+
+
+def _requests(router: RouterView) -> Text:
+    if router.status is RouterStatus.UNKNOWN:
+        return Text("router stats: asking…", style="dim")
+    if router.status is RouterStatus.UNAVAILABLE:
+        return Text(router.reason or "no router stats", style="dim")
+    rate = NOT_REPORTED if router.request_rate is None else f"{router.request_rate:.1f}/s"
+    share = (
+        "no requests in the window"
+        if router.prefix_share is None
+        else f"{router.prefix_share:.0%} routed by cached prefix"
+    )
+    return Text(f"{rate} over {router.window_s:.0f}s, {share}; {router.decisions} decisions")
+
+
+def router_text(router: RouterView) -> RenderableType:
+    if router.status is not RouterStatus.AVAILABLE:
+        return Group(_requests(router), Text(""), _missing())
+    tiers = Table("TIER", "DECISIONS", "RATE", box=None, padding=(0, 2))
+    rates = dict(router.tier_rates)
+    for tier, total in router.by_tier:
+        tiers.add_row(Text(tier), str(total), f"{rates.get(tier, 0.0):.1f}/s")
+    if not router.by_tier:
+        tiers.add_row(Text("(no decisions yet)", style="dim"), "", "")
+    return Group(_requests(router), Text(""), tiers, Text(""), _missing())
+
+
+def _missing() -> Table:
+    grid = _grid()
+    grid.add_row("reuse available", Text(NOT_ON_API, style="dim"))
+    grid.add_row("reuse captured", Text(NOT_ON_API, style="dim"))
+    grid.add_row("reuse delivered", Text(NOT_ON_API, style="dim"))
+    grid.add_row("per-replica load", Text(NOT_ON_API, style="dim"))
+    return grid
+
+
+class _Pulse(Widget):
+    """A text block and two sparklines (request rate, prefix-routed share)."""
+
+    DEFAULT_CSS = """
+    _Pulse { height: 1fr; }
+    _Pulse Sparkline { height: 2; margin: 0 1; }
+    _Pulse Label { margin: 1 1 0 1; }
+    _Pulse .pulse-text { padding: 0 1; }
+    """
+
+    def __init__(self, *, id: str) -> None:
+        super().__init__(id=id)
+        self._shown: object = None
+        self._text = Static(classes="pulse-text", id=f"{id}-text")
+        self._rate = Sparkline([], id=f"{id}-rate")
+        self._share = Sparkline([], id=f"{id}-share")
+        self._rate_label = Label(id=f"{id}-rate-label")
+        self._share_label = Label(id=f"{id}-share-label")
+        self._snapshot = ConsoleSnapshot.empty()
+
+    @property
+    def snapshot(self) -> ConsoleSnapshot:
+        return self._snapshot
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield self._text
+            yield self._rate_label
+            yield self._rate
+            yield self._share_label
+            yield self._share
+
+    def show(self, snapshot: ConsoleSnapshot) -> None:
+        self._snapshot = snapshot
+        key, body = self.render_body(snapshot)
+        if key == self._shown:
+            return
+        self._shown = key
+        self._text.update(body)
+        self._series(self._rate, self._rate_label, "requests/s", snapshot.router.rate_series)
+        share = snapshot.router.share_series
+        self._series(self._share, self._share_label, "share routed by a cached prefix", share)
+
+    @staticmethod
+    def _series(line: Sparkline, label: Label, title: str, data: tuple[float, ...]) -> None:
+        """A sparkline of ``data``, or words saying there is none (never a fake flat line)."""
+        line.display = len(data) > 1
+        line.data = list(data)
+        label.update(title if len(data) > 1 else f"{title}: no samples yet")
+
+    def render_body(self, snapshot: ConsoleSnapshot) -> tuple[object, RenderableType]:
+        raise NotImplementedError
+
+
+class OverviewView(_Pulse):
+    """``:overview`` — nodes, GPUs, replicas by state, request rate, prefix-routed share."""
+
+    TITLE = "Overview"
+
+    def __init__(self, *, id: str, server: str) -> None:
+        super().__init__(id=id)
+        self._server = server
+
+    def render_body(self, snapshot: ConsoleSnapshot) -> tuple[object, RenderableType]:
+        overview = summarize(snapshot)
+        return (overview, snapshot.router), overview_text(overview, snapshot.router, self._server)
+
+
+class RouterPanel(_Pulse):
+    """``:router`` — decisions by tier, rates, what the API does not carry yet."""
+
+    TITLE = "Router"
+
+    def render_body(self, snapshot: ConsoleSnapshot) -> tuple[object, RenderableType]:
+        return snapshot.router, router_text(snapshot.router)

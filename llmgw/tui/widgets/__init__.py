@@ -1,0 +1,1 @@
+"""Widgets and cell formats the console's views are made of."""
