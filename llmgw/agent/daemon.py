@@ -62,6 +62,7 @@ class AgentConfig:
     startup_timeout_s: float = 900.0  # --startup-timeout
     drain_settle_s: float = 2.0  # --drain-settle
     kv_events: KvFollowConfig = field(default_factory=KvFollowConfig)
+    token: str | None = field(default=None, repr=False)  # --token-file; never logged
 
 
 def parse_server(text: str) -> tuple[str, int]:
@@ -145,7 +146,12 @@ class Agent:
             kv=self.kv,
         )
         self.link = AgentLink(
-            LinkConfig(config.server_host, config.server_port, backoff=config.backoff),
+            LinkConfig(
+                config.server_host,
+                config.server_port,
+                backoff=config.backoff,
+                token=config.token,
+            ),
             node=lambda: self.node,
             telemetry=self.telemetry,
             shards=self.supervisor.statuses,

@@ -10,7 +10,8 @@ Register). Messages on one stream are sent one at a time. The stream has no
 read timeout but an idle watchdog: no message from the server for ``idle_timeout_s``
 ends the session. Sessions repeat with jittered, capped backoff for as long as the agent
 runs; a refused registration (an unsupported protocol version, say) is retried the same
-way, because the server may be upgraded meanwhile.
+way, because the server may be upgraded meanwhile. With a ``token`` every session presents
+it (``authorization: Bearer``); a refusal (UNAUTHENTICATED) is logged and retried the same way.
 
 KV deltas do not go through the outbound queue: with a ``kv`` source (the agent's
 `~llmgw.agent.kvevents.KvEventHub`), every session sends a full copy of every engine's
@@ -64,6 +65,7 @@ class LinkConfig:
     register_timeout_s: float = 10.0
     idle_timeout_s: float = 15.0
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
+    token: str | None = field(default=None, repr=False)  # sent as a bearer token; never logged
 
 
 class KvSource(Protocol):
@@ -151,7 +153,11 @@ class AgentLink:
         channel = grpclib.client.Channel(self.config.host, self.config.port)
         try:
             async with channel.request(
-                CONNECT_PATH, Cardinality.STREAM_STREAM, AgentMessage, ControlMessage
+                CONNECT_PATH,
+                Cardinality.STREAM_STREAM,
+                AgentMessage,
+                ControlMessage,
+                metadata=self._metadata(),
             ) as stream:
                 _drain(self._outbox)  # Register carries the current state of every shard
                 interval_s = await self._register(stream)
@@ -169,6 +175,10 @@ class AgentLink:
             raise _first_leaf(group) from None
         finally:
             channel.close()
+
+    def _metadata(self) -> dict[str, str] | None:
+        token = self.config.token
+        return {"authorization": f"Bearer {token}"} if token else None
 
     async def _register(self, stream: _Stream) -> float:
         register = Register(

@@ -5,8 +5,9 @@ the replicas from the control server's router feed (``llmgw.server.router.feed``
 gateways scale out beside one control server. While the control server is away it keeps
 routing with the last replicas it knew and reconnects by itself. SIGINT and SIGTERM stop
 it: the listener closes, requests in flight are cancelled, the feed's channel is closed.
-The event loop is uvloop's. This module imports only the standard library at import
-time; the gateway is imported when the command runs.
+With ``--token-file`` the feed presents a gateway-role token. The event loop is uvloop's.
+This module imports only the standard library at import time; the gateway is imported when
+the command runs.
 """
 
 from __future__ import annotations
@@ -14,12 +15,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmgw.cli.main import GATEWAY_POLICIES, CliError
 from llmgw.signals import stop_on_signals
 
 if TYPE_CHECKING:
+    import grpclib.client
+    import grpclib.events
+
     from llmgw.server.router.gateway import GatewayConfig
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,13 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="NAME",
         help=f"routing policy: {GATEWAY_POLICIES} (default: prefix)",
     )
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="a gateway-role token to present to the control server's router feed",
+    )
     p.set_defaults(command=run_gateway_command)
 
 
@@ -78,22 +90,45 @@ def run_gateway_command(args: argparse.Namespace) -> int:
     if args.policy not in POLICIES:
         raise CliError(f"--policy {args.policy!r} is not one of {', '.join(POLICIES)}")
     config = GatewayConfig(host=host, port=port, policy=args.policy)
+    token = None
+    if args.token_file is not None:
+        from llmgw.cli.token import read_token_file
+
+        token = read_token_file(args.token_file, "--token-file")
     try:
-        _run_on_uvloop(server, config)
+        _run_on_uvloop(server, config, token)
     except OSError as exc:
         raise CliError(f"cannot serve: {exc}") from exc
     return 0
 
 
-def _run_on_uvloop(server: tuple[str, int], config: GatewayConfig) -> None:
+def _run_on_uvloop(server: tuple[str, int], config: GatewayConfig, token: str | None) -> None:
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(run_gateway(server, config))
+        runner.run(run_gateway(server, config, token=token))
+
+
+def with_bearer(channel: grpclib.client.Channel, token: str | None) -> grpclib.client.Channel:
+    """``channel``, sending ``authorization: Bearer TOKEN`` on every call when given one."""
+    import grpclib.events
+
+    if token:
+        value = f"Bearer {token}"
+
+        async def _authorize(event: grpclib.events.SendRequest) -> None:
+            event.metadata["authorization"] = value
+
+        grpclib.events.listen(channel, grpclib.events.SendRequest, _authorize)
+    return channel
 
 
 async def run_gateway(
-    server: tuple[str, int], config: GatewayConfig, stop: asyncio.Event | None = None
+    server: tuple[str, int],
+    config: GatewayConfig,
+    stop: asyncio.Event | None = None,
+    *,
+    token: str | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set), following ``server``'s feed."""
     from llmgw.server.router.feed import feed_channel, follow
@@ -113,7 +148,7 @@ async def run_gateway(
             *server,
         )
         with stop_on_signals(stop):
-            await follow(lambda: feed_channel(*server), table, stop=stop)
+            await follow(lambda: with_bearer(feed_channel(*server), token), table, stop=stop)
     finally:
         await gateway.stop()
     log.info("llmgw gateway stopped")

@@ -29,6 +29,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     _setup_logging(args.log_level)
     command: Command = args.command
     try:
+        _use_client_token(args)
         return command(args)
     except KeyboardInterrupt:
         return 130
@@ -67,6 +68,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sim_engine(sub)
     _add_gateway(sub)
     _add_console(sub)
+    _add_token(sub)
     return parser
 
 
@@ -136,6 +138,13 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="serve POST /debug/agents/NODE/command on the gRPC-web port, sending a "
         "ControlMessage (proto3 JSON) to that agent, and turn the reconciler off; for "
         "tests that drive agents by hand; unauthenticated, never on a reachable address",
+    )
+    p.add_argument(
+        "--join-token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="agents must present the token in FILE to join (turns authentication on)",
     )
     p.set_defaults(command=_run_server)
 
@@ -239,6 +248,13 @@ def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         choices=["json"],
         default="json",
         help="format for --discover: the proto3 JSON of NodeInfo",
+    )
+    p.add_argument(
+        "--token-file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="the join token (or an agent token) to present to the control server",
     )
     p.set_defaults(command=_run_agent)
 
@@ -351,13 +367,32 @@ def _add_console(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     add_parser(sub)
 
 
+def _add_token(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    from llmgw.cli.token import add_parser
+
+    add_parser(sub)
+
+
 def _add_server_url(p: argparse.ArgumentParser) -> None:
+    from llmgw.cli.token import add_client_flags
+
     p.add_argument(
         "--server",
         default=DEFAULT_WEB_URL,
         metavar="URL",
         help=f"the control server's gRPC-web URL (default: {DEFAULT_WEB_URL})",
     )
+    add_client_flags(p)
+
+
+def _use_client_token(args: argparse.Namespace) -> None:
+    """Give every gRPC-web channel this command opens the token it was told (if any)."""
+    if not hasattr(args, "token"):  # commands without --token do not call over gRPC-web
+        return
+    from llmgw.cli.token import client_token
+    from llmgw.client.channel import bearer_token
+
+    bearer_token.set(client_token(args))
 
 
 def _setup_logging(level: str) -> None:

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from llmgw.agent.daemon import (
     Agent,
@@ -39,6 +40,7 @@ def run_server_command(args: argparse.Namespace) -> int:
             test_hooks=args.test_hooks,
             gateway_listen=_gateway_listen(args.gateway_listen),
             gateway_policy=_gateway_policy(args.gateway_policy),
+            join_token=_token_file(args.join_token_file, "--join-token-file"),
         )
         asyncio.run(run_server(config))
     except ServerError as exc:
@@ -68,6 +70,7 @@ def run_agent_command(args: argparse.Namespace) -> int:
             ),
             startup_timeout_s=_positive(args.startup_timeout, "--startup-timeout"),
             drain_settle_s=_not_negative(args.drain_settle, "--drain-settle"),
+            token=_token_file(args.token_file, "--token-file"),
             **({"hostname": args.hostname} if args.hostname else {}),
         )
         if args.discover:
@@ -78,6 +81,12 @@ def run_agent_command(args: argparse.Namespace) -> int:
     except (AgentConfigError, DiscoveryError, EngineError) as exc:
         raise CliError(str(exc)) from exc
     return 0
+
+
+def _token_file(path: Path | None, flag: str) -> str | None:
+    from llmgw.cli.token import read_token_file
+
+    return None if path is None else read_token_file(path, flag)
 
 
 def _gateway_listen(text: str) -> Listen | None:

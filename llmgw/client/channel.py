@@ -14,6 +14,7 @@ is healthy.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
@@ -58,6 +59,21 @@ class Timeouts:
     call: float = 10.0
 
 
+bearer_token: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "llmgw_bearer_token", default=None
+)
+"""The token a channel sends as ``authorization: Bearer`` when its headers carry none (the
+CLI sets it from ``--token``, ``--token-file`` or ``$LLMGW_TOKEN``)."""
+
+
+def _with_token(headers: Mapping[str, str] | None) -> dict[str, str]:
+    merged = dict(headers or {})
+    token = bearer_token.get()
+    if token and not any(name.lower() == "authorization" for name in merged):
+        merged["authorization"] = f"Bearer {token}"
+    return merged
+
+
 class GrpcWebChannel:
     """Unary and server-streaming gRPC-web calls to one server; an async context manager."""
 
@@ -82,7 +98,7 @@ class GrpcWebChannel:
                     "accept": _CONTENT_TYPE,
                     "x-grpc-web": "1",
                     "x-user-agent": "llmgw-client",
-                    **(headers or {}),
+                    **_with_token(headers),
                 },
                 timeout=httpx.Timeout(None, connect=timeouts.connect, pool=timeouts.connect),
                 transport=transport,

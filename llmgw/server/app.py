@@ -8,6 +8,9 @@ API keys) is on the native port only. Unless turned off, the OpenAI gateway
 SIGTERM stop every port, flush heartbeat times and close the database. The reconciler
 (``llmgw.server.reconcile_loop``) runs in the same loop, unless turned off or test hooks are
 on.
+
+Every call on the native and the gRPC-web port is checked by one
+``llmgw.server.auth.Authenticator`` (off, and said so loudly, while there are no tokens).
 """
 
 from __future__ import annotations
@@ -17,13 +20,14 @@ import contextlib
 import logging
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpclib.server
 import uvicorn
 
 from llmgw.server.agentsvc import AgentService
+from llmgw.server.auth import Authenticator, install
 from llmgw.server.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.controlsvc import ControlService
 from llmgw.server.errors import ConfigError
@@ -86,6 +90,7 @@ class ServerConfig:
     reconcile_every_s: float = 1.0  # a round at least this often, and after every change
     gateway_listen: Listen | None = None  # the in-server OpenAI gateway; None: none
     gateway_policy: str = "prefix"  # llmgw.server.router.policy.POLICIES
+    join_token: str | None = field(default=None, repr=False)  # agents' token; never logged
 
 
 class _EmbeddedUvicorn(uvicorn.Server):
@@ -110,8 +115,10 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
             [agents, control, router],
             codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
         )
+        auth = Authenticator(store, join_token=config.join_token)
+        install(grpc, auth)
         await grpc.start(config.grpc_listen.host, config.grpc_listen.port)
-        web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents))
+        web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents, auth))
         try:
             async with _gateway(config, plane), asyncio.TaskGroup() as tasks:
                 web_task = tasks.create_task(web.serve(), name="grpc-web")
@@ -122,7 +129,7 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
                     if loop is not None
                     else None
                 )
-                _serving_message(config)
+                await _serving_message(config, auth)
                 with stop_on_signals(stop):
                     await _first_of(stop, web_task)
                 web.should_exit = True
@@ -163,10 +170,12 @@ def _reconcile_loop(
 
 
 def _uvicorn_config(
-    config: ServerConfig, control: ControlService, agents: AgentService
+    config: ServerConfig, control: ControlService, agents: AgentService, auth: Authenticator
 ) -> uvicorn.Config:
     app: GrpcWebApp | AgentCommandHook
-    app = GrpcWebApp(services=[control], max_message_bytes=config.max_message_bytes)
+    app = GrpcWebApp(
+        services=[control], max_message_bytes=config.max_message_bytes, authorize=auth.check
+    )
     if config.test_hooks:
         log.warning("test hooks on: POST /debug/agents/NODE/command sends commands to agents")
         app = AgentCommandHook(app, agents.send)
@@ -197,7 +206,13 @@ async def _first_of(stop: asyncio.Event, web_task: asyncio.Task[None]) -> None:
         raise ConfigError("the gRPC-web port stopped serving (is the address in use?)")
 
 
-def _serving_message(config: ServerConfig) -> None:
+async def _serving_message(config: ServerConfig, auth: Authenticator) -> None:
+    if not await auth.enabled():
+        log.warning(
+            "authentication is off: no tokens (anyone who reaches these ports may act); "
+            "create one with `llmgw token create --role admin --db %s` to turn it on",
+            config.db_path,
+        )
     log.info(
         "llmgw server: gRPC on %s, gRPC-web on http://%s, state in %s",
         config.grpc_listen,

@@ -9,7 +9,8 @@ first problems by key path, cut short (grpcio refuses a trailer over 16 KiB).
 
 Operator actions on replicas and nodes (start, drain, reprofile, drain a node) are
 ``llmgw.server.actions``; each is audited with the result "ok: WHAT" or "refused: WHY",
-and a refusal answers the action's status and changes nothing.
+and a refusal answers the action's status and changes nothing. The audit actor is the
+caller's token (``llmgw.server.auth.current_actor``), or ``operator`` with authentication off.
 
 The RPCs whose implementation belongs to later work (router statistics) answer
 UNIMPLEMENTED with a message naming what is missing, so a client
@@ -43,6 +44,7 @@ from llmgw.api.llmgw.v1 import (
     WatchRequest,
 )
 from llmgw.server import actions
+from llmgw.server.auth import ANONYMOUS_ACTOR, current_actor
 from llmgw.server.desired import Change, check_apply, plan_text, refusal
 from llmgw.server.errors import ProfileError, UnknownNode, quoted
 from llmgw.server.plane import ControlPlane
@@ -50,8 +52,8 @@ from llmgw.server.profiles import profile_fingerprint
 
 log = logging.getLogger(__name__)
 
-OPERATOR = "operator"
-"""The actor recorded in the audit log until operator tokens exist (the trust issue)."""
+OPERATOR = ANONYMOUS_ACTOR
+"""The actor recorded in the audit log when authentication is off."""
 
 
 def _not_yet(rpc: str, arrives_with: str) -> NoReturn:
@@ -83,7 +85,7 @@ class ControlService(ControlServiceBase):
     async def _cordon(self, node_id: str, cordoned: bool) -> ActionResult:
         verb = "cordoned" if cordoned else "uncordoned"
         try:
-            await self.plane.set_cordoned(node_id, cordoned, actor=OPERATOR)
+            await self.plane.set_cordoned(node_id, cordoned, actor=current_actor())
         except UnknownNode as exc:
             raise GRPCError(Status.NOT_FOUND, str(exc)) from exc
         return ActionResult(ok=True, message=f"node {node_id} {verb}")
@@ -95,13 +97,13 @@ class ControlService(ControlServiceBase):
             text = refusal(exc)
             target = _requested_target(message)
             if not message.dry_run:
-                await self.plane.audit(OPERATOR, "apply", target, f"refused: {text}")
+                await self.plane.audit(current_actor(), "apply", target, f"refused: {text}")
             raise GRPCError(Status.INVALID_ARGUMENT, text) from exc
         if message.dry_run:
             return ActionResult(ok=True, message=self._dry_run(change))
         await self.plane.desired.apply(change)
         text = _applied(change)
-        await self.plane.audit(OPERATOR, "apply", change.target, f"ok: {text}")
+        await self.plane.audit(current_actor(), "apply", change.target, f"ok: {text}")
         self.plane.reconcile_soon()
         return ActionResult(ok=True, message=text)
 
@@ -115,9 +117,9 @@ class ControlService(ControlServiceBase):
         target = f"deployment/{message.name}"
         if not await self.plane.desired.delete(message.name):
             text = f"no deployment named {quoted(message.name)}"
-            await self.plane.audit(OPERATOR, "delete", target, f"refused: {text}")
+            await self.plane.audit(current_actor(), "delete", target, f"refused: {text}")
             raise GRPCError(Status.NOT_FOUND, text)
-        await self.plane.audit(OPERATOR, "delete", target, "ok")
+        await self.plane.audit(current_actor(), "delete", target, "ok")
         self.plane.reconcile_soon()
         return ActionResult(ok=True, message=f"deployment {message.name} deleted")
 
@@ -143,7 +145,7 @@ class ControlService(ControlServiceBase):
         return await self._act("reprofile", target, work)
 
     async def drain_node(self, message: NodeRequest) -> ActionResult:
-        work = actions.drain_node(self.plane, message.node_id, actor=OPERATOR)
+        work = actions.drain_node(self.plane, message.node_id, actor=current_actor())
         return await self._act("drain-node", f"node/{message.node_id[:64]}", work)
 
     async def _act(self, action: str, target: str, work: Coroutine[Any, Any, str]) -> ActionResult:
@@ -151,9 +153,9 @@ class ControlService(ControlServiceBase):
         try:
             text = await work
         except actions.ActionRefused as exc:
-            await self.plane.audit(OPERATOR, action, target, f"refused: {exc.why}")
+            await self.plane.audit(current_actor(), action, target, f"refused: {exc.why}")
             raise GRPCError(exc.status, exc.why) from exc
-        await self.plane.audit(OPERATOR, action, target, f"ok: {text}")
+        await self.plane.audit(current_actor(), action, target, f"ok: {text}")
         return ActionResult(ok=True, message=text)
 
     async def list_profiles(self, message: ListProfilesRequest) -> ListProfilesResponse:

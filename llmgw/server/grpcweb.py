@@ -12,6 +12,9 @@ frames (flag 0x00) and one trailer frame (flag 0x80) holding ``grpc-status`` and
 in base64; each reply frame is encoded on its own as it is sent. gRPC-web carries unary and
 server-streaming calls only.
 
+With ``authorize`` (``llmgw.server.auth.Authenticator.check``), every call is checked with
+its ``authorization`` header before its body is read; a refusal answers its status.
+
 A call ends with its handler, with the client going away (the handler is cancelled), or with
 its ``grpc-timeout`` (the handler is cancelled and the call answers DEADLINE_EXCEEDED).
 """
@@ -51,6 +54,8 @@ AsgiMessage = MutableMapping[str, Any]
 Receive = Callable[[], Awaitable[AsgiMessage]]
 Send = Callable[[AsgiMessage], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
+Authorize = Callable[[str, str | None], Awaitable[object]]
+"""Checks a call (method path, ``authorization`` header); raises GRPCError to refuse it."""
 
 _BINARY_TYPES: Final = frozenset({"application/grpc-web", "application/grpc-web+proto"})
 _TEXT_TYPES: Final = frozenset({"application/grpc-web-text", "application/grpc-web-text+proto"})
@@ -99,6 +104,7 @@ class GrpcWebApp:
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         cors_allow_origins: Sequence[str] = ("*",),
         health: Callable[[], Awaitable[bool]] | None = None,
+        authorize: Authorize | None = None,
     ) -> None:
         self._handlers: dict[str, Handler] = {}
         for service in services:
@@ -109,6 +115,7 @@ class GrpcWebApp:
         self._max_message_bytes = max_message_bytes
         self._origins = frozenset(cors_allow_origins)
         self._health = health
+        self._authorize = authorize
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -197,6 +204,8 @@ class GrpcWebApp:
         self, scope: Scope, receive: Receive, headers: dict[str, str], reply: _Reply
     ) -> tuple[_WebStream, Handler]:
         """Resolve the method, read and unframe the body; GRPCError for the client's faults."""
+        if self._authorize is not None:
+            await self._authorize(scope["path"], headers.get("authorization"))
         handler = self._handler(scope["path"])
         deadline = _deadline(headers)
         raw = await _read_body(receive, headers, reply.text, self._max_message_bytes)

@@ -6,11 +6,11 @@ profiles and deployments, each as its serialized message; and the replicas the r
 decided on (``ReplicaRecord``, as JSON: its plan, the profile it was placed with, its
 lifecycle, serial, API key and the replica it replaces; RETIRED ones are kept, so their
 shards stay fenced); and the operator requests still to carry out on replicas (``retire``:
-drained by an operator; ``replace``: moved off a drained node). Later issues add tokens to
-the same file.
+drained by an operator; ``replace``: moved off a drained node); and the tokens of
+``llmgw.server.auth`` (their SHA-256 only, never the tokens).
 
 Schema versions (``PRAGMA user_version``): 1 holds nodes and the audit log; 2 adds the
-profiles and deployments tables; 3 adds the replicas table; 4 the replica requests.
+profiles and deployments tables; 3 adds the replicas table; 4 the replica requests; 5 the tokens.
 Opening an older file migrates it forward step by step in one transaction; a newer one is
 refused.
 
@@ -38,13 +38,14 @@ from typing import Any
 import aiosqlite
 
 from llmgw.api.llmgw.v1 import EngineProfile
+from llmgw.server.auth import Role, StoredToken
 from llmgw.server.errors import StoreError
 from llmgw.server.plan import ReplicaPlan, ShardPlan
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 
 _SCHEMA_1 = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -94,8 +95,18 @@ CREATE TABLE IF NOT EXISTS replica_requests (
 );
 """
 
+_SCHEMA_5 = """
+CREATE TABLE IF NOT EXISTS tokens (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    role        TEXT NOT NULL,          -- llmgw.server.auth.Role value
+    hash        TEXT NOT NULL UNIQUE,   -- SHA-256 of the token, hex; never the token
+    created     INTEGER NOT NULL,       -- Unix ms
+    note        TEXT NOT NULL DEFAULT ''
+);
+"""
+
 # The script that brings a file from version N-1 to N, by N.
-_MIGRATIONS = {1: _SCHEMA_1, 2: _SCHEMA_2, 3: _SCHEMA_3, 4: _SCHEMA_4}
+_MIGRATIONS = {1: _SCHEMA_1, 2: _SCHEMA_2, 3: _SCHEMA_3, 4: _SCHEMA_4, 5: _SCHEMA_5}
 
 REQUEST_KINDS = ("retire", "replace")
 """What an operator asked of a replica: retire it (a drain), or replace it (a node drain)."""
@@ -268,6 +279,42 @@ class Store:
         async with self._conn.execute(query, (limit,)) as cursor:
             rows = await cursor.fetchall()
         return [AuditRecord(int(r[0]), r[1], r[2], r[3], r[4]) for r in reversed(list(rows))]
+
+    # --- tokens ---------------------------------------------------------------------
+
+    async def add_token(self, role: Role, token_hash: str, note: str = "") -> int:
+        """Store a token's hash with its role; its id."""
+        async with self._conn.execute(
+            "INSERT INTO tokens (role, hash, created, note) VALUES (?, ?, ?, ?)",
+            (role.value, token_hash, now_ms(), note),
+        ) as cursor:
+            token_id = cursor.lastrowid
+        await self._conn.commit()
+        if token_id is None:
+            raise StoreError("the token was not stored")
+        return int(token_id)
+
+    async def load_tokens(self) -> list[StoredToken]:
+        """Every stored token, by id; a row with an unknown role is skipped and logged."""
+        query = "SELECT id, role, hash, created, note FROM tokens ORDER BY id"
+        async with self._conn.execute(query) as cursor:
+            rows = await cursor.fetchall()
+        tokens = []
+        for token_id, role, digest, created, note in rows:
+            try:
+                tokens.append(
+                    StoredToken(int(token_id), Role(role), str(digest), int(created), str(note))
+                )
+            except ValueError:
+                log.error("token %s: unknown role %r; the token is ignored", token_id, role)
+        return tokens
+
+    async def delete_token(self, token_id: int) -> bool:
+        """Forget a token; False when there was none with that id."""
+        async with self._conn.execute("DELETE FROM tokens WHERE id = ?", (token_id,)) as cur:
+            deleted = cur.rowcount > 0
+        await self._conn.commit()
+        return deleted
 
     # --- desired state ---------------------------------------------------------------
 

@@ -51,6 +51,7 @@ class Cluster:
     http_port: int = field(default_factory=free_port)
     gateway_port: int = field(default_factory=free_port)  # the in-server gateway's
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
+    token: str | None = None  # sent by cli() (as $LLMGW_TOKEN) once authentication is on
 
     @property
     def url(self) -> str:
@@ -133,13 +134,27 @@ class Cluster:
             return False
 
     def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+        env = {**os.environ, "LLMGW_TOKEN": self.token} if self.token else None
         return subprocess.run(
             [sys.executable, "-m", "llmgw", *args, "--server", self.url],
             capture_output=True,
             text=True,
             timeout=30,
             check=check,
+            env=env,
         )
+
+    def create_token(self, role: str, note: str = "") -> str:
+        """``llmgw token create`` on the server's file; the new token."""
+        out = subprocess.run(
+            [sys.executable, "-m", "llmgw", "token", "create", "--role", role, "--note", note]
+            + ["--db", str(self.root / "server.db")],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        )
+        return out.stdout.strip()
 
     def nodes(self) -> dict[str, dict[str, Any]]:
         out = self.cli("get", "nodes", "-o", "json", check=False)

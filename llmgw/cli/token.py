@@ -1,0 +1,149 @@
+"""``llmgw token``: create, list and revoke the control server's tokens, and the client flags.
+
+Tokens are written to the server's SQLite file directly (``--db``, the same default as
+``llmgw server``); a running server reads them within seconds. The new token is printed
+once, on stdout, and never again: only its SHA-256 is kept. Bootstrapping a server with
+authentication on::
+
+    llmgw token create --role admin --db FILE > admin.token
+    llmgw server --db FILE
+    llmgw get nodes --token-file admin.token
+
+Clients of the server (``llmgw get``, ``drain``, ``apply`` …) take ``--token``,
+``--token-file`` or ``$LLMGW_TOKEN`` (:func:`client_token`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+from collections.abc import Coroutine
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any, TypeVar
+
+from llmgw.cli.main import CliError
+from llmgw.server.auth import Role, StoredToken, hash_token, new_token
+from llmgw.server.errors import StoreError
+from llmgw.server.store import Store
+
+TOKEN_ENV = "LLMGW_TOKEN"
+CREATABLE_ROLES = tuple(role.value for role in Role)
+T = TypeVar("T")
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``token create``, ``token list`` and ``token revoke``."""
+    p = sub.add_parser(
+        "token",
+        help="create, list or revoke access tokens",
+        description="Manage the control server's tokens in its state file. Creating the "
+        "first token turns authentication on.",
+    )
+    verbs = p.add_subparsers(title="verbs", metavar="VERB", required=True)
+    create = verbs.add_parser("create", help="create a token and print it once")
+    create.add_argument("--role", required=True, choices=CREATABLE_ROLES)
+    create.add_argument("--note", default="", metavar="TEXT", help="who or what it is for")
+    _add_db(create)
+    create.set_defaults(command=run_create)
+    listing = verbs.add_parser("list", help="list tokens (ids, roles, created; never a token)")
+    _add_db(listing)
+    listing.set_defaults(command=run_list)
+    revoke = verbs.add_parser("revoke", help="revoke a token by id")
+    revoke.add_argument("token_id", type=int, metavar="ID")
+    _add_db(revoke)
+    revoke.set_defaults(command=run_revoke)
+
+
+def _add_db(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--db", type=Path, default=None, metavar="FILE", help="the server's state file")
+
+
+def _db(args: argparse.Namespace) -> Path:
+    from llmgw.server.app import default_db_path
+
+    path: Path = args.db or default_db_path()
+    return path
+
+
+def run_create(args: argparse.Namespace) -> int:
+    token = new_token()
+    token_id = _run(_create(_db(args), Role(args.role), hash_token(token), args.note))
+    sys.stdout.write(token + "\n")
+    sys.stderr.write(f"token {token_id} ({args.role}) created; it is not shown again\n")
+    return 0
+
+
+async def _create(path: Path, role: Role, digest: str, note: str) -> int:
+    async with Store(path) as store:
+        return await store.add_token(role, digest, note)
+
+
+def run_list(args: argparse.Namespace) -> int:
+    tokens = _run(_list(_db(args)))
+    sys.stdout.write(f"{'ID':>4}  {'ROLE':<9} {'CREATED':<20} NOTE\n")
+    for t in tokens:
+        created = datetime.fromtimestamp(t.created_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
+        sys.stdout.write(f"{t.token_id:>4}  {t.role.value:<9} {created:<20} {t.note}\n")
+    return 0
+
+
+async def _list(path: Path) -> list[StoredToken]:
+    async with Store(path) as store:
+        return await store.load_tokens()
+
+
+def run_revoke(args: argparse.Namespace) -> int:
+    if not _run(_revoke(_db(args), args.token_id)):
+        raise CliError(f"no token with id {args.token_id}")
+    sys.stderr.write(f"token {args.token_id} revoked\n")
+    return 0
+
+
+async def _revoke(path: Path, token_id: int) -> bool:
+    async with Store(path) as store:
+        return await store.delete_token(token_id)
+
+
+def _run(work: Coroutine[Any, Any, T]) -> T:
+    try:
+        return asyncio.run(work)
+    except StoreError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def read_token_file(path: Path, flag: str) -> str:
+    """The token in a file, surrounding whitespace dropped; CliError naming the flag if not."""
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CliError(f"{flag} {path}: cannot read it ({exc})") from exc
+    if not token:
+        raise CliError(f"{flag} {path}: the file is empty")
+    return token
+
+
+def add_client_flags(p: argparse.ArgumentParser) -> None:
+    """``--token`` and ``--token-file`` for a command that calls the server."""
+    p.add_argument(
+        "--token",
+        default=None,
+        metavar="TOKEN",
+        help=f"a bearer token (visible to other users in ps: prefer --token-file or ${TOKEN_ENV})",
+    )
+    p.add_argument(
+        "--token-file", type=Path, default=None, metavar="FILE", help="read the token from FILE"
+    )
+
+
+def client_token(args: argparse.Namespace) -> str | None:
+    """The token ``args`` ask for: ``--token``, else ``--token-file``, else ``$LLMGW_TOKEN``."""
+    token: str | None = getattr(args, "token", None)
+    if token:
+        return token
+    path: Path | None = getattr(args, "token_file", None)
+    if path is not None:
+        return read_token_file(path, "--token-file")
+    return os.environ.get(TOKEN_ENV) or None

@@ -1,0 +1,234 @@
+"""Who may call what: bearer tokens with roles, checked in one place for every RPC.
+
+Roles: ``viewer`` reads (GetCluster, Watch, ListProfiles, GetRouterStats); ``operator`` is a
+viewer that also acts on replicas and nodes; ``admin`` is an operator that also applies and
+deletes deployments (and manages tokens, through ``llmgw token`` on the server's file).
+``agent`` may only join (``AgentService.Connect``) and ``gateway`` may only follow the router
+feed (``RouterService.Feed``, which carries replica API keys); an admin is neither.
+
+Tokens are ``llmgw_`` plus 32 random bytes in URL-safe base64. Only their SHA-256 is stored
+(``tokens`` in the server's SQLite; a fast hash is enough for tokens this random); the join
+token from ``--join-token-file`` is compared in constant time and grants ``agent``.
+
+Authentication is on when the store holds any token or a join token is given, and off
+otherwise (every call then passes, recorded as the actor ``operator``). The store is
+re-read at most every ``refresh_s`` and, on an unknown token, at most every
+``miss_refresh_s``, so a token made by ``llmgw token create`` on a running server works at
+once, the first one turns authentication on within ``refresh_s``, and a revoked token stops
+working within ``refresh_s``.
+
+The native port calls :meth:`Authenticator.check` from a grpclib ``RecvRequest`` event
+(:func:`install`); the gRPC-web port calls it before dispatching. A missing or unknown
+token answers UNAUTHENTICATED, a known token of a role that may not call the method
+PERMISSION_DENIED naming the role needed. The caller of an authorized call is kept in a
+context variable (:func:`current_actor`) for the audit log. Tokens never reach a log.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import enum
+import hashlib
+import hmac
+import logging
+import secrets
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpclib.events
+import grpclib.server
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+log = logging.getLogger(__name__)
+
+TOKEN_PREFIX = "llmgw_"
+ANONYMOUS_ACTOR = "operator"
+"""The audit actor when authentication is off."""
+
+
+class Role(enum.Enum):
+    """What a token may do."""
+
+    VIEWER = "viewer"  # read the cluster, watch it, list profiles, router stats
+    OPERATOR = "operator"  # viewer + start, drain, reprofile replicas; cordon, drain nodes
+    ADMIN = "admin"  # operator + apply and delete deployments; token management
+    AGENT = "agent"  # join as a node (AgentService.Connect)
+    GATEWAY = "gateway"  # follow the router feed (RouterService.Feed)
+
+
+_GRANTS: Mapping[Role, frozenset[Role]] = {
+    Role.VIEWER: frozenset({Role.VIEWER}),
+    Role.OPERATOR: frozenset({Role.VIEWER, Role.OPERATOR}),
+    Role.ADMIN: frozenset({Role.VIEWER, Role.OPERATOR, Role.ADMIN}),
+    Role.AGENT: frozenset({Role.AGENT}),
+    Role.GATEWAY: frozenset({Role.GATEWAY}),
+}
+
+_CONTROL = "/llmgw.v1.ControlService/"
+METHOD_ROLES: Mapping[str, Role] = {
+    _CONTROL + "GetCluster": Role.VIEWER,
+    _CONTROL + "Watch": Role.VIEWER,
+    _CONTROL + "ListProfiles": Role.VIEWER,
+    _CONTROL + "GetRouterStats": Role.VIEWER,
+    _CONTROL + "StartReplica": Role.OPERATOR,
+    _CONTROL + "DrainReplica": Role.OPERATOR,
+    _CONTROL + "ReprofileReplica": Role.OPERATOR,
+    _CONTROL + "CordonNode": Role.OPERATOR,
+    _CONTROL + "UncordonNode": Role.OPERATOR,
+    _CONTROL + "DrainNode": Role.OPERATOR,
+    _CONTROL + "ApplyDeployment": Role.ADMIN,
+    _CONTROL + "DeleteDeployment": Role.ADMIN,
+    "/llmgw.v1.AgentService/Connect": Role.AGENT,
+    "/llmgw.v1.RouterService/Feed": Role.GATEWAY,
+}
+"""The role each RPC needs; a method missing here is refused to everyone."""
+
+
+def may_call(role: Role, method: str) -> bool:
+    """Whether a token of ``role`` may call ``method`` (a gRPC path)."""
+    needed = METHOD_ROLES.get(method)
+    return needed is not None and needed in _GRANTS[role]
+
+
+def new_token() -> str:
+    """A fresh random token (shown once, stored only as :func:`hash_token`)."""
+    return TOKEN_PREFIX + secrets.token_urlsafe(32)
+
+
+def hash_token(token: str) -> str:
+    """The stored form of a token: SHA-256, hex."""
+    return hashlib.sha256(token.encode("utf-8")).hexdigest()
+
+
+def bearer(authorization: str | None) -> str | None:
+    """The token of an ``authorization: Bearer TOKEN`` value; None when there is none."""
+    if not authorization:
+        return None
+    scheme, _, token = authorization.strip().partition(" ")
+    token = token.strip()
+    return token if scheme.lower() == "bearer" and token else None
+
+
+@dataclass(frozen=True, slots=True)
+class StoredToken:
+    """A token as the store keeps it: never the token itself."""
+
+    token_id: int
+    role: Role
+    hash: str
+    created_ms: int
+    note: str
+
+
+@dataclass(frozen=True, slots=True)
+class Principal:
+    """Who made a call: a token's id and note, and its role."""
+
+    token_id: int | None  # None: the join token
+    role: Role
+    note: str = ""
+
+    @property
+    def actor(self) -> str:
+        """How the audit log names this caller."""
+        name = "join-token" if self.token_id is None else f"token:{self.token_id}"
+        return f"{name} ({self.note})" if self.note else name
+
+
+_principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
+    "llmgw_principal", default=None
+)
+
+
+def current_actor() -> str:
+    """The audit actor of the call being served (``operator`` when authentication is off)."""
+    principal = _principal.get()
+    return ANONYMOUS_ACTOR if principal is None else principal.actor
+
+
+class TokenSource(Protocol):
+    """Where tokens are kept (``llmgw.server.store.Store``)."""
+
+    async def load_tokens(self) -> list[StoredToken]: ...
+
+
+class Authenticator:
+    """Checks every call's bearer token against the stored tokens and the join token."""
+
+    def __init__(
+        self,
+        tokens: TokenSource,
+        *,
+        join_token: str | None = None,
+        refresh_s: float = 2.0,
+        miss_refresh_s: float = 0.25,
+    ) -> None:
+        self._source = tokens
+        self._join_hash = hash_token(join_token) if join_token else None
+        self._refresh_s = refresh_s
+        self._miss_refresh_s = miss_refresh_s
+        self._by_hash: dict[str, StoredToken] = {}
+        self._loaded_at: float | None = None
+
+    async def enabled(self) -> bool:
+        """Whether calls need a token: a join token is set, or the store holds tokens."""
+        await self._refresh(self._refresh_s)
+        return self._join_hash is not None or bool(self._by_hash)
+
+    async def check(self, method: str, authorization: str | None) -> Principal | None:
+        """The caller of ``method``, or GRPCError; None (anyone) when authentication is off.
+
+        Also records the caller for :func:`current_actor` in the current context.
+        """
+        if not await self.enabled():
+            _principal.set(None)
+            return None
+        principal = await self._identify(bearer(authorization))
+        if not may_call(principal.role, method):
+            raise GRPCError(Status.PERMISSION_DENIED, _denied(principal.role, method))
+        _principal.set(principal)
+        return principal
+
+    async def _identify(self, token: str | None) -> Principal:
+        if token is None:
+            raise GRPCError(Status.UNAUTHENTICATED, "a bearer token is required")
+        digest = hash_token(token)
+        if self._join_hash is not None and hmac.compare_digest(digest, self._join_hash):
+            return Principal(None, Role.AGENT)
+        stored = self._by_hash.get(digest)
+        if stored is None:
+            await self._refresh(self._miss_refresh_s)
+            stored = self._by_hash.get(digest)
+        if stored is None or not hmac.compare_digest(stored.hash, digest):
+            raise GRPCError(Status.UNAUTHENTICATED, "the bearer token is not valid")
+        return Principal(stored.token_id, stored.role, stored.note)
+
+    async def _refresh(self, max_age_s: float) -> None:
+        now = time.monotonic()
+        if self._loaded_at is not None and now - self._loaded_at < max_age_s:
+            return
+        self._loaded_at = now
+        tokens = await self._source.load_tokens()
+        self._by_hash = {t.hash: t for t in tokens}
+
+    async def on_native_request(self, event: grpclib.events.RecvRequest) -> None:
+        """The grpclib ``RecvRequest`` hook: check the call before its handler runs."""
+        values = event.metadata.getall("authorization", [])
+        value = values[-1] if values else None
+        await self.check(event.method_name, value if isinstance(value, str) else None)
+
+
+def install(server: grpclib.server.Server, auth: Authenticator) -> None:
+    """Check every call on ``server`` (the native gRPC port) with ``auth``."""
+    grpclib.events.listen(server, grpclib.events.RecvRequest, auth.on_native_request)
+
+
+def _denied(role: Role, method: str) -> str:
+    needed = METHOD_ROLES.get(method)
+    name = method.rsplit("/", 1)[-1] or method
+    if needed is None:
+        return f"{name} is not open to any token"
+    return f"{name} needs the {needed.value} role; this token has the {role.value} role"
