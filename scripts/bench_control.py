@@ -44,8 +44,6 @@ import math
 import os
 import random
 import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
@@ -55,7 +53,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from benchkit import CLK_TCK, base_machine, command_line, proc_cpu_seconds
+from benchkit import (
+    CLK_TCK,
+    base_machine,
+    command_line,
+    free_port,
+    git_query,
+    load_average,
+    proc_cpu_seconds,
+)
 
 HOST = "127.0.0.1"
 FIXTURE = "dgx-h100"
@@ -380,12 +386,6 @@ def proc_rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return 0.0
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(slots=True)
@@ -921,7 +921,7 @@ def machine() -> dict[str, str]:
         **base_machine(),
         "client loop": _client_loop_name(),
         "llmgw source": source_fingerprint(),
-        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        "load average at start": load_average(),
     }
 
 
@@ -932,16 +932,8 @@ def source_fingerprint() -> str:
     digest = hashlib.sha256()
     for path in sorted((root / "llmgw").rglob("*.py")):
         digest.update(str(path.relative_to(root)).encode() + b"\0" + path.read_bytes())
-    git = ["git", "-C", str(root)]
-    head = (
-        subprocess.run(
-            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
-        ).stdout.strip()
-        or "unknown"
-    )
-    dirty = subprocess.run(
-        [*git, "status", "--porcelain", "--", "llmgw"], capture_output=True, text=True, check=False
-    ).stdout.strip()
+    head = git_query("rev-parse", "--short", "HEAD") or "unknown"
+    dirty = git_query("status", "--porcelain", "--", "llmgw")
     state = f"{head} + uncommitted changes" if dirty else head
     return f"{state}; sha256 of llmgw/**/*.py {digest.hexdigest()[:12]}"
 

@@ -43,26 +43,40 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import ctypes
 import math
 import os
-import re
-import selectors
 import signal
 import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Final, TextIO, cast
+from typing import Any, Final, TextIO
 
-from benchkit import CLK_TCK, base_machine, command_line, proc_cpu_seconds
+from benchkit import (
+    HOST,
+    Child,
+    Connection,
+    Reply,
+    announced_ports,
+    command_line,
+    cpu_seconds,
+    interrupt_on_sigterm,
+    machine_facts,
+    package_versions,
+    percentile,
+    proc_cpu_seconds,
+    progress_line,
+    quietest,
+    render_table,
+    require_two_cpus,
+    run_interruptible,
+    spawn,
+)
 
-HOST: Final = "127.0.0.1"
 FIXTURE: Final = "dgx-h100"
 SERVERS: Final = ("uvicorn", "hypercorn")
 GET_CLUSTER: Final = "/llmgw.v1.ControlService/GetCluster"
@@ -70,7 +84,6 @@ MAX_MESSAGE_BYTES: Final = 4 << 20  # as ``llmgw server`` defaults
 HYPERCORN_KEEPALIVE_REQUESTS: Final = 1 << 30  # its default (1,000) closes every 1,000th reply
 CELL_GRACE_S: Final = 30.0  # beyond warmup + window, how long a cell may take at most
 START_TIMEOUT_S: Final = 30.0
-PR_SET_PDEATHSIG: Final = 1
 
 
 # ======================================================================================
@@ -170,112 +183,8 @@ async def run_serve(args: argparse.Namespace) -> None:
 
 
 # ======================================================================================
-# The client: keep-alive HTTP/1.1 over asyncio protocols
+# The workloads: pre-encoded requests and their checks (the client is benchkit's)
 # ======================================================================================
-
-
-_CONTENT_LENGTH: Final = re.compile(rb"\r\ncontent-length:[ \t]*(\d+)", re.IGNORECASE)
-_CHUNKED: Final = re.compile(rb"\r\ntransfer-encoding:[^\r]*chunked", re.IGNORECASE)
-_CLOSE: Final = re.compile(rb"\r\nconnection:[ \t]*close", re.IGNORECASE)
-
-
-@dataclass(frozen=True, slots=True)
-class Reply:
-    status: int
-    body: bytes
-    close: bool
-
-
-def _parse_chunked(buf: bytearray, start: int) -> tuple[bytes, int] | None:
-    """A chunked body starting at ``buf[start:]``: (body, end offset), or None if partial."""
-    body = bytearray()
-    at = start
-    while True:
-        eol = buf.find(b"\r\n", at)
-        if eol < 0:
-            return None
-        size = int(bytes(buf[at:eol]).split(b";", 1)[0], 16)
-        at = eol + 2
-        if size == 0:  # trailer section: header lines up to an empty line
-            while True:
-                eol = buf.find(b"\r\n", at)
-                if eol < 0:
-                    return None
-                if eol == at:
-                    return bytes(body), eol + 2
-                at = eol + 2
-        if len(buf) < at + size + 2:
-            return None
-        body += buf[at : at + size]
-        at += size + 2
-
-
-class Connection(asyncio.Protocol):
-    """One keep-alive HTTP/1.1 connection; one request in flight at a time."""
-
-    def __init__(self) -> None:
-        self.transport: asyncio.Transport | None = None
-        self.buf = bytearray()
-        self.waiter: asyncio.Future[Reply] | None = None
-        self.lost = False
-
-    @classmethod
-    async def open(cls, port: int) -> Connection:
-        loop = asyncio.get_running_loop()
-        _, conn = await loop.create_connection(cls, HOST, port)
-        return conn
-
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
-        sock = transport.get_extra_info("socket")
-        if sock is not None:
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_exception(ConnectionError(f"server closed the connection ({exc})"))
-
-    def data_received(self, data: bytes) -> None:
-        self.buf += data
-        reply = self._parse()
-        if reply is not None and self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(reply)
-
-    def _parse(self) -> Reply | None:
-        buf = self.buf
-        head_end = buf.find(b"\r\n\r\n")
-        if head_end < 0:
-            return None
-        head = bytes(buf[: head_end + 2])
-        status = int(head[9:12])
-        length = _CONTENT_LENGTH.search(head)
-        if length is not None:
-            end = head_end + 4 + int(length.group(1))
-            if len(buf) < end:
-                return None
-            body = bytes(buf[head_end + 4 : end])
-        elif _CHUNKED.search(head):
-            parsed = _parse_chunked(buf, head_end + 4)
-            if parsed is None:
-                return None
-            body, end = parsed
-        else:
-            raise ValueError(f"a response without framing: {head!r}")
-        del buf[:end]
-        return Reply(status, body, _CLOSE.search(head) is not None)
-
-    async def request(self, raw: bytes) -> Reply:
-        assert self.transport is not None
-        if self.lost:
-            raise ConnectionError("connection lost")
-        self.waiter = asyncio.get_running_loop().create_future()
-        self.transport.write(raw)
-        return await self.waiter
-
-    def close(self) -> None:
-        if self.transport is not None:
-            self.transport.close()
 
 
 @dataclass(frozen=True, slots=True)
@@ -422,20 +331,9 @@ class Cell:
         return self.client_cpu_s / self.window_s
 
 
-def percentile(values: Sequence[float], q: float) -> float:
-    """Nearest-rank percentile of sorted ``values``; NaN when empty."""
-    if not values:
-        return math.nan
-    return values[max(1, math.ceil(q * len(values))) - 1]
-
-
 def cpu_busy_seconds(cpu: int) -> float:
     """Busy (not idle, not iowait) seconds of one CPU since boot, from ``/proc/stat``."""
-    for line in Path("/proc/stat").read_text().splitlines():
-        if line.startswith(f"cpu{cpu} "):
-            ticks = [int(x) for x in line.split()[1:9]]
-            return (sum(ticks) - ticks[3] - ticks[4]) / CLK_TCK
-    return math.nan
+    return sum(cpu_seconds(cpu))
 
 
 @dataclass(slots=True)
@@ -541,78 +439,12 @@ class Settings:
     attempts: int  # at most this many runs of a cell; the quietest is kept
 
 
-@dataclass(slots=True)
-class Child:
-    name: str
-    proc: subprocess.Popen[bytes]
-    log: Path
-    port: int = 0
-
-    def log_tail(self, lines: int = 20) -> str:
-        with contextlib.suppress(OSError):
-            return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
-        return ""
-
-    def stop(self, grace_s: float = 10.0) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
-        if self.proc.stdout is not None:
-            self.proc.stdout.close()
-
-
-def _child_setup(cpu: int) -> Callable[[], None]:
-    """A ``preexec_fn``: pin to ``cpu``; die with this process."""
-
-    def setup() -> None:
-        os.sched_setaffinity(0, {cpu})
-        with contextlib.suppress(OSError, AttributeError):
-            ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-    return setup
-
-
 def start_server(name: str, nodes: int, workdir: Path, settings: Settings) -> Child:
+    argv = [sys.executable, os.path.abspath(__file__), "_serve", "--server", name,
+            "--db", str(workdir / f"{name}-{nodes}.db"), "--nodes", str(nodes)]  # fmt: skip
     log = workdir / f"{name}-{nodes}.log"
-    argv = [
-        sys.executable,
-        os.path.abspath(__file__),
-        "_serve",
-        "--server",
-        name,
-        "--db",
-        str(workdir / f"{name}-{nodes}.db"),
-        "--nodes",
-        str(nodes),
-    ]
-    with log.open("wb") as err:
-        proc = subprocess.Popen(
-            argv,
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=err,
-            preexec_fn=_child_setup(settings.server_cpu),
-        )
-    child = Child(name, proc, log)
-    assert proc.stdout is not None
-    with selectors.DefaultSelector() as sel:
-        sel.register(proc.stdout, selectors.EVENT_READ)
-        deadline = time.monotonic() + START_TIMEOUT_S
-        line = b""
-        while not line.endswith(b"\n") and time.monotonic() < deadline:
-            if sel.select(max(0.0, deadline - time.monotonic())):
-                chunk = os.read(proc.stdout.fileno(), 1)
-                if not chunk:
-                    break
-                line += chunk
-    if not line.startswith(b"PORT "):
-        child.stop()
-        raise RuntimeError(f"{name} did not start:\n{child.log_tail()}")
-    child.port = int(line.split()[1])
+    child = spawn(name, argv, settings.server_cpu, log, announces=True)
+    child.ports = announced_ports(child, "PORT", START_TIMEOUT_S)
     return child
 
 
@@ -625,19 +457,11 @@ async def quietest_cell(
 ) -> Cell:
     """Run a cell, again (up to ``settings.attempts``) while other processes used more than
     ``settings.max_others`` of the server's CPU; the quietest run is kept."""
-    best: Cell | None = None
-    for attempt in range(1, settings.attempts + 1):
-        cell = await run_cell(name, child.proc.pid, child.port, work, rep, settings)
-        cell.attempts = attempt
-        progress(cell)
-        if best is None or cell.others_share < best.others_share:
-            best = cell
-        if cell.others_share <= settings.max_others:
-            break
-        if attempt < settings.attempts:
-            await asyncio.sleep(RETRY_PAUSE_S)
-    assert best is not None
-    return best
+
+    def run() -> Awaitable[Cell]:
+        return run_cell(name, child.proc.pid, child.port, work, rep, settings)
+
+    return await quietest(run, settings.attempts, settings.max_others, RETRY_PAUSE_S, progress)
 
 
 async def run_bench(
@@ -781,56 +605,12 @@ def table(summaries: Sequence[Summary], markdown: bool) -> str:
         [s.metric.label, s.cell("uvicorn"), s.cell("hypercorn"), f"{s.ratio():.2f}×"]
         for s in summaries
     ]
-    if markdown:
-        lines = ["| " + " | ".join(COLUMNS) + " |", "|---|" + "---:|" * (len(COLUMNS) - 1)]
-        return "\n".join([*lines, *("| " + " | ".join(r) + " |" for r in rows)])
-    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(COLUMNS)]
-    return "\n".join(_aligned(r, widths) for r in [list(COLUMNS), *rows])
-
-
-def _aligned(row: Sequence[str], widths: Sequence[int]) -> str:
-    """The first column left-aligned, the figures right-aligned."""
-    cells = [row[0].ljust(widths[0])]
-    cells += [v.rjust(w) for v, w in zip(row[1:], widths[1:], strict=True)]
-    return "  ".join(cells)
+    return render_table(COLUMNS, rows, markdown)
 
 
 def machine() -> dict[str, str]:
-    return {
-        **base_machine(),
-        "versions": _versions(),
-        "llmgw": _llmgw_revision(),
-        "load average at start": " ".join(f"{x:.2f}" for x in os.getloadavg()),
-    }
-
-
-def _llmgw_revision() -> str:
-    """The commit of the code measured (read-only git queries), and whether llmgw/ differs."""
-    root = Path(__file__).resolve().parent.parent
-
-    def git(*args: str) -> str:
-        done = subprocess.run(
-            ["git", "-C", str(root), *args], capture_output=True, text=True, check=False
-        )
-        return done.stdout.strip() if done.returncode == 0 else ""
-
-    head = git("rev-parse", "--short", "HEAD")
-    if not head:
-        return "unknown (not a git checkout)"
-    dirty = git("status", "--porcelain", "--untracked-files=no", "--", "llmgw")
-    return f"git {head}" + (" + uncommitted changes in llmgw/" if dirty else "")
-
-
-def _versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    parts = []
-    for name in ("uvicorn", "httptools", "hypercorn", "h11", "uvloop"):
-        try:
-            parts.append(f"{name} {version(name)}")
-        except PackageNotFoundError:
-            parts.append(f"{name} (missing)")
-    return ", ".join(parts)
+    names = ("uvicorn", "httptools", "hypercorn", "h11", "uvloop")
+    return machine_facts(", ".join(package_versions(names, mark_missing=True)))
 
 
 def settings_line(s: Settings, sizes: Mapping[int, int]) -> str:
@@ -980,15 +760,13 @@ def render(
 
 
 def progress(cell: Cell) -> None:
-    print(
+    progress_line(
         f"  rep {cell.rep + 1} {cell.workload:8} {cell.server:9}: {cell.rps:8,.0f} req/s, "
         f"p50 {cell.latency_us(0.5):7,.0f} µs, p99 {cell.latency_us(0.99):7,.0f} µs, "
         f"server {cell.server_us_per_request:5,.0f} µs/req ({100 * cell.server_util:3.0f}%), "
         f"client {100 * cell.client_util:3.0f}%, others on the server CPU "
         f"{100 * cell.others_share:3.0f}%"
-        + (f" (attempt {cell.attempts})" if cell.attempts > 1 else ""),
-        file=sys.stderr,
-        flush=True,
+        + (f" (attempt {cell.attempts})" if cell.attempts > 1 else "")
     )
 
 
@@ -1027,9 +805,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         raise SystemExit("need 0 <= --max-others <= 100 and 1 <= --attempts <= 20")
     if not (1 <= args.conns <= 1024 and 0 <= args.nodes <= 10_000 and args.max_requests > 0):
         raise SystemExit("need 1 <= --conns <= 1024, 0 <= --nodes <= 10000, --max-requests > 0")
-    cpus = os.sched_getaffinity(0)
-    if {args.server_cpu, args.client_cpu} - cpus or args.server_cpu == args.client_cpu:
-        raise SystemExit(f"--server-cpu/--client-cpu: two different CPUs among {sorted(cpus)}")
+    require_two_cpus(args.server_cpu, args.client_cpu, "--server-cpu/--client-cpu")
     return Settings(
         nodes=args.nodes,
         conns=args.conns,
@@ -1044,21 +820,15 @@ def settings_from(args: argparse.Namespace) -> Settings:
     )
 
 
-def _terminate(signum: int, frame: object) -> None:
-    raise KeyboardInterrupt
-
-
 def main_orchestrator(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     args = parse_main(argv)
     settings = settings_from(args)
     facts = machine()  # before pinning: nproc counts the CPUs this process may use
     os.sched_setaffinity(0, {settings.client_cpu})
-    signal.signal(signal.SIGTERM, _terminate)
-    print(
+    interrupt_on_sigterm()
+    progress_line(
         f"bench_http: {settings.reps} rep(s) x {len(WORKLOADS)} cells x 2 servers, "
-        f"{settings.warmup_s:g}+{settings.seconds:g} s each",
-        file=sys.stderr,
-        flush=True,
+        f"{settings.warmup_s:g}+{settings.seconds:g} s each"
     )
     children: dict[tuple[str, int], Child] = {}
     with tempfile.TemporaryDirectory(prefix="bench_http.") as tmp:
@@ -1066,10 +836,10 @@ def main_orchestrator(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
             for name in SERVERS:
                 for nodes in sorted({settings.nodes, 0}):
                     children[name, nodes] = start_server(name, nodes, Path(tmp), settings)
-            with asyncio.Runner(loop_factory=_client_loop()) as runner:
-                cells, sizes = runner.run(run_bench(children, settings, progress))
+            bench = run_bench(children, settings, progress)
+            cells, sizes = run_interruptible(bench, _client_loop())
         except KeyboardInterrupt:
-            print("interrupted; every child process was stopped", file=sys.stderr)
+            progress_line("interrupted; every child process was stopped")
             return 130
         finally:
             for child in children.values():
