@@ -6,9 +6,13 @@ hands over frozen snapshots; the app applies the newest one to the view on scree
 loop turn, so keys are never stuck behind a backlog of updates. ``space`` pauses: the
 worker keeps following, the screen stays still until it is resumed.
 
-Keys, the footer and what read-only hides come from ``llmgw.tui.registry``; an action is
-an ``action_<name>`` method here. The badge says LIVE / STALE 12s / RECONNECTING #n, and
-while the link is not LIVE the views are dimmed; the app never exits on a disconnect.
+Keys, the footer, ``?`` help, the ctrl+p palette (``llmgw.tui.help``) and what read-only
+hides come from ``llmgw.tui.registry``; an action is an ``action_<name>`` method here. The
+operator verbs plan an ``Operation`` against the selected row's view snapshot (the whole
+model, not the filtered rows; ``llmgw.tui.actions``) and confirm it in a modal before
+sending it (``llmgw.tui.modals``). ``/`` filters the view on screen (``llmgw.tui.filter``);
+Esc clears it. The badge says LIVE / STALE 12s / RECONNECTING #n, and while the link is not
+LIVE the views are dimmed; the app never exits on a disconnect.
 """
 
 from __future__ import annotations
@@ -19,16 +23,32 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
+from rich.markup import escape
 from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import BindingType
+from textual.command import Provider
 from textual.containers import Horizontal
 from textual.widget import Widget
 from textual.widgets import ContentSwitcher, Footer, Input, Static
 
-from llmgw.client import ControlClient
+from llmgw.client import ClientError, ControlClient
+from llmgw.tui.actions import (
+    ActionUnavailable,
+    Operation,
+    plan_cordon,
+    plan_drain,
+    plan_drain_node,
+    plan_reprofile,
+    plan_start,
+    plan_uncordon,
+    profile_choice,
+)
+from llmgw.tui.filter import FilterPrompt, parse_filter
+from llmgw.tui.help import ConsoleCommands, HelpScreen, help_sections
+from llmgw.tui.modals import Choice, ChoiceScreen, choose, propose, unavailable
 from llmgw.tui.model import ConsoleSnapshot
-from llmgw.tui.registry import VIEWS, action_named, bindings, resolve_view
+from llmgw.tui.registry import VIEWS, ConsoleAction, action_named, bindings, resolve_view
 from llmgw.tui.stream import Feed, LinkStatus
 from llmgw.tui.views.events import EventsView
 from llmgw.tui.views.pulse import OverviewView, RouterPanel
@@ -54,6 +74,9 @@ ConsoleView = TableView[Any] | OverviewView | RouterPanel
 
 
 _NOT_WHILE_TYPING = frozenset({"prompt_view"})
+# Priority keys reach the app over a modal (a detail, a confirmation, the palette): these
+# would open something under it.
+_NOT_OVER_MODALS = frozenset({"prompt_view", "command_palette"})
 
 
 def pick_theme(environ: Mapping[str, str]) -> str:
@@ -72,6 +95,7 @@ class ConsoleApp(App[None]):
     CSS_PATH = "app.tcss"
     TITLE = "llmgw console"
     BINDINGS: ClassVar[list[BindingType]] = list(bindings())
+    COMMANDS: ClassVar[set[type[Provider] | Callable[[], type[Provider]]]] = {ConsoleCommands}
 
     def __init__(
         self,
@@ -117,6 +141,7 @@ class ConsoleApp(App[None]):
         self._crumbs_bar = Static(self._crumbs(), id="crumbs")
         self._switcher = ContentSwitcher(id="views", initial=self.current_view)
         self._prompt = JumpPrompt(id="jump")
+        self._filter = FilterPrompt(id="filter")
         self._link_note = Static(id="link-note")  # why the link is down, while it is
         with Horizontal(id="topbar"):
             yield self._crumbs_bar
@@ -124,11 +149,13 @@ class ConsoleApp(App[None]):
         yield self._link_note
         with self._switcher:
             yield from self._views.values()
+        yield self._filter
         yield self._prompt
         yield Footer()
 
     def on_mount(self) -> None:
         self._prompt.display = False
+        self._filter.display = False
         self._switcher.add_class("-stale")
         self.set_interval(1.0, self._refresh_badge, name="badge")
         self.run_worker(self.feed.run(self), name="watch", group="watch", exclusive=True)
@@ -141,9 +168,12 @@ class ConsoleApp(App[None]):
         return self._views[name or self.current_view]
 
     def _crumbs(self) -> str:
-        return "  ".join(
+        crumbs = "  ".join(
             f"[reverse] {v.name} [/]" if v.name == self.current_view else v.name for v in VIEWS
         )
+        view = self._views[self.current_view]
+        row_filter = view.row_filter if isinstance(view, TableView) else None
+        return crumbs if row_filter is None else f"{crumbs}  [bold]/{escape(row_filter.text)}[/]"
 
     def _focus_view(self) -> None:
         view = self.view()
@@ -185,14 +215,19 @@ class ConsoleApp(App[None]):
     # --- actions -----------------------------------------------------------------------
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        if self.focused is self._prompt:
-            return action not in _NOT_WHILE_TYPING  # ':' typed in the prompt is a character
-        spec = action_named(action)
-        if spec is None:
-            return True
-        if spec.mutating and self.read_only:
+        if action in _NOT_WHILE_TYPING and self.focused in (self._prompt, self._filter):
+            return False  # ':' typed in a prompt is a character
+        if action in _NOT_OVER_MODALS and self.screen.is_modal:
             return False
-        return spec.applies_to(self.current_view)
+        spec = action_named(action)
+        return True if spec is None else self.action_allowed(spec)
+
+    def action_allowed(self, action: ConsoleAction) -> bool:
+        """Whether ``action`` works on the view on screen: hidden outside its views, and
+        every mutating one when read-only (the footer, help and palette ask this too)."""
+        if action.mutating and self.read_only:
+            return False
+        return action.applies_to(self.current_view)
 
     def action_goto(self, name: str) -> None:
         if name not in {v.name for v in VIEWS}:
@@ -212,6 +247,11 @@ class ConsoleApp(App[None]):
         self._focus_now(prompt)
 
     def on_input_submitted(self, event: Input.Submitted) -> None:
+        if event.input is self._filter:
+            event.stop()
+            self._apply_filter(event.value)
+            self._close_filter()
+            return
         if not isinstance(event.input, JumpPrompt):
             return
         event.stop()
@@ -272,3 +312,159 @@ class ConsoleApp(App[None]):
         self._refresh_badge()
         if not self.paused:
             self._apply_latest()
+
+    # --- / filter, ? help, Esc ------------------------------------------------------------
+
+    def action_filter(self) -> None:
+        view = self.view()
+        if not isinstance(view, TableView):
+            return
+        self._filter.value = view.row_filter.text if view.row_filter else ""
+        self._filter.display = True
+        self._focus_now(self._filter)
+
+    def on_input_changed(self, event: Input.Changed) -> None:
+        if event.input is self._filter:  # filters as it is typed
+            event.stop()
+            self._apply_filter(event.value)
+
+    def on_filter_prompt_dismissed(self, event: FilterPrompt.Dismissed) -> None:
+        self._apply_filter("")
+        self._close_filter()
+
+    def _apply_filter(self, typed: str) -> None:
+        view = self.view()
+        if isinstance(view, TableView):
+            view.set_filter(parse_filter(typed))
+            self._crumbs_bar.update(self._crumbs())
+
+    def _close_filter(self) -> None:
+        self._filter.display = False
+        self._focus_view()
+
+    def action_escape(self) -> None:
+        """Esc on a view: clear its filter (a detail, dialog or prompt closes itself)."""
+        view = self.view()
+        if isinstance(view, TableView) and view.row_filter is not None:
+            self._apply_filter("")
+
+    def action_help(self) -> None:
+        title = next(v.title for v in VIEWS if v.name == self.current_view)
+        self.push_screen(HelpScreen(title, help_sections(self.action_allowed)))
+
+    def deployment_names(self) -> list[str]:
+        """Every deployment the console knows of (stored, or named by a replica)."""
+        shown = self.displayed
+        return sorted(set(shown.deployments) | {r.deployment for r in shown.replicas.values()})
+
+    # --- operator verbs -------------------------------------------------------------------
+
+    def _propose(self, plan: Callable[[], Operation]) -> None:
+        try:
+            operation = plan()
+        except ActionUnavailable as exc:
+            unavailable(self, exc)
+            return
+        propose(self, operation, self.client)
+
+    def _selected_replica(self) -> tuple[ConsoleSnapshot, str] | None:
+        view = self.view()
+        replica = None
+        if isinstance(view, ReplicasView | ShardsView):
+            key = view.selected_key()
+            replica = view.replica_of(key) if key is not None else None
+        if replica is None:
+            self.notify("select a replica first", severity="warning")
+            return None
+        return view.snapshot, replica
+
+    def _selected_node(self) -> tuple[ConsoleSnapshot, str] | None:
+        view = self.view()
+        key = view.selected_key() if isinstance(view, TopologyView) else None
+        if key is None or not isinstance(view, TopologyView):
+            self.notify("select a node first", severity="warning")
+            return None
+        return view.snapshot, view.node_of(key)
+
+    def action_drain(self) -> None:
+        if (selected := self._selected_replica()) is not None:
+            self._propose(lambda: plan_drain(*selected))
+
+    def action_start(self) -> None:
+        """``s``: one more replica of the selected replica's deployment; with nothing
+        selected, of a deployment chosen from a list."""
+        view = self.view()
+        if isinstance(view, TableView) and view.selected_key() is None:
+            self._choose_deployment()
+            return
+        if (selected := self._selected_replica()) is None:
+            return
+        snapshot, replica = selected
+        row = snapshot.replicas.get(replica)
+        if row is None:
+            unavailable(self, ActionUnavailable(f"replica {replica} is not in the cluster"))
+            return
+        self._propose(lambda: plan_start(snapshot, row.deployment))
+
+    def action_start_deployment(self, name: str) -> None:
+        self._propose(lambda: plan_start(self.displayed, name))
+
+    def _choose_deployment(self) -> None:
+        names = self.deployment_names()
+        if not names:
+            self.notify("no deployment to start a replica of", severity="warning")
+            return
+        screen = ChoiceScreen(
+            "Start a replica of", "Which deployment?", [Choice(n, n) for n in names]
+        )
+        choose(self, screen, self.action_start_deployment)
+
+    def action_reprofile(self) -> None:
+        if (selected := self._selected_replica()) is None:
+            return
+        snapshot, replica = selected
+        row = snapshot.replicas.get(replica)
+        if row is None:
+            unavailable(self, ActionUnavailable(f"replica {replica} is not in the cluster"))
+            return
+        self.run_worker(self._choose_profile(row.deployment, row.profile), group="operate")
+
+    async def _choose_profile(self, deployment: str, current: str) -> None:
+        """The stored profiles (ListProfiles), the one in use not choosable; then confirm."""
+        if self.client is None:
+            self.notify("this console has no connection to send actions on", severity="error")
+            return
+        try:
+            profiles = [profile_choice(p) for p in await self.client.list_profiles()]
+        except ClientError as exc:
+            self.notify(str(exc), title="cannot list profiles", severity="error", markup=False)
+            return
+        by_name = {p.name: p for p in profiles}
+        if not by_name.keys() - {current}:
+            self.notify(f"no stored profile besides {current}", severity="warning", markup=False)
+            return
+        choices = [
+            Choice(p.name, f"{p.name}{' (in use)' if p.name == current else ''}: {p.summary}",
+                   disabled=p.name == current)
+            for p in profiles
+        ]  # fmt: skip
+        note = (
+            f"Deployment {deployment} uses profile {current}. Its replicas are replaced "
+            f"one at a time with the profile chosen; you confirm next."
+        )
+        screen = ChoiceScreen(f"Reprofile deployment {deployment}", note, choices)
+        choose(self, screen, lambda name: self._propose(
+            lambda: plan_reprofile(self.displayed, deployment, current, by_name[name])
+        ))  # fmt: skip
+
+    def action_cordon(self) -> None:
+        if (selected := self._selected_node()) is not None:
+            self._propose(lambda: plan_cordon(*selected))
+
+    def action_uncordon(self) -> None:
+        if (selected := self._selected_node()) is not None:
+            self._propose(lambda: plan_uncordon(*selected))
+
+    def action_drain_node(self) -> None:
+        if (selected := self._selected_node()) is not None:
+            self._propose(lambda: plan_drain_node(*selected))

@@ -90,6 +90,10 @@ class ReplicasView(TableView[ReplicaRow]):
     def order(self, key: str, row: ReplicaRow) -> Any:
         return _id_order(key)
 
+    def replica_of(self, key: str) -> str | None:
+        """The replica a row stands for (what ``d``, ``s`` and ``p`` act on)."""
+        return key
+
     def detail(self, key: str, snapshot: ConsoleSnapshot) -> tuple[str, RenderableType] | None:
         row = snapshot.replicas.get(key)
         return None if row is None else replica_detail(row, snapshot)
@@ -122,6 +126,11 @@ class ShardsView(TableView[ShardRow]):
 
     def order(self, key: str, row: ShardRow) -> Any:
         return _id_order(key)
+
+    def replica_of(self, key: str) -> str | None:
+        """A shard's row acts on its replica."""
+        shard = self.snapshot.shards.get(key)
+        return None if shard is None or not shard.replica_id else shard.replica_id
 
     def detail(self, key: str, snapshot: ConsoleSnapshot) -> tuple[str, RenderableType] | None:
         row = snapshot.shards.get(key)

@@ -11,7 +11,9 @@ changes. The cursor stays on the same id and the order (the view's own, or the c
 chosen with ``o`` or a header click) is kept across updates.
 
 A filter (a predicate on rows) narrows what is shown through the same diff, so filtered-out
-rows disappear and come back as rows, not as a rebuilt table.
+rows disappear and come back as rows, not as a rebuilt table. ``/`` sets one with
+``set_filter``: a ``RowFilter`` over ``row_text``, the row's cells as shown (the clock
+columns left out), kept per row object so an update renders only the rows that changed.
 """
 
 from __future__ import annotations
@@ -22,10 +24,12 @@ from types import MappingProxyType
 from typing import Any, ClassVar, Generic, TypeVar
 
 from rich.console import RenderableType
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.widget import Widget
 from textual.widgets import DataTable
 
+from llmgw.tui.filter import RowFilter, RowTexts
 from llmgw.tui.model import ConsoleSnapshot, diff_rows
 from llmgw.tui.widgets.cells import LazyCell, plain
 from llmgw.tui.widgets.keyed_table import KeyedTable
@@ -37,6 +41,10 @@ R = TypeVar("R")
 
 def _render_plain(value: Any) -> RenderableType:
     return plain("" if value is None else value)
+
+
+def _plain_text(cell: RenderableType) -> str:
+    return cell.plain if isinstance(cell, Text) else str(cell)
 
 
 @dataclass(frozen=True, slots=True)
@@ -72,6 +80,8 @@ class TableView(Widget, Generic[R]):
         super().__init__(id=id)
         self.table = KeyedTable(id=f"{id}-table")
         self.accepts: Callable[[R], bool] | None = None  # the filter; None shows every row
+        self.row_filter: RowFilter | None = None  # what ``/`` set (it sets ``accepts``)
+        self._texts = RowTexts()
         self.sort_column: str | None = None
         self.sort_reverse = False
         self._shown: Mapping[str, R] = MappingProxyType({})
@@ -129,6 +139,7 @@ class TableView(Widget, Generic[R]):
         self._snapshot = snapshot
         rows = self.rows_of(snapshot)
         if self.accepts is not None:
+            self._texts.next_pass()
             accepts = self.accepts
             rows = MappingProxyType({k: r for k, r in rows.items() if accepts(r)})
         if not self.is_mounted:
@@ -139,6 +150,26 @@ class TableView(Widget, Generic[R]):
     def refilter(self) -> None:
         """Apply a changed filter to the snapshot shown."""
         self.show(self._snapshot)
+
+    def set_filter(self, row_filter: RowFilter | None) -> None:
+        """Show only the rows ``row_filter`` matches (None: every row), now and after."""
+        self.row_filter = row_filter
+        if row_filter is None:
+            self.accepts = None
+        else:
+            self.accepts = lambda row: row_filter.matches(self.row_text(row))
+        self.refilter()
+
+    def row_text(self, row: R) -> str:
+        """The row's cells as the table shows them, joined by spaces (clock columns left
+        out: an age is no word to filter on); what ``/`` searches."""
+        return self._texts.text(row, lambda: self._render_text(row))
+
+    def _render_text(self, row: R) -> str:
+        now_ms = self._snapshot.taken_ms
+        return " ".join(
+            _plain_text(c.render(c.value(row, now_ms))) for c in self.COLUMNS if not c.ticks
+        )
 
     def _apply(self, rows: Mapping[str, R], now_ms: int) -> None:
         diff = diff_rows(self._shown, rows)

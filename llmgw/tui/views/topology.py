@@ -141,6 +141,13 @@ class TopologyView(TableView[TopologyRow]):
             return key.rpartition("/")[2]
         return key.removeprefix(NODE_PREFIX)
 
+    def node_of(self, key: str) -> str:
+        """The node a row stands for (what ``C``, ``U`` and ``D`` act on): a GPU's node."""
+        if key.startswith(GPU_PREFIX):
+            gpu = self.snapshot.gpus.get(key.removeprefix(GPU_PREFIX))
+            return gpu.node_id if gpu is not None else key.removeprefix(GPU_PREFIX).split("/")[0]
+        return key.removeprefix(NODE_PREFIX)
+
     def detail(self, key: str, snapshot: ConsoleSnapshot) -> tuple[str, RenderableType] | None:
         if key.startswith(GPU_PREFIX):
             gpu = snapshot.gpus.get(key.removeprefix(GPU_PREFIX))
