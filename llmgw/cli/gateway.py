@@ -148,7 +148,8 @@ async def run_gateway(
             *server,
         )
         with stop_on_signals(stop):
-            await follow(lambda: with_bearer(feed_channel(*server), token), table, stop=stop)
+            channel = lambda: with_bearer(feed_channel(*server), token)  # noqa: E731
+            await follow(channel, table, stop=stop, index=gateway.kv_index)
     finally:
         await gateway.stop()
     log.info("llmgw gateway stopped")

@@ -4,7 +4,9 @@ The first message must be ``Register`` with a protocol version this server speak
 registration that is missing, malformed or of another version is refused with a gRPC
 status that says what was wrong, and nothing is stored. Then each heartbeat is answered
 with an acknowledgement (the agent measures its round trip from it) and shard reports
-update the inventory. Commands (StartShard, StopShard, DrainShard) go down the same
+update the inventory. KV deltas are checked (``llmgw.server.kvblocks.decode_kv_delta``) and
+handed to the plane's block store; a malformed one is counted and logged, and the stream
+goes on. Commands (StartShard, StopShard, DrainShard) go down the same
 stream through :meth:`AgentService.send`.
 
 A node that reconnects while its old stream still looks alive is owned by the newer
@@ -27,6 +29,7 @@ from llmgw.api.llmgw.v1 import (
     AgentServiceBase,
     ControlMessage,
     HeartbeatAck,
+    KvDelta,
     NodeInfo,
     Register,
     Registered,
@@ -41,6 +44,7 @@ from llmgw.protocol import (
 from llmgw.server.codec import field_bytes, wire_of
 from llmgw.server.encoded import freeze_node_info
 from llmgw.server.errors import quoted
+from llmgw.server.kvblocks import KvDeltaRefused, decode_kv_delta
 from llmgw.server.plane import ControlPlane
 
 log = logging.getLogger(__name__)
@@ -153,12 +157,20 @@ class AgentService(AgentServiceBase):
             elif message.shard_status is not None:
                 self.plane.shard_status(node_id, message.shard_status)
             elif message.kv_delta is not None:
-                log.debug("node %s: KV delta ignored (no KV index in this server yet)", node_id)
+                self._kv_delta(connection, message.kv_delta)
             elif message.register is not None:
                 raise GRPCError(Status.FAILED_PRECONDITION, "Register may only be sent once")
             else:
                 raise GRPCError(Status.INVALID_ARGUMENT, "empty AgentMessage (no 'msg' field set)")
         return "agent closed its stream"
+
+    def _kv_delta(self, connection: AgentConnection, delta: KvDelta) -> None:
+        try:
+            decoded = decode_kv_delta(delta)
+        except KvDeltaRefused as exc:
+            self.plane.kv_blocks.refused(connection.node_id, exc)
+            return
+        self.plane.kv_delta(connection.node_id, connection.number, decoded)
 
 
 async def _receive_register(

@@ -13,6 +13,11 @@ only when every shard is READY), its endpoint ``http://ADDRESS:PORT`` of the lea
 ``out_of_date`` when its fingerprint differs from its deployment's profile now. Every
 change that may need a reconciliation round (a registration, a shard report, a node lost
 or cordoned, an apply or delete) calls :attr:`ControlPlane.reconcile_soon`.
+
+``kv_blocks`` holds the KV cache blocks of each replica as its leader's agent reports them
+(``llmgw.server.kvblocks``); the plane drops a replica's blocks when it is RETIRED, when
+its leader stops, fails or starts afresh, and when its node goes NOT_READY or registers
+again.
 """
 
 from __future__ import annotations
@@ -38,6 +43,7 @@ from llmgw.protocol import read_shard_state
 from llmgw.server.desired import DesiredState
 from llmgw.server.encoded import freeze_node_info
 from llmgw.server.inventory import Inventory, InventoryConfig, NodeRecord
+from llmgw.server.kvblocks import DecodedKvDelta, KvBlocks, leader_replica
 from llmgw.server.plan import ShardPlan
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.store import AuditRecord, Store, StoredNode, now_ms
@@ -61,6 +67,7 @@ class ControlPlane:
         self._recent: deque[AuditEvent] = deque(maxlen=RECENT_AUDIT)
         self.replicas: dict[str, ReplicaRecord] = {}  # every record, RETIRED ones too
         self.reconcile_soon: Callable[[], None] = _nothing  # set by the reconcile loop
+        self.kv_blocks = KvBlocks()
 
     async def load(self) -> None:
         """Restore the desired state, the audit log's tail and every node the store
@@ -126,6 +133,7 @@ class ControlPlane:
         self.replicas.update(changed)
         for replica_id, record in sorted(changed.items()):
             if record.lifecycle is Lifecycle.RETIRED:
+                self.kv_blocks.drop(replica_id, "the replica is retired")
                 self.hub.publish(WatchEvent(replica_removed=replica_id))
             else:
                 self.hub.publish(WatchEvent(replica=self.replica_view(record)))
@@ -151,6 +159,7 @@ class ControlPlane:
         gone = [shard_id for shard_id in gone if shard_id not in reported]
         for shard_id in gone:
             del self.inventory.shards[shard_id]
+        self.kv_blocks.drop_node(node.node_id, "its agent registered again (a full copy follows)")
         shards = [self.inventory.report_shard(node.node_id, s, now_ms=at) for s in message.shards]
         await self.store.save_node(
             StoredNode(node.node_id, bytes(record.info), record.cordoned, record.first_seen_ms, at)
@@ -180,6 +189,7 @@ class ControlPlane:
 
     def shard_status(self, node_id: str, status: ShardStatus) -> None:
         shard = self.inventory.report_shard(node_id, status, now_ms=now_ms())
+        self.kv_blocks.shard_state(shard.shard_id, read_shard_state(status.state))
         self._publish_shards([shard])
         self.reconcile_soon()
 
@@ -188,10 +198,22 @@ class ControlPlane:
             self.hub.publish(WatchEvent(shard=shard))
             self._publish_replica_of(shard)
 
+    def kv_delta(self, node_id: str, connection: int, delta: DecodedKvDelta) -> None:
+        """Apply a checked KV delta from ``node_id``'s stream number ``connection`` to its
+        replica's blocks (ignored, and counted, unless it is a live leader's on the stream
+        that owns the node)."""
+        record = self.inventory.nodes.get(node_id)
+        if record is None or record.connection != connection:
+            self.kv_blocks.ignore()
+            return
+        replica_id = leader_replica(delta.shard_id, node_id, self.inventory.shards, self.replicas)
+        self.kv_blocks.apply(node_id, replica_id, delta)
+
     def disconnect(self, node_id: str, connection: int, reason: str) -> None:
         record = self.inventory.disconnect(node_id, connection, reason)
         if record is not None:
             log.warning("node %s is NOT_READY: %s", node_id, reason)
+            self.kv_blocks.drop_node(node_id, f"its node is NOT_READY: {reason}")
             self._publish_node(record)
             self.reconcile_soon()
 
@@ -230,6 +252,7 @@ class ControlPlane:
         expired = self.inventory.expire(time.monotonic())
         for record in expired:
             log.warning("node %s is NOT_READY: %s", record.info.node_id, record.reason)
+            self.kv_blocks.drop_node(record.info.node_id, f"its node is NOT_READY: {record.reason}")
             self._publish_node(record)
         if expired:
             self.reconcile_soon()

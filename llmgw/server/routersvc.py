@@ -11,6 +11,13 @@ and a removal for each one that went away. Each subscriber remembers what it las
 so a shard report that does not change what a gateway routes on sends nothing. A
 subscriber that falls behind gets a fresh snapshot (the hub's resync).
 
+KV blocks (issue #6) come from the plane's block store (``plane.kv_blocks``) through a
+watcher per subscriber: after each snapshot, a full copy of the blocks of every replica
+the store holds any of (the snapshot's ``kv_replicas``), then each replica's net changes,
+coalesced while the subscriber is busy; one that falls far behind on a replica gets a full
+copy of it again (``llmgw.server.kvblocks``). Target events always go first: between two
+chunks of blocks the feed looks at the watch hub again.
+
 What a target says: the endpoint and state are the operator API's view of the replica
 (``ControlPlane.replica_view``: READY only when every shard is READY, DRAINING once it
 retires); the API key and whether it publishes KV events come from the replica's record
@@ -40,13 +47,18 @@ from llmgw.api.llmgw.v1 import (
     RouteTarget,
     WatchEvent,
 )
+from llmgw.server.kvblocks import KvWatcher
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.router.feed import apply_feed_event, targets_from_snapshot
 from llmgw.server.router.gateway import Gateway, GatewayConfig
+from llmgw.server.router.kvindex import KvIndex
 from llmgw.server.router.table import RoutingTable
 
 log = logging.getLogger(__name__)
+
+KV_KEYS_PER_TURN = 65_536
+"""About how many block keys the feed sends before it looks at the watch hub again."""
 
 
 def route_target(plane: ControlPlane, record: ReplicaRecord) -> RouteTarget:
@@ -95,10 +107,12 @@ class _FeedView:
 
     def _snapshot(self, revision: int) -> RouterFeedEvent:
         self._sent = route_targets(self._plane)
-        targets = list(self._sent.values())
-        return RouterFeedEvent(
-            revision=revision, snapshot=RouterSnapshot(targets=targets, revision=revision)
+        snapshot = RouterSnapshot(
+            targets=list(self._sent.values()),
+            revision=revision,
+            kv_replicas=self._plane.kv_blocks.replica_ids(),
         )
+        return RouterFeedEvent(revision=revision, snapshot=snapshot)
 
     def _changes(self, revision: int, replica_ids: set[str]) -> list[RouterFeedEvent]:
         out: list[RouterFeedEvent] = []
@@ -117,17 +131,65 @@ class _FeedView:
         return out
 
 
+class _Sources:
+    """The watch hub's next event, or word that KV blocks are owed, whichever comes first."""
+
+    def __init__(self, events: AsyncGenerator[WatchEvent, None], kv: KvWatcher) -> None:
+        self._events = events
+        self._kv = kv
+        self._hub: asyncio.Future[WatchEvent] | None = None
+        self.synced = False  # a snapshot went out: KV blocks may follow
+
+    async def next(self) -> WatchEvent | None:
+        """The hub's next event; None when KV blocks are owed and no hub event is ready."""
+        if self._hub is None:
+            self._hub = asyncio.ensure_future(anext(self._events))
+            await asyncio.sleep(0)  # it takes an event the hub already holds at once
+        while not self._hub.done() and not (self.synced and self._kv.pending):
+            waiting: set[asyncio.Future[Any]] = {self._hub}
+            if self.synced:
+                waiting.add(asyncio.ensure_future(self._kv.wakeup.wait()))
+            try:
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiting - {self._hub}:
+                    waiter.cancel()
+        if not self._hub.done():
+            return None
+        hub, self._hub = self._hub, None
+        return hub.result()
+
+    async def aclose(self) -> None:
+        if self._hub is not None:
+            self._hub.cancel()
+            await asyncio.gather(self._hub, return_exceptions=True)
+
+
 async def route_events(plane: ControlPlane) -> AsyncGenerator[RouterFeedEvent, None]:
-    """A snapshot of every route target, then each change, forever (a fresh snapshot
-    after falling behind)."""
+    """A snapshot of every route target and a full copy of every replica's KV blocks,
+    then each change, forever (a fresh snapshot after falling behind)."""
     view = _FeedView(plane)
     # WatchHub.subscribe is an async generator (typed as an iterator): close it with us,
     # so the hub forgets this watcher as soon as the feed ends
     subscription = cast(AsyncGenerator[WatchEvent, None], plane.hub.subscribe())
-    async with contextlib.aclosing(subscription) as events:
-        async for event in events:
-            for out in view.events(event):
-                yield out
+    with plane.kv_blocks.watch() as kv:
+        async with contextlib.aclosing(subscription) as events:
+            sources = _Sources(events, kv)
+            try:
+                while True:
+                    event = await sources.next()
+                    if event is None:
+                        for blocks in kv.take(KV_KEYS_PER_TURN):
+                            yield RouterFeedEvent(revision=plane.hub.revision, kv_blocks=blocks)
+                        await asyncio.sleep(0)  # a big copy must not hold the event loop
+                        continue
+                    for out in view.events(event):
+                        if out.snapshot is not None:  # the full copies it announces follow
+                            sources.synced = True
+                            kv.mark_full(out.snapshot.kv_replicas)
+                        yield out
+            finally:
+                await sources.aclose()
 
 
 class RouterService(RouterServiceBase):
@@ -168,14 +230,17 @@ RESUBSCRIBE_S = 1.0
 """How long the in-server gateway's feed waits before subscribing again after a failure."""
 
 
-async def feed_table(plane: ControlPlane, table: RoutingTable) -> None:
-    """Keep ``table`` in step with the plane, in process (the in-server gateway), until
-    cancelled. A failure (our bug) is logged and the feed starts again from a snapshot:
-    the gateway never silently stops following."""
+async def feed_table(
+    plane: ControlPlane, table: RoutingTable, index: KvIndex | None = None
+) -> None:
+    """Keep ``table`` (and ``index``: each replica's KV blocks) in step with the plane, in
+    process (the in-server gateway), until cancelled. A failure (our bug) is logged and the
+    feed starts again from a snapshot: the gateway never silently stops following."""
     while True:
         try:
-            async for event in route_events(plane):
-                apply_feed_event(table, event)
+            async with contextlib.aclosing(route_events(plane)) as events:
+                async for event in events:
+                    apply_feed_event(table, event, index)
         except asyncio.CancelledError:
             raise
         except Exception:
@@ -199,7 +264,7 @@ async def serve_gateway(plane: ControlPlane, config: GatewayConfig) -> AsyncIter
     snapshot = RouterSnapshot(targets=list(route_targets(plane).values()))
     table = RoutingTable(targets_from_snapshot(snapshot))
     gateway = Gateway(table, config)
-    feed = asyncio.create_task(feed_table(plane, table), name="gateway-feed")
+    feed = asyncio.create_task(feed_table(plane, table, gateway.kv_index), name="gateway-feed")
     try:
         host, port = await gateway.start()
         yield ServedGateway(gateway, host, port)
@@ -210,6 +275,7 @@ async def serve_gateway(plane: ControlPlane, config: GatewayConfig) -> AsyncIter
 
 
 __all__ = [
+    "KV_KEYS_PER_TURN",
     "RESUBSCRIBE_S",
     "RouterService",
     "ServedGateway",

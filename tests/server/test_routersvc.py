@@ -17,6 +17,7 @@ import pytest
 from llmgw.agent.discovery import simulated_node
 from llmgw.api.llmgw.v1 import (
     EngineProfile,
+    KvDelta,
     NodeTelemetry,
     Register,
     Replica,
@@ -26,9 +27,11 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
     WatchEvent,
 )
+from llmgw.kvcache.mirror import pack_hashes
 from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server import routersvc
 from llmgw.server.codec import CheckedProtoCodec, install_message_limit
+from llmgw.server.kvblocks import decode_kv_delta
 from llmgw.server.plan import ReplicaPlan, ShardPlan
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
@@ -40,6 +43,7 @@ from llmgw.server.router.feed import (
     target_from_route,
 )
 from llmgw.server.router.gateway import GatewayConfig
+from llmgw.server.router.kvindex import KvIndex, unpack_keys
 from llmgw.server.router.table import RoutingTable, Target
 from llmgw.server.routersvc import RouterService, route_events, serve_gateway
 from llmgw.server.store import Store
@@ -302,3 +306,122 @@ async def test_the_in_server_feed_survives_its_own_failure(
         task.cancel()
         await asyncio.gather(task, return_exceptions=True)
     assert "feed failed; subscribing again" in caplog.text and plane.hub.watchers == 0
+
+
+# --- KV blocks (issue #6) ------------------------------------------------------------------
+
+BLOCK_KEYS = [(i * 0x9E3779B97F4A7C15) % 2**64 | 1 for i in range(1, 400)]
+
+
+def _kv(plane: ControlPlane, replica_id: str, stored: list[int], *, reset: bool = False,
+        removed: list[int] | None = None) -> None:  # fmt: skip
+    """A checked KvDelta from the leader of ``replica_id`` on a1, as agentsvc hands it on."""
+    removed = removed or []
+    delta = KvDelta(
+        shard_id=f"{replica_id}.0", reset=reset, block_size=16,
+        stored=pack_hashes(stored), stored_keys=pack_hashes(stored),
+        removed=pack_hashes(removed), removed_keys=pack_hashes(removed),
+    )  # fmt: skip
+    plane.kv_delta("a1", plane.inventory.nodes["a1"].connection, decode_kv_delta(delta))
+
+
+def _kv_keys(event: RouterFeedEvent) -> tuple[str, bool, list[int], list[int]]:
+    blocks = event.kv_blocks
+    assert blocks is not None, event
+    stored, removed = unpack_keys(blocks.stored_keys), unpack_keys(blocks.removed_keys)
+    return blocks.replica_id, blocks.reset, list(stored), list(removed)
+
+
+async def test_snapshot_then_full_copies_then_deltas_and_a_full_copy_after_falling_behind(
+    plane: ControlPlane,
+) -> None:
+    await _register(plane, "a1", "10.0.0.7")
+    await _save(plane, _record("chat-1", 9001), _record("chat-2", 9002))
+    _shard(plane, "chat-1", ShardState.READY)
+    _shard(plane, "chat-2", ShardState.READY)
+    _kv(plane, "chat-1", BLOCK_KEYS[:5], reset=True)
+    plane.kv_blocks.chunk = 3
+    events = route_events(plane)
+    try:
+        first = await _next(events)
+        assert first.snapshot is not None and first.snapshot.kv_replicas == ["chat-1"]
+        copy = [_kv_keys(await _next(events)) for _ in range(2)]
+        assert copy == [
+            ("chat-1", True, sorted(BLOCK_KEYS[:5])[:3], []),
+            ("chat-1", False, sorted(BLOCK_KEYS[:5])[3:], []),
+        ]
+        _kv(plane, "chat-2", BLOCK_KEYS[10:12])
+        _kv(plane, "chat-1", BLOCK_KEYS[5:6], removed=BLOCK_KEYS[:1])
+        _shard(plane, "chat-2", ShardState.DRAINING)  # a target change goes first
+        assert _state(await _next(events)) == ("chat-2", ShardState.DRAINING)
+        assert _kv_keys(await _next(events)) == ("chat-1", False, [], [BLOCK_KEYS[0]])
+        assert _kv_keys(await _next(events)) == ("chat-1", False, [BLOCK_KEYS[5]], [])
+        assert _kv_keys(await _next(events)) == ("chat-2", False, sorted(BLOCK_KEYS[10:12]), [])
+
+        plane.kv_blocks.touched_limit = 10  # this subscriber does not read meanwhile
+        for i in range(20, 40):
+            _kv(plane, "chat-1", BLOCK_KEYS[i : i + 1])
+        replica_id, reset, stored, _ = _kv_keys(await _next(events))
+        held = list(plane.kv_blocks.keys("chat-1"))
+        assert (replica_id, reset, stored) == ("chat-1", True, held[:3]) and len(held) == 25
+    finally:
+        await events.aclose()
+    assert plane.kv_blocks.stats().watchers == 0 and plane.hub.watchers == 0
+
+
+async def test_follow_fills_the_kv_index_then_applies_deltas_and_resyncs_after_an_outage(
+    plane: ControlPlane,
+) -> None:
+    await _register(plane, "a1", "127.0.0.1")
+    await _save(plane, _record("chat-1", 9001), _record("chat-2", 9002))
+    _shard(plane, "chat-1", ShardState.READY)
+    _shard(plane, "chat-2", ShardState.READY)
+    _kv(plane, "chat-1", BLOCK_KEYS[:300], reset=True)
+    _kv(plane, "chat-2", BLOCK_KEYS[:10], reset=True)
+    plane.kv_blocks.chunk = 64
+    server, service = await _serve(plane)
+    port = server._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    table, index, stop = RoutingTable(), KvIndex(), asyncio.Event()
+    task = asyncio.create_task(
+        follow(lambda: feed_channel("127.0.0.1", port, FAST), table, stop=stop, config=FAST,
+               index=index)
+    )  # fmt: skip
+    try:
+        await _until(lambda: index.blocks_of("chat-1") == 300, "the full copy")
+        request = BLOCK_KEYS[:20]
+        assert index.match(request, ["chat-1", "chat-2"]) == {"chat-1": 20, "chat-2": 10}
+        assert index.block_size("chat-1") == 16
+        _kv(plane, "chat-1", [], removed=BLOCK_KEYS[5:6])  # a delta
+        await _until(lambda: index.match(request, ["chat-1"]) == {"chat-1": 5}, "the delta")
+
+        service.shutdown()
+        server.close()
+        await server.wait_closed()
+        _shard(plane, "chat-2", ShardState.FAILED)  # dropped while the gateway is away
+        await asyncio.sleep(0.2)
+        assert index.blocks_of("chat-2") == 10  # kept while the server is away
+
+        server, service = await _serve(plane, port)
+        await _until(lambda: not index.blocks_of("chat-2"), "the snapshot after the outage")
+        assert index.blocks_of("chat-1") == 299 and index.replicas() == ["chat-1"]
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+        server.close()
+        await server.wait_closed()
+
+
+async def test_the_in_server_gateways_kv_index_fills(plane: ControlPlane) -> None:
+    await _register(plane, "a1", "127.0.0.1")
+    await _save(plane, _record("chat-1", 9001))
+    _shard(plane, "chat-1", ShardState.READY)
+    _kv(plane, "chat-1", BLOCK_KEYS[:50], reset=True)
+    async with serve_gateway(plane, GatewayConfig(port=0)) as served:
+        index = served.gateway.kv_index
+        await _until(lambda: index.blocks_of("chat-1") == 50, "the full copy")
+        _kv(plane, "chat-1", BLOCK_KEYS[50:60])
+        await _until(lambda: index.blocks_of("chat-1") == 60, "a delta")
+        assert index.match(BLOCK_KEYS[:70], ["chat-1"]) == {"chat-1": 60}
+        _shard(plane, "chat-1", ShardState.STOPPED)
+        await _until(lambda: not index.blocks_of("chat-1"), "the drop")
+    assert plane.kv_blocks.stats().watchers == 0

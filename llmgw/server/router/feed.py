@@ -2,11 +2,16 @@
 
 ``RouterService.Feed`` (protos/llmgw/v1/router.proto) streams one snapshot of every replica
 a gateway may route to, then each change. :func:`apply_feed_event` folds one event into a
-:class:`RoutingTable`; the in-server gateway calls it on the plane's events directly, and
-:func:`follow` does it over grpclib for a separate ``llmgw gateway`` process::
+:class:`RoutingTable` (and the KV blocks each replica holds into a
+:class:`~llmgw.server.router.kvindex.KvIndex`, when given one); the in-server gateway calls
+it on the plane's events directly, and :func:`follow` does it over grpclib for a separate
+``llmgw gateway`` process::
 
     stop = asyncio.Event()
-    await follow(lambda: feed_channel("10.0.0.1", 50051), table, stop=stop)
+    await follow(lambda: feed_channel("10.0.0.1", 50051), table, stop=stop, index=index)
+
+A snapshot makes the index forget every replica but those in its ``kv_replicas``, whose
+full copies follow it, each replacing what the index had for that replica when it arrives.
 
 :func:`follow` never gives up: when the control server is away it reconnects with
 jittered, capped backoff and the gateway keeps routing with the last table it had (said
@@ -31,6 +36,7 @@ import grpclib.config
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from llmgw.api.llmgw.v1 import (
+    KvBlocks,
     RouterFeedEvent,
     RouterFeedRequest,
     RouterServiceStub,
@@ -39,6 +45,7 @@ from llmgw.api.llmgw.v1 import (
     ShardState,
 )
 from llmgw.protocol import read_shard_state
+from llmgw.server.router.kvindex import KvIndex, unpack_keys
 from llmgw.server.router.table import RoutingTable, Target
 
 log = logging.getLogger(__name__)
@@ -68,16 +75,39 @@ def targets_from_snapshot(snapshot: RouterSnapshot) -> tuple[Target, ...]:
     return tuple(target_from_route(route) for route in snapshot.targets)
 
 
-def apply_feed_event(table: RoutingTable, event: RouterFeedEvent) -> None:
+def apply_feed_event(
+    table: RoutingTable, event: RouterFeedEvent, index: KvIndex | None = None
+) -> None:
     """Fold one feed event into ``table``: a snapshot replaces it, a target is upserted,
-    a removal drops its replica. An event with none of them (from a newer server) is
-    ignored."""
+    a removal drops its replica; KV blocks go to ``index`` (dropped without one). An
+    event with none of them (from a newer server) is ignored."""
     if event.snapshot is not None:
         table.replace_all(targets_from_snapshot(event.snapshot))
+        if index is not None:
+            index.retain(event.snapshot.kv_replicas)
     elif event.target is not None:
         table.upsert(target_from_route(event.target))
     elif event.target_removed is not None:
         table.remove(event.target_removed)
+        if index is not None:
+            index.forget(event.target_removed)
+    elif event.kv_blocks is not None and index is not None:
+        apply_kv_blocks(index, event.kv_blocks)
+
+
+def apply_kv_blocks(index: KvIndex, blocks: KvBlocks) -> None:
+    """Fold one replica's KV block change into ``index``. A malformed one (packed keys
+    that are not whole 8-byte words) is counted, logged and changes nothing."""
+    try:
+        stored = unpack_keys(blocks.stored_keys)
+        removed = unpack_keys(blocks.removed_keys)
+    except ValueError as exc:
+        index.note_refused()
+        log.warning("router feed: KV blocks of %s refused (%s)", blocks.replica_id, exc)
+        return
+    index.apply(blocks.replica_id, blocks.reset, stored, removed, block_size=blocks.block_size)
+    if blocks.oldest_event_ts > 0:
+        index.note_event_lag(max(0.0, time.time() - blocks.oldest_event_ts))
 
 
 # --- following the feed over grpclib ----------------------------------------------------
@@ -165,12 +195,14 @@ async def _attempts(
         yield attempt
 
 
-async def _session(channel_factory: ChannelFactory, table: RoutingTable, outage: _Outage) -> None:
-    """One feed stream, applied to ``table`` until it ends."""
+async def _session(
+    channel_factory: ChannelFactory, table: RoutingTable, index: KvIndex | None, outage: _Outage
+) -> None:
+    """One feed stream, applied to ``table`` (and ``index``) until it ends."""
     channel = channel_factory()
     try:
         async for event in RouterServiceStub(channel).feed(RouterFeedRequest()):
-            apply_feed_event(table, event)
+            apply_feed_event(table, event, index)
             if event.snapshot is not None:
                 outage.snapshot()
     finally:
@@ -178,12 +210,15 @@ async def _session(channel_factory: ChannelFactory, table: RoutingTable, outage:
 
 
 async def _follow_forever(
-    channel_factory: ChannelFactory, table: RoutingTable, config: FollowConfig
+    channel_factory: ChannelFactory,
+    table: RoutingTable,
+    config: FollowConfig,
+    index: KvIndex | None,
 ) -> None:
     outage = _Outage(table)
     async for _ in _attempts(config, outage, random.Random()):
         try:
-            await _session(channel_factory, table, outage)
+            await _session(channel_factory, table, index, outage)
         except asyncio.CancelledError:
             raise
         except _EXPECTED as exc:
@@ -201,13 +236,18 @@ async def follow(
     *,
     stop: asyncio.Event,
     config: FollowConfig = FollowConfig(),
+    index: KvIndex | None = None,
 ) -> None:
-    """Keep ``table`` in step with the control server's router feed until ``stop`` is set.
+    """Keep ``table`` (and ``index``: each replica's KV blocks) in step with the control
+    server's router feed until ``stop`` is set.
 
     ``channel_factory`` makes a fresh channel per attempt (:func:`feed_channel`); each is
-    closed when its stream ends. While the server is away the table is left as it was.
+    closed when its stream ends. While the server is away the table and the index are left
+    as they were.
     """
-    follower = asyncio.create_task(_follow_forever(channel_factory, table, config), name="feed")
+    follower = asyncio.create_task(
+        _follow_forever(channel_factory, table, config, index), name="feed"
+    )
     stopped = asyncio.create_task(stop.wait(), name="feed-stop")
     try:
         await asyncio.wait({follower, stopped}, return_when=asyncio.FIRST_COMPLETED)
@@ -224,6 +264,7 @@ __all__ = [
     "ChannelFactory",
     "FollowConfig",
     "apply_feed_event",
+    "apply_kv_blocks",
     "feed_channel",
     "follow",
     "target_from_route",

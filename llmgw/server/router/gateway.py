@@ -53,6 +53,7 @@ from llmgw.server.router.errors import (
     UpstreamRefused,
 )
 from llmgw.server.router.httpserver import HttpConnection, HttpServer, Request, ServerLimits
+from llmgw.server.router.kvindex import KvIndex
 from llmgw.server.router.load import LoadTracker
 from llmgw.server.router.metrics import CONTENT_TYPE, GatewayMetrics
 from llmgw.server.router.openai import (
@@ -99,7 +100,9 @@ class GatewayConfig:
 
 
 class Gateway:
-    """The OpenAI gateway over a ``RoutingTable``."""
+    """The OpenAI gateway over a ``RoutingTable``; ``kv_index`` holds the KV blocks each
+    replica holds, as the router feed says (``llmgw.server.router.feed``), for the precise
+    tier."""
 
     def __init__(
         self,
@@ -107,8 +110,10 @@ class Gateway:
         config: GatewayConfig = GatewayConfig(),
         *,
         policy: Policy | None = None,
+        kv_index: KvIndex | None = None,
     ) -> None:
         self.table = table
+        self.kv_index = kv_index if kv_index is not None else KvIndex()
         self.config = config
         self.policy = policy if policy is not None else make_policy(config.policy)
         self.load = LoadTracker()

@@ -29,6 +29,7 @@ __all__ = (
     "HeartbeatAck",
     "HostFacts",
     "Imex",
+    "KvBlocks",
     "KvDelta",
     "ListProfilesRequest",
     "ListProfilesResponse",
@@ -723,6 +724,48 @@ default_message_pool.register_message("llmgw.v1", "Imex", Imex)
 
 
 @dataclass(eq=False, repr=False)
+class KvBlocks(betterproto2.Message):
+    """
+    KV cache blocks one replica holds (issue #6), as llmgw block keys
+    (llmgw.kvcache.mirror.block_key): 8-byte big-endian words, concatenated. A replica's
+    blocks are those its leader engine publishes (every data-parallel rank together), fed
+    only by the node that runs it. Apply `reset`, then `removed_keys`, then `stored_keys`;
+    removing a key the replica does not hold and storing one it holds change nothing.
+
+    After every snapshot, each replica in its `kv_replicas` gets a full copy: its first
+    KvBlocks has `reset` set, more may follow (large copies are cut in chunks). Until its
+    copy arrives a gateway may keep what it had for that replica. Later events carry the
+    net changes since the previous event of that replica (or a full copy again, reset
+    first: after the engine's blocks were reset or dropped, or when the gateway fell far
+    behind on that replica).
+    """
+
+    replica_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    reset: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+    """
+    forget every block of this replica first
+    """
+
+    stored_keys: "bytes" = betterproto2.field(3, betterproto2.TYPE_BYTES)
+
+    removed_keys: "bytes" = betterproto2.field(4, betterproto2.TYPE_BYTES)
+
+    block_size: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+    """
+    tokens per block in the engine's events; 0: none seen
+    """
+
+    oldest_event_ts: "float" = betterproto2.field(6, betterproto2.TYPE_DOUBLE)
+    """
+    engine's unix time of the oldest event reflected; 0: unknown
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "KvBlocks", KvBlocks)
+
+
+@dataclass(eq=False, repr=False)
 class KvDelta(betterproto2.Message):
     """
     Net changes to one engine's KV block set, packed: 8-byte big-endian hashes.
@@ -1171,6 +1214,13 @@ class RouterFeedEvent(betterproto2.Message):
     a replica id
     """
 
+    kv_blocks: "KvBlocks | None" = betterproto2.field(
+        5, betterproto2.TYPE_MESSAGE, optional=True, group="event"
+    )
+    """
+    added with issue #6; older gateways ignore it
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "RouterFeedEvent", RouterFeedEvent)
 
@@ -1192,6 +1242,12 @@ class RouterSnapshot(betterproto2.Message):
     targets: "list[RouteTarget]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
 
     revision: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+
+    kv_replicas: "list[str]" = betterproto2.field(3, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Added with issue #6: the replicas whose full copy of KV blocks follows this snapshot
+    (see KvBlocks). A gateway forgets the blocks of every other replica.
+    """
 
 
 default_message_pool.register_message("llmgw.v1", "RouterSnapshot", RouterSnapshot)
