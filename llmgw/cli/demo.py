@@ -1,32 +1,108 @@
-"""``llmgw demo``: a control server and simulated GPU nodes on loopback, as real processes.
+"""``llmgw demo``: the whole system on loopback, with traffic, ending in the console.
 
-It starts ``llmgw server`` on free loopback ports and one ``llmgw agent --simulate`` per
-fixture, waits until every node is READY, prints the cluster, then keeps everything running
-until Ctrl-C (or ``--duration``) and stops the processes it started.
+Real processes, logs under ``STATE_DIR/logs``: ``llmgw server`` with its gateway on free
+loopback ports (50051, 8080 and 8000 when free, so ``llmgw get …`` needs no ``--server``);
+an ``llmgw agent --simulate FIXTURE`` per node of ``DEMO_NODES``, running the simulated
+vLLM as its ``sim`` engine; ``DEMO_DOCUMENT``'s deployments (KV events on), applied through
+the API; a light ``Workload`` of chat completions through the gateway sharing long system
+prompts, so routing decisions and the engines' prefix caches move; and ``llmgw console`` on
+this terminal. Quitting the console stops everything and prints a summary: replicas READY,
+requests sent/ok/failed, the gateway's decisions by tier (its ``/metrics``) and the READY
+engines' prefix-cache hit rate (Σ ``vllm:prefix_cache_hits_total`` / Σ ``…queries_total``).
+``--headless`` (or no terminal) runs the same without the console for ``--duration``
+seconds. Ctrl-C or SIGTERM stop it cleanly at any point: the children have sessions of
+their own, so the demo stops them in order, then the engines the agents leave for adoption.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import os
+import random
+import re
+import signal
 import socket
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
+from typing import Any, Final, TypeVar
 
-from llmgw.api.llmgw.v1 import NodeState
+import httpx
+
+from llmgw.agent.process import is_running
+from llmgw.agent.records import RecordStore
+from llmgw.api.llmgw.v1 import ApplyDeploymentRequest, NodeState, ShardState
+from llmgw.cli.console import _logging_to  # the console's own: records off the screen
 from llmgw.cli.get import run_get
 from llmgw.cli.main import DEFAULT_WEB_URL, CliError
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
+from llmgw.server.errors import ProfileError
+from llmgw.server.profiles import parse_document
+from llmgw.signals import stop_on_signals
 
-DEMO_NODES = (("dgx-1", "dgx-h100"), ("mig-1", "a100-mig"), ("l4-1", "l4-pcie"))
-READY_TIMEOUT_S = 60.0
-DEFAULT_GRPC_PORT = 50051  # the server's defaults, so `llmgw get …` works without --server
-DEFAULT_HTTP_PORT = 8080
-DEFAULT_GATEWAY_PORT = 8000
+__all__ = [
+    "DEMO_DOCUMENT",
+    "DemoOptions",
+    "DemoSummary",
+    "Workload",
+    "WorkloadConfig",
+    "WorkloadCounts",
+    "decisions_by_tier",
+    "metric_samples",
+    "render_summary",
+    "run_demo",
+]
+
+log = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+DEMO_NODES: Final = (("dgx-1", "dgx-h100"), ("mig-1", "a100-mig"), ("l4-1", "l4-pcie"))
+DEMO_DEPLOYMENTS: Final = (
+    # deployment (= served model), profile, GPU class, TP, replicas
+    ("chat", "chat-h100", "H100", 2, 2),
+    ("small", "small-mig", "A100:3g.40gb", 1, 1),
+    ("tiny", "tiny-l4", "L4", 1, 1),
+)
+DEMO_DOCUMENT: Final = "".join(
+    f'[profiles.{profile}]\nengine = "sim"\ngpu_class = "{gpu}"\ntp = {tp}\n'
+    f'model_path = "/models/{name}"\nserved_model_name = "{name}"\nkv_events = true\n'
+    'args = ["--sim-decode-ms-per-token", "5"]\n\n'
+    f'[deployments.{name}]\nprofile = "{profile}"\nreplicas = {replicas}\n\n'
+    for name, profile, gpu, tp, replicas in DEMO_DEPLOYMENTS
+)
+"""The demo's deployments as ``llmgw apply -f`` reads them: simulated vLLM, KV events on."""
+MODELS: Final = ("chat", "small", "tiny")
+MODEL_WEIGHTS: Final = (0.6, 0.25, 0.15)  # the workload's share of requests per model
+
+HEADLESS_DURATION_S: Final = 30.0
+NODES_READY_S: Final = 60.0
+REPLICAS_READY_S: Final = 90.0
+POLL_S: Final = 0.3
+DEFAULT_GRPC_PORT: Final = 50051  # the server's defaults, when free
+DEFAULT_HTTP_PORT: Final = 8080
+DEFAULT_GATEWAY_PORT: Final = 8000
+SIM_ENGINE_BIN: Final = f"sim={sys.executable} -m llmgw sim-engine"
+
+
+@dataclass(frozen=True, slots=True)
+class DemoOptions:
+    """What ``llmgw demo`` was asked for."""
+
+    headless: bool = False
+    duration_s: float | None = None  # None: until the console quits, or Ctrl-C
+    state_dir: Path | None = None  # None: a temporary directory, removed afterwards
+    rate: float = 3.0  # workload requests per second
+
+
+# --- the processes -------------------------------------------------------------------------
 
 
 def free_port(preferred: int = 0) -> int:
@@ -39,53 +115,70 @@ def free_port(preferred: int = 0) -> int:
         return int(s.getsockname()[1])
 
 
-def run_demo(duration: float | None, state_dir: Path | None) -> int:
-    with _state_dir(state_dir) as root:
-        grpc_port, http_port = free_port(DEFAULT_GRPC_PORT), free_port(DEFAULT_HTTP_PORT)
-        gateway_port = free_port(DEFAULT_GATEWAY_PORT)
-        url = f"http://127.0.0.1:{http_port}"
-        logs = root / "logs"
-        logs.mkdir(parents=True, exist_ok=True)
-        procs = [
-            _spawn(
-                [
-                    "server",
-                    "--grpc-listen",
-                    f"127.0.0.1:{grpc_port}",
-                    "--http-listen",
-                    f"127.0.0.1:{http_port}",
-                    "--gateway-listen",
-                    f"127.0.0.1:{gateway_port}",
-                    "--db",
-                    str(root / "server.db"),
-                ],
-                logs / "server.log",
-            )
-        ]
-        try:
-            for node_id, fixture in DEMO_NODES:
-                procs.append(
-                    _spawn(
-                        [
-                            "agent",
-                            "--server",
-                            f"127.0.0.1:{grpc_port}",
-                            "--node-id",
-                            node_id,
-                            "--simulate",
-                            fixture,
-                            "--state-dir",
-                            str(root / node_id),
-                        ],
-                        logs / f"{node_id}.log",
-                    )
+class _Fleet:
+    """The server and the agents as child processes, each in a session of its own."""
+
+    def __init__(self, root: Path) -> None:
+        self.root, self.logs = root, root / "logs"
+        self.grpc = f"127.0.0.1:{free_port(DEFAULT_GRPC_PORT)}"
+        self.url = f"http://127.0.0.1:{free_port(DEFAULT_HTTP_PORT)}"
+        self.gateway = f"http://127.0.0.1:{free_port(DEFAULT_GATEWAY_PORT)}"
+        self.procs: list[subprocess.Popen[bytes]] = []
+
+    def start(self) -> None:
+        self.logs.mkdir(parents=True, exist_ok=True)
+        self._spawn("server", "server", "--grpc-listen", self.grpc,
+                    "--http-listen", self.url.removeprefix("http://"),
+                    "--gateway-listen", self.gateway.removeprefix("http://"),
+                    "--db", str(self.root / "server.db"))  # fmt: skip
+        for node_id, fixture in DEMO_NODES:
+            self._spawn(node_id, "agent", "--server", self.grpc, "--node-id", node_id,
+                        "--simulate", fixture, "--state-dir", str(self.root / node_id),
+                        "--engine-bin", SIM_ENGINE_BIN)  # fmt: skip
+
+    def _spawn(self, name: str, *args: str) -> None:
+        with (self.logs / f"{name}.log").open("ab") as out:
+            self.procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-m", "llmgw", *args],
+                    stdout=out,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                    start_new_session=True,  # Ctrl-C reaches the demo, which stops them
                 )
-            asyncio.run(_wait_ready(url, len(DEMO_NODES)))
-            _show(url, root, f"http://127.0.0.1:{gateway_port}")
-            _wait(duration)
-        finally:
-            _stop(procs)
-    return 0
+            )
+
+    def stop(self) -> None:
+        """Agents and server (SIGTERM, then SIGKILL), then the engines the agents left."""
+        for proc in reversed(self.procs):
+            if proc.poll() is None:
+                proc.terminate()
+        for proc in self.procs:
+            try:
+                proc.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.procs.clear()
+        for node_id, _ in DEMO_NODES:
+            _stop_engines(self.root / node_id / "engines")
+
+
+def _stop_engines(records: Path, grace_s: float = 5.0) -> None:
+    """Stop every engine an agent's records name (agents leave them running for adoption)."""
+    found, _ = RecordStore(records).load_all()
+    alive = [r.identity for r in found if is_running(r.identity)]
+    for identity in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(identity.pid, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.1)
+        alive = [i for i in alive if is_running(i)]
+    for identity in alive:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(identity.pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
@@ -98,60 +191,409 @@ def _state_dir(given: Path | None) -> Iterator[Path]:
         yield Path(tmp)
 
 
-def _spawn(args: list[str], log_path: Path) -> subprocess.Popen[bytes]:
-    with log_path.open("ab") as log:
-        return subprocess.Popen(
-            [sys.executable, "-m", "llmgw", *args],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
+# --- the workload --------------------------------------------------------------------------
+
+_POLICY = (
+    "Answer in plain words and keep answers short. Quote the exact command a user should "
+    "run, never a paraphrase of it. When a question mentions a GPU, name its node, its "
+    "index and its memory. When you are not sure, say which log file would tell, and where "
+    "it lives. Never invent a metric: if the number is not in the context, say so. "
+)
+SYSTEM_PROMPTS: Final = tuple(
+    f"You are the on-call assistant of {team}. " + _POLICY * 4
+    for team in ("the storage team", "the billing team", "the GPU platform team")
+)
+"""Long shared prefixes: every request starts with one of them."""
+QUESTIONS: Final = (
+    "Why is my job pending?", "Which node runs the chat model?", "How do I drain a replica?",
+    "What does STALE mean in the console?", "How much GPU memory is free on dgx-1?",
+    "Summarise the last incident in one line.", "Who cordoned mig-1, and why?",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadConfig:
+    """The background traffic; seconds and requests per second, all explicit."""
+
+    rate: float = 3.0  # mean requests per second (Poisson arrivals)
+    max_in_flight: int = 16  # beyond this, arrivals are skipped, not queued
+    max_tokens: int = 16
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkloadCounts:
+    """Requests sent; answered 200, failed (an error status or no answer), or cut at stop."""
+
+    sent: int = 0
+    ok: int = 0
+    failed: int = 0
+    unfinished: int = 0
+
+
+class Workload:
+    """Chat completions through the gateway until ``stop`` is set; reproducible from a seed."""
+
+    def __init__(
+        self,
+        gateway: str,
+        config: WorkloadConfig | None = None,
+        *,
+        seed: int = 0,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        self._gateway = gateway
+        self._config = config or WorkloadConfig()
+        self._rng = random.Random(seed)
+        self._transport = transport
+        self._counts = {"sent": 0, "ok": 0, "failed": 0, "unfinished": 0}
+        self.first_error = ""
+
+    def counts(self) -> WorkloadCounts:
+        return WorkloadCounts(**self._counts)
+
+    def body(self) -> dict[str, Any]:
+        """The next request: a model by weight, a shared system prompt, a short question."""
+        rng = self._rng
+        return {
+            "model": rng.choices(MODELS, MODEL_WEIGHTS)[0],
+            "messages": [
+                {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
+                {"role": "user", "content": rng.choice(QUESTIONS)},
+            ],
+            "max_tokens": self._config.max_tokens,
+        }
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Send until ``stop`` is set; requests still in flight then are cancelled."""
+        config = self._config
+        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
+        client = httpx.AsyncClient(
+            base_url=self._gateway, timeout=timeout, transport=self._transport
         )
+        pending: set[asyncio.Task[None]] = set()
+        async with client, asyncio.TaskGroup() as tasks:
+            while not stop.is_set():
+                if len(pending) < config.max_in_flight:
+                    task = tasks.create_task(self._one(client, self.body()))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._rng.expovariate(config.rate)):
+                        await stop.wait()
+            for task in pending:
+                task.cancel()
+
+    async def _one(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:
+        self._counts["sent"] += 1
+        try:
+            response = await client.post("/v1/chat/completions", json=body)
+        except asyncio.CancelledError:
+            self._counts["unfinished"] += 1
+            raise
+        except httpx.HTTPError as exc:
+            self._failed(f"{type(exc).__name__}: {exc}")
+            return
+        if response.status_code == 200:
+            self._counts["ok"] += 1
+        else:
+            self._failed(f"HTTP {response.status_code}: {response.text[:200]}")
+
+    def _failed(self, why: str) -> None:
+        self._counts["failed"] += 1
+        if not self.first_error:
+            self.first_error = why
+        log.debug("demo workload: a request failed: %s", why)
 
 
-async def _wait_ready(url: str, count: int) -> None:
-    deadline = time.monotonic() + READY_TIMEOUT_S
-    ready = 0
-    while time.monotonic() < deadline:
-        with contextlib.suppress(ClientError):
-            async with GrpcWebChannel(url) as channel:
-                cluster = await ControlClient(channel).get_cluster()
-            ready = sum(n.state == NodeState.READY for n in cluster.nodes)
-            if ready >= count:
-                return
-        await asyncio.sleep(0.3)
-    raise CliError(f"only {ready} of {count} demo nodes became READY in {READY_TIMEOUT_S:g}s")
+# --- the summary (pure) --------------------------------------------------------------------
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 
-def _show(url: str, root: Path, gateway: str) -> None:
-    print(f"llmgw demo: control server at {url} (gRPC-web), state and logs in {root}")
-    print(f"llmgw demo: OpenAI-compatible gateway at {gateway}/v1\n")
-    asyncio.run(run_get(url, "nodes", "table"))
-    print()
-    asyncio.run(run_get(url, "gpus", "table"))
-    flag = "" if url == DEFAULT_WEB_URL else f" --server {url}"
-    print(
-        f"\nTry: llmgw get gpus{flag}   |   llmgw get nodes -o json{flag}   |   "
-        f"llmgw cordon l4-1{flag}"
+def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of ``name`` in a Prometheus text exposition, with their labels."""
+    out = []
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is None or match.group(1) != name:
+            continue
+        labels = dict(_LABEL.findall(match.group(2) or ""))
+        with contextlib.suppress(ValueError):
+            out.append((labels, float(match.group(3))))
+    return out
+
+
+def decisions_by_tier(gateway_metrics: str) -> tuple[tuple[str, int, int], ...]:
+    """(tier, decisions, of which hits) from ``llmgw_prefix_decisions_total``, by tier."""
+    totals: dict[str, list[int]] = {}
+    for labels, value in metric_samples(gateway_metrics, "llmgw_prefix_decisions_total"):
+        tier = totals.setdefault(labels.get("tier", "?"), [0, 0])
+        tier[0] += int(value)
+        if labels.get("outcome") == "hit":
+            tier[1] += int(value)
+    return tuple((t, n, hits) for t, (n, hits) in sorted(totals.items()))
+
+
+def _metric_sum(text: str, name: str) -> float:
+    return sum(value for _, value in metric_samples(text, name))
+
+
+@dataclass(frozen=True, slots=True)
+class DemoSummary:
+    """What the demo did, for the lines printed at its end."""
+
+    seconds: float
+    replicas_ready: int
+    replicas_total: int
+    requests: WorkloadCounts
+    first_error: str = ""
+    decisions: tuple[tuple[str, int, int], ...] = ()  # (tier, decisions, hits)
+    prefix_hit_tokens: float = 0.0
+    prefix_query_tokens: float = 0.0
+    unavailable: tuple[str, ...] = ()  # what could not be read, in words
+
+
+def render_summary(summary: DemoSummary) -> str:
+    r = summary.requests
+    rows = [
+        ("replicas READY", f"{summary.replicas_ready}/{summary.replicas_total}"),
+        (
+            "requests",
+            f"{r.sent} sent in {summary.seconds:.0f}s: {r.ok} ok, {r.failed} failed"
+            + (f", {r.unfinished} cut at stop" if r.unfinished else ""),
+        ),  # fmt: skip
+        (
+            "decisions by tier",
+            ", ".join(f"{t} {n} ({h} hits)" for t, n, h in summary.decisions) or "none reported",
+        ),  # fmt: skip
+        ("prefix cache", _hit_rate(summary)),
+    ]
+    if summary.first_error:
+        rows.append(("first failure", summary.first_error))
+    rows.extend(("not read", what) for what in summary.unavailable)
+    width = max(len(name) for name, _ in rows)
+    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
+
+
+def _hit_rate(summary: DemoSummary) -> str:
+    if summary.prefix_query_tokens <= 0:
+        return "no prompt tokens queried yet"
+    rate = summary.prefix_hit_tokens / summary.prefix_query_tokens
+    return (
+        f"hit rate {rate:.0%} ({summary.prefix_hit_tokens:.0f} of "
+        f"{summary.prefix_query_tokens:.0f} prompt tokens from cache, READY engines)"
     )
 
 
-def _wait(duration: float | None) -> None:
-    if duration is not None:
-        time.sleep(duration)
-        return
-    print("Running; press Ctrl-C to stop.", flush=True)
-    with contextlib.suppress(KeyboardInterrupt):
-        while True:
-            time.sleep(3600)
+# --- the run -------------------------------------------------------------------------------
 
 
-def _stop(procs: list[subprocess.Popen[bytes]]) -> None:
-    for proc in reversed(procs):
-        if proc.poll() is None:
-            proc.terminate()
-    for proc in procs:
+def run_demo(options: DemoOptions) -> int:
+    """``llmgw demo``: 0 after a clean stop; CliError when it could not come up."""
+    with _state_dir(options.state_dir) as root:
+        fleet = _Fleet(root)
         try:
-            proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+            fleet.start()
+            return asyncio.run(_run(fleet, options))
+        finally:
+            fleet.stop()
+
+
+async def _run(fleet: _Fleet, options: DemoOptions) -> int:
+    stop = asyncio.Event()
+    # A closed terminal stops the demo too: its children, in sessions of their own, would
+    # outlive it otherwise. (The loop drops the handler when asyncio.run closes it.)
+    asyncio.get_running_loop().add_signal_handler(signal.SIGHUP, stop.set)
+    console = not options.headless and sys.stdout.isatty()
+    nodes = ", ".join(f"{n} ({f})" for n, f in DEMO_NODES)
+    _say(f"control server at {fleet.url} (gRPC-web), state and logs in {fleet.root}",
+         f"OpenAI-compatible gateway at {fleet.gateway}/v1", f"starting nodes {nodes}")  # fmt: skip
+    with stop_on_signals(stop):
+        async with GrpcWebChannel(fleet.url) as channel:
+            client = ControlClient(channel)
+            await _until(stop, partial(_nodes_ready, client), NODES_READY_S, "the nodes READY")
+            expected = await _apply(client)
+            ready = partial(_replicas_ready, client, expected)
+            why = f"{expected} replicas READY (the logs: {fleet.logs})"
+            await _until(stop, ready, REPLICAS_READY_S, why)
+            await _until(stop, partial(_gateway_serves, fleet.gateway), 20, "the gateway")
+            _say(f"{expected} replicas READY; ~{options.rate:g} chat requests/s through the "
+                 "gateway" + ("; opening the console (q quits)" if console else ""))  # fmt: skip
+            if not console:
+                await _show_cluster(fleet)
+            summary = await _with_workload(fleet, options, client, stop, console)
+    sys.stdout.write("\nllmgw demo: summary\n" + render_summary(summary) + "\n")
+    return 0
+
+
+def _say(*lines: str) -> None:
+    sys.stdout.write("".join(f"llmgw demo: {line}\n" for line in lines))
+    sys.stdout.flush()
+
+
+async def _until(
+    stop: asyncio.Event,
+    check: Callable[[], Awaitable[T | None]],
+    timeout_s: float,
+    what: str,
+) -> T:
+    """Poll ``check`` until it returns something; CliError on a signal or in ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        found = await check()
+        if found is not None:
+            return found
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(POLL_S):
+                await stop.wait()
+        if stop.is_set():
+            raise CliError("stopped before the demo was up", exit_code=130)
+    raise CliError(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+async def _nodes_ready(client: ControlClient) -> int | None:
+    with contextlib.suppress(ClientError):
+        cluster = await client.get_cluster()
+        ready = sum(n.state == NodeState.READY for n in cluster.nodes)
+        return ready if ready >= len(DEMO_NODES) else None
+    return None
+
+
+async def _apply(client: ControlClient) -> int:
+    """Apply every deployment of DEMO_DOCUMENT (saying so); returns the replicas it asks for."""
+    try:
+        document = parse_document(DEMO_DOCUMENT, source="llmgw demo")
+    except ProfileError as exc:  # a bug in this module, said plainly
+        raise CliError(f"the demo's own deployments are invalid: {exc}") from exc
+    for name, deployment in document.deployments.items():
+        profile = document.profiles[deployment.profile]
+        request = ApplyDeploymentRequest(
+            deployment=deployment, profiles=[profile], document=DEMO_DOCUMENT
+        )
+        try:
+            result = await client.apply_deployment(request)
+        except ClientError as exc:
+            raise CliError(f"applying the demo deployment {name}: {exc}") from exc
+        _say(result.message)
+    return sum(d.replicas for d in document.deployments.values())
+
+
+async def _replicas_ready(client: ControlClient, expected: int) -> int | None:
+    with contextlib.suppress(ClientError):
+        replicas = (await client.get_cluster()).replicas
+        ready = sum(r.state == ShardState.READY for r in replicas)
+        return ready if ready >= expected else None
+    return None
+
+
+async def _gateway_serves(gateway: str) -> bool | None:
+    """True once the gateway lists every model of the demo."""
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        async with httpx.AsyncClient(timeout=httpx.Timeout(2.0)) as http:
+            models = (await http.get(f"{gateway}/v1/models")).json().get("data", [])
+        return True if set(MODELS) <= {m.get("id") for m in models} else None
+    return None
+
+
+async def _show_cluster(fleet: _Fleet) -> None:
+    """The cluster as ``llmgw get`` prints it, and what to try next."""
+    for kind in ("nodes", "gpus", "replicas"):
+        sys.stdout.write("\n")
+        await run_get(fleet.url, kind, "table")
+    flag = "" if fleet.url == DEFAULT_WEB_URL else f" --server {fleet.url}"
+    sys.stdout.write(
+        f"\nTry: llmgw console{flag}   |   llmgw get replicas{flag}   |   "
+        f"llmgw drain chat-1{flag}\n"
+    )
+    sys.stdout.flush()
+
+
+async def _with_workload(
+    fleet: _Fleet, options: DemoOptions, client: ControlClient, stop: asyncio.Event,
+    console: bool,
+) -> DemoSummary:  # fmt: skip
+    """Run the workload while the console is open (or for the duration), then sum up."""
+    workload = Workload(fleet.gateway, WorkloadConfig(rate=options.rate))
+    done = asyncio.Event()
+    started = time.monotonic()
+    async with asyncio.TaskGroup() as tasks:
+        tasks.create_task(workload.run(done))
+        try:
+            if console:
+                with _logging_to(fleet.logs / "demo.log"):
+                    await _console(fleet, stop)
+            else:
+                await _wait(stop, options)
+        finally:
+            done.set()
+    seconds = time.monotonic() - started
+    return await _summarize(fleet, client, workload, seconds)
+
+
+async def _wait(stop: asyncio.Event, options: DemoOptions) -> None:
+    """Until ``stop``, for ``--duration`` (by default HEADLESS_DURATION_S with --headless)."""
+    seconds = options.duration_s
+    if seconds is None and options.headless:
+        seconds = HEADLESS_DURATION_S
+    if seconds is None:
+        _say("running; press Ctrl-C to stop")
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(seconds):
+            await stop.wait()
+
+
+async def _console(fleet: _Fleet, stop: asyncio.Event) -> None:
+    """``llmgw console`` on this terminal until it quits (or a signal stops the demo)."""
+    args = ["console", "--server", fleet.url, "--log-file", str(fleet.logs / "console.log")]
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "llmgw", *args)
+    waiter = asyncio.ensure_future(proc.wait())
+    stopper = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopper.cancel()
+        if proc.returncode is None:
+            proc.terminate()
+        if await waiter and not stop.is_set():
+            _say(f"the console exited with status {proc.returncode}")
+
+
+async def _summarize(
+    fleet: _Fleet, client: ControlClient, workload: Workload, seconds: float
+) -> DemoSummary:
+    unavailable: list[str] = []
+    ready, total, endpoints = 0, 0, []
+    try:
+        replicas = (await client.get_cluster()).replicas
+        total = len(replicas)
+        live = [r for r in replicas if r.state == ShardState.READY]
+        ready, endpoints = len(live), [r.endpoint for r in live if r.endpoint]
+    except ClientError as exc:
+        unavailable.append(f"the cluster: {exc}")
+    async with httpx.AsyncClient(timeout=httpx.Timeout(3.0)) as http:
+        gateway = await _metrics_text(http, f"{fleet.gateway}/metrics", unavailable)
+        engines = [await _metrics_text(http, f"{e}/metrics", unavailable) for e in endpoints]
+    return DemoSummary(
+        seconds=seconds,
+        replicas_ready=ready,
+        replicas_total=total,
+        requests=workload.counts(),
+        first_error=workload.first_error,
+        decisions=decisions_by_tier(gateway),
+        prefix_hit_tokens=sum(_metric_sum(t, "vllm:prefix_cache_hits_total") for t in engines),
+        prefix_query_tokens=sum(_metric_sum(t, "vllm:prefix_cache_queries_total") for t in engines),
+        unavailable=tuple(unavailable),
+    )
+
+
+async def _metrics_text(http: httpx.AsyncClient, url: str, unavailable: list[str]) -> str:
+    try:
+        response = await http.get(url)
+        response.raise_for_status()
+    except httpx.HTTPError as exc:
+        unavailable.append(f"{url}: {exc}")
+        return ""
+    return response.text

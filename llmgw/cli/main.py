@@ -328,16 +328,32 @@ def _add_desired(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser(
         "demo",
-        help="run a server and simulated nodes on loopback",
-        description="Start a control server and three simulated GPU nodes "
-        "on loopback, print the cluster, and keep it running until Ctrl-C.",
+        help="run the whole system on loopback with simulated GPUs, and open the console",
+        description="Start a control server with its gateway and three simulated GPU nodes "
+        "on loopback, deploy simulated engines with KV events on, send a light workload "
+        "through the gateway, and open the console on it; quitting the console stops "
+        "everything and prints a summary. --headless runs the same without the console "
+        "for --duration seconds (default 30).",
+    )
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="no console: run for --duration seconds, then print a summary",
     )
     p.add_argument(
         "--duration",
         type=float,
         default=None,
         metavar="SECONDS",
-        help="stop after this long instead of waiting for Ctrl-C",
+        help="with --headless or without a terminal: stop after this long "
+        "(default: 30 with --headless, else until Ctrl-C)",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=3.0,
+        metavar="PER_SECOND",
+        help="workload requests per second through the gateway (default: 3)",
     )
     p.add_argument(
         "--state-dir",
@@ -454,6 +470,9 @@ def _run_events(args: argparse.Namespace) -> int:
 
 
 def _run_demo(args: argparse.Namespace) -> int:
-    from llmgw.cli.demo import run_demo
+    from llmgw.cli.demo import DemoOptions, run_demo
 
-    return run_demo(args.duration, args.state_dir)
+    if args.rate <= 0:
+        raise CliError(f"--rate must be positive, got {args.rate:g}")
+    options = DemoOptions(args.headless, args.duration, args.state_dir, args.rate)
+    return run_demo(options)
