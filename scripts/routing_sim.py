@@ -16,9 +16,19 @@ heap) in simulated time: figures depend on the seed only.
 
 The choosers: the gateway's own policies (``make_policy``; the prefix policy on the
 simulated clock, told each engine's KV capacity as a gateway that knows it would tell
-it) and an ORACLE reading every engine's exact cache at decision time, deciding with the
-prefix policy's own ``prefix_decision``. Load is the gateway's ``LoadTracker``, acquired
-at decision and released at the last token.
+it), the gateway's PRECISE tier (precise.py) and an ORACLE reading every engine's exact
+cache at decision time, deciding with the prefix policy's own ``prefix_decision``. Load
+is the gateway's ``LoadTracker``, acquired at decision and released at the last token.
+
+The precise tier sees what a gateway would: each engine's pool records vLLM's KV events,
+which are taken at the end of every step (as the simulated engine publishes them),
+mirrored as an agent mirrors them (``BlockMirror``: our block keys from the events'
+tokens) and reach the gateway's ``KvIndex`` ``precise_lag_s`` later (the agent's flush
+interval and the feed). It decides with the gateway's own ``PreciseTier`` on the
+request's tokens (what ``/tokenize`` returns; the call's latency is not simulated), and
+falls back to its own approximate tree exactly when the gateway would (no blocks yet).
+Its cost per decision (block keys, index match, scoring; ``llmgw_precise_seconds``) is
+measured in wall time.
 """
 
 from __future__ import annotations
@@ -26,13 +36,17 @@ from __future__ import annotations
 import heapq
 import random
 import string
-from collections import Counter
+from array import array
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from llmgw.kvcache import hash_block, none_hash
+from llmgw.kvcache import EventBatch, hash_block, none_hash
+from llmgw.kvcache.mirror import BlockMirror, MirrorDelta, block_keys
+from llmgw.server.router.kvindex import KvIndex
 from llmgw.server.router.load import LoadTracker
+from llmgw.server.router.metrics import GatewayMetrics
 from llmgw.server.router.policy import (
     Decision,
     Policy,
@@ -42,6 +56,7 @@ from llmgw.server.router.policy import (
     make_policy,
     prefix_decision,
 )
+from llmgw.server.router.precise import TIER_PRECISE, PreciseConfig, PreciseRequest, PreciseTier
 from llmgw.server.router.table import RoutingTable, Target
 from llmgw.sim.engine.blocks import BlockPool
 from llmgw.sim.engine.config import SimBehaviour
@@ -59,6 +74,7 @@ from llmgw.sim.engine.tokenizer import IM_END, SimTokenizer
 
 MODEL = "bench-model"
 ORACLE = "oracle"
+PRECISE = TIER_PRECISE
 DEFAULT_POLICY = "prefix"
 POLICY_ORDER = (DEFAULT_POLICY, "round_robin", "least_load", "session")
 HASH_ALGO, HASH_SEED, VLLM_VERSION = "sha256", "0", "0.32.0"
@@ -89,6 +105,9 @@ class BenchConfig:
     # tokens × the workload's characters per prompt token); 0: told nothing, its tree
     # then holds up to PrefixConfig.max_chars_per_replica per engine.
     kv_hint: float = 1.0
+    # The precise tier's index lags the engines by this much (agent flush + feed).
+    precise_lag_s: float = 0.05
+    precise_claim_ttl_s: float = PreciseConfig().claim_ttl_s  # 0: decisions claim nothing
 
     @property
     def blocks_per_engine(self) -> int:
@@ -282,10 +301,10 @@ def kv_chars_told(config: BenchConfig, workload: Workload) -> int | None:
 class SimEngine:
     """One simulated engine: the sim's block pool, scheduler and counters, driven by events."""
 
-    def __init__(self, replica_id: str, config: BenchConfig) -> None:
+    def __init__(self, replica_id: str, config: BenchConfig, *, events: bool = False) -> None:
         self.replica_id = replica_id
         self.block_size = config.block_size
-        self.pool = BlockPool(config.blocks_per_engine, config.block_size)
+        self.pool = BlockPool(config.blocks_per_engine, config.block_size, record_events=events)
         self.stats = EngineStats(config.max_model_len)
         root = none_hash(HASH_ALGO, HASH_SEED, VLLM_VERSION)
         scheduler_config = SchedulerConfig(
@@ -336,6 +355,7 @@ class Ask:
     request: RouteRequest
     hashes: Sequence[bytes]  # the prompt's full-block hashes (only the oracle reads them)
     num_tokens: int
+    tokens: Sequence[int] = ()  # the prompt's tokens, as /tokenize gives them (precise)
 
 
 class Chooser(Protocol):
@@ -392,6 +412,123 @@ class OracleChooser:
         return engine.pool.num_cached_blocks * engine.block_size
 
 
+class _Costs(GatewayMetrics):
+    """Gateway metrics that also keep each precise decision's own cost (seconds)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.costs: list[float] = []
+
+    def precise_decided(
+        self, prompt_tokens: int, available: int, captured: int, seconds: float
+    ) -> None:
+        super().precise_decided(prompt_tokens, available, captured, seconds)
+        self.costs.append(seconds)
+
+
+class PreciseChooser:
+    """The gateway's precise tier over an index fed by the engines' KV events, late.
+
+    ``events`` is called with each engine's events at the end of its steps; the deltas of
+    its mirror reach the index ``lag_s`` later. With no blocks indexed for any candidate
+    the prefix policy decides (and its tree is fed by every precise decision too), as in
+    the gateway.
+    """
+
+    name = PRECISE
+
+    def __init__(
+        self,
+        candidates: tuple[Target, ...],
+        policy: PrefixPolicy,
+        clock: Callable[[], float],
+        *,
+        block_size: int,
+        lag_s: float,
+        config: PreciseConfig | None = None,
+    ) -> None:
+        self._candidates = candidates
+        self._policy = policy
+        self._clock = clock
+        self._block_size = block_size
+        self._lag_s = lag_s
+        self.index = KvIndex()
+        self.metrics = _Costs()
+        self.tier = PreciseTier(
+            self.index, policy, None, config or PreciseConfig(), metrics=self.metrics, clock=clock
+        )
+        self._mirrors = {t.replica_id: BlockMirror() for t in candidates}
+        self._due: deque[tuple[float, str, MirrorDelta]] = deque()
+
+    def events(self, replica_id: str, events: list[Any], now_s: float) -> None:
+        mirror = self._mirrors[replica_id]
+        if events:
+            mirror.apply(EventBatch(ts=now_s, events=tuple(events)))
+        if mirror.pending:
+            self._due.append((now_s + self._lag_s, replica_id, mirror.take_delta()))
+
+    def choose(self, ask: Ask, load: LoadTracker) -> Decision:
+        now = self._clock()
+        while self._due and self._due[0][0] <= now:
+            _, replica_id, delta = self._due.popleft()
+            self.index.apply(
+                replica_id, delta.reset, delta.stored_keys, delta.removed_keys,
+                block_size=self._block_size,
+            )  # fmt: skip
+        decision: Decision | None
+        if self.tier.applicable(self._candidates):
+            decision = self._policy.choose(ask.request, self._candidates, load)
+        else:
+            request = PreciseRequest(array("Q", ask.tokens))
+            decision = self.tier.choose(request, ask.request, self._candidates, load)
+        if decision is None:
+            raise RuntimeError("the precise tier chose nothing among the candidates")
+        return decision
+
+
+def precise_micro(
+    block_size: int,
+    *,
+    replicas: int = 8,
+    conversations: int = 200,
+    system_tokens: int = 4000,
+    first_turn: int = 5000,
+    second_turn: int = 6000,
+    seed: int = 1,
+) -> list[float]:
+    """The precise tier's own cost (seconds) for chats that continue an earlier turn.
+
+    Every replica holds a shared system prompt; each conversation's first turn is decided
+    (which warms the key memo, as the gateway's previous request did) and then held by the
+    replica chosen; its second turn, ``second_turn - first_turn`` tokens longer, is the
+    decision timed: block keys (only the new blocks are hashed), index match and scoring.
+    """
+    rng = random.Random(seed)
+    index, metrics = KvIndex(), _Costs()
+    tier = PreciseTier(index, PrefixPolicy(), None, metrics=metrics)
+    candidates = tuple(
+        Target(f"r{i:02d}", MODEL, f"http://127.0.0.1:{9000 + i}", kv_events=True)
+        for i in range(replicas)
+    )
+    system = [rng.randrange(49_152) for _ in range(system_tokens)]
+    for target in candidates:
+        index.apply(target.replica_id, False, block_keys(system, block_size), block_size=block_size)
+    load, route = LoadTracker(), RouteRequest(MODEL)
+    timed: list[float] = []
+    for _ in range(conversations):
+        first = system + [rng.randrange(49_152) for _ in range(first_turn - system_tokens)]
+        second = first + [rng.randrange(49_152) for _ in range(second_turn - first_turn)]
+        earlier = tier.choose(PreciseRequest(array("Q", first)), route, candidates, load)
+        assert earlier is not None
+        holder = earlier.target.replica_id  # it computed the first turn: now it holds it
+        index.apply(holder, False, block_keys(first, block_size), block_size=block_size)
+        decision = tier.choose(PreciseRequest(array("Q", second)), route, candidates, load)
+        if decision is None or decision.target.replica_id != holder:
+            raise RuntimeError(f"the precise tier missed the replica holding {holder}'s turn")
+        timed.append(metrics.costs[-1])
+    return timed
+
+
 # -- the replay ------------------------------------------------------------------------------
 
 
@@ -404,6 +541,7 @@ class Replayed:
     ttfts: tuple[float, ...]
     tally: DecisionTally
     makespan_s: float
+    precise_costs: tuple[float, ...] = ()  # seconds per precise decision (wall time)
 
 
 @dataclass(slots=True)
@@ -440,13 +578,17 @@ class Replay:
     def __init__(self, config: BenchConfig, workload: Workload, policy: str) -> None:
         self.config = config
         self.workload = workload
+        events = policy == PRECISE
         self.engines = {
-            f"engine-{i:02d}": SimEngine(f"engine-{i:02d}", config) for i in range(config.engines)
+            f"engine-{i:02d}": SimEngine(f"engine-{i:02d}", config, events=events)
+            for i in range(config.engines)
         }
         table = RoutingTable(
-            Target(rid, MODEL, f"http://127.0.0.1:{9000 + i}") for i, rid in enumerate(self.engines)
+            Target(rid, MODEL, f"http://127.0.0.1:{9000 + i}", kv_events=events)
+            for i, rid in enumerate(self.engines)
         )
         candidates = table.candidates(MODEL)
+        self.precise: PreciseChooser | None = None  # set by _chooser for the precise tier
         self.chooser = self._chooser(policy, candidates)
         self.load = LoadTracker()
         self._words = word_token_ids(SimTokenizer())
@@ -460,13 +602,20 @@ class Replay:
         prefix = self.config.prefix
         if name == ORACLE:
             return OracleChooser(self.engines, candidates, prefix)
-        if name != DEFAULT_POLICY:
+        if name not in (DEFAULT_POLICY, PRECISE):
             return PolicyChooser(make_policy(name), candidates)
         policy = PrefixPolicy(prefix, clock=self._clock)  # on the simulated clock
         told = kv_chars_told(self.config, self.workload)
         if told is not None:
             for rid in self.engines:
                 policy.set_replica_capacity(rid, told)
+        if name == PRECISE:
+            self.precise = PreciseChooser(
+                candidates, policy, self._clock,
+                block_size=self.config.block_size, lag_s=self.config.precise_lag_s,
+                config=PreciseConfig(claim_ttl_s=self.config.precise_claim_ttl_s),
+            )  # fmt: skip
+            return self.precise
         return PolicyChooser(policy, candidates)
 
     def _clock(self) -> float:
@@ -480,6 +629,9 @@ class Replay:
             self._now = event.at_s
             if event.engine is not None:
                 event.engine.finish_step(self._now)
+                if self.precise is not None:  # the step's KV events, as the engine publishes
+                    events = event.engine.pool.take_events()
+                    self.precise.events(event.engine.replica_id, events, self._now)
                 self._start(event.engine)
             else:
                 assert event.conv is not None
@@ -501,6 +653,7 @@ class Replay:
             RouteRequest(MODEL, self.workload.text(conv, turn), conv.user),
             conv.hashes[: turn.prompt_len // self.config.block_size],
             turn.prompt_len,
+            self.workload.prompt(conv, turn) if self.precise is not None else (),
         )
         decision = self.chooser.choose(ask, self.load)
         rid = decision.target.replica_id
@@ -550,7 +703,8 @@ class Replay:
         stuck = [e.replica_id for e in engines if e.scheduler.has_work()]
         if stuck or len(self.ttfts) != self.workload.requests:
             raise RuntimeError(f"replay ended with work left on {stuck or 'the heap'}")
-        return Replayed(self.chooser.name, engines, tuple(self.ttfts), self.tally, self._now)
+        costs = tuple(self.precise.metrics.costs) if self.precise is not None else ()
+        return Replayed(self.chooser.name, engines, tuple(self.ttfts), self.tally, self._now, costs)
 
 
 def _ignore(output: TokenOutput) -> None:

@@ -32,6 +32,14 @@ connections, 3 s per run after a 1 s warm-up); CPU of the gateway process per re
 
 The issue's anchors on this machine: vllm-router round_robin about 150 µs, cache_aware about
 360 µs.
+
+The precise tier (issue #6, precise.py): with the ``prefix`` policy and ``precise`` on, a
+request whose candidates publish KV events is tokenized by one of them (``/tokenize``,
+bounded by ``tokenize_timeout_s``) before the policy runs, and decided on the replicas' KV
+blocks (``kv_index``); otherwise, or when that fails, the approximate tree decides as
+before. An ``EnginePoller`` (engines.py) reads every READY replica's ``/metrics`` each
+``engine_poll_s``: the reuse its engine delivered, its block size, and its KV capacity,
+which bounds the approximate tree for that replica.
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+from llmgw.server.router.engines import EnginePoller, PollerConfig
 from llmgw.server.router.errors import (
     GatewayTimeout,
     ModelNotFound,
@@ -55,7 +64,7 @@ from llmgw.server.router.errors import (
 from llmgw.server.router.httpserver import HttpConnection, HttpServer, Request, ServerLimits
 from llmgw.server.router.kvindex import KvIndex
 from llmgw.server.router.load import LoadTracker
-from llmgw.server.router.metrics import CONTENT_TYPE, GatewayMetrics
+from llmgw.server.router.metrics import CONTENT_TYPE, GatewayMetrics, kv_index_lines
 from llmgw.server.router.openai import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -65,9 +74,11 @@ from llmgw.server.router.openai import (
     error_body,
     parse_request,
 )
-from llmgw.server.router.policy import Decision, Policy, RouteRequest, make_policy
+from llmgw.server.router.policy import Decision, Policy, PrefixPolicy, RouteRequest, make_policy
+from llmgw.server.router.precise import Fallback, PreciseRequest, PreciseTier
 from llmgw.server.router.proxy import Exchange, Outcome, encode_request
 from llmgw.server.router.table import RoutingTable, Target
+from llmgw.server.router.tokenize import TokenizeClient, TokenizeConfig
 from llmgw.server.router.upstream import Origin, UpstreamConnection, UpstreamPool
 
 log = logging.getLogger(__name__)
@@ -97,6 +108,9 @@ class GatewayConfig:
     read_timeout_s: float = 60.0  # a client's request must arrive whole within this
     keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this
     upstream_idle_s: float = 4.0  # an idle pooled upstream connection is closed after this
+    precise: bool = True  # the precise tier (prefix policy only; needs replicas' KV events)
+    tokenize_timeout_s: float = 0.05  # a /tokenize call for the precise tier
+    engine_poll_s: float = 5.0  # how often replicas' /metrics are read (0: never)
 
 
 class Gateway:
@@ -123,6 +137,36 @@ class Gateway:
         )
         self._server: HttpServer | None = None
         table.on_removed(self.policy.forget)
+        self.precise = self._precise_tier()
+        self.engines = EnginePoller(
+            table,
+            self.pool,
+            PollerConfig(interval_s=config.engine_poll_s or 5.0),
+            metrics=self.metrics,
+            on_capacity=self._kv_capacity,
+        )
+        self._poller: asyncio.Task[None] | None = None
+        self.metrics.add_collector(lambda: kv_index_lines(self.kv_index.stats()))
+        self.metrics.add_collector(self.engines.lines)
+
+    def _precise_tier(self) -> PreciseTier | None:
+        if not self.config.precise or not isinstance(self.policy, PrefixPolicy):
+            return None
+        tokenizer = TokenizeClient(self.pool, TokenizeConfig(self.config.tokenize_timeout_s))
+        return PreciseTier(
+            self.kv_index,
+            self.policy,
+            tokenizer,
+            metrics=self.metrics,
+            block_size_of=lambda replica_id: self.engines.block_size(replica_id),
+        )
+
+    def _kv_capacity(self, replica_id: str, kv_tokens: int | None) -> None:
+        """An engine's KV capacity (tokens) bounds what the approximate tree claims for it."""
+        if isinstance(self.policy, PrefixPolicy):
+            per_token = self.precise.chars_per_token if self.precise else 4.0
+            chars = None if kv_tokens is None else max(1, round(kv_tokens * per_token))
+            self.policy.set_replica_capacity(replica_id, chars)
 
     async def start(self) -> tuple[str, int]:
         """Listen; the bound address (port 0 → the chosen one)."""
@@ -135,12 +179,18 @@ class Gateway:
             self._handle, limits, tick=self.pool.expire, refused=self.metrics.request_done
         )
         address = await self._server.start(self.config.host, self.config.port)
+        if self.config.engine_poll_s > 0:
+            self._poller = asyncio.create_task(self.engines.run(), name="engine-poller")
         log.info("gateway listening on http://%s:%d (policy %s)", *address, self.policy.name)
         return address
 
     async def stop(self) -> None:
         """Stop listening; cancel requests in flight; close every connection."""
         server, self._server = self._server, None
+        poller, self._poller = self._poller, None
+        if poller is not None:
+            poller.cancel()
+            await asyncio.gather(poller, return_exceptions=True)
         if server is not None:
             await server.stop()
         await self.pool.close()
@@ -217,11 +267,12 @@ class Gateway:
         headers = {SESSION_HEADER: session.decode("latin-1")} if session else {}
         parsed = parse_request(request.path, request.body, headers)
         route = RouteRequest(parsed.model, parsed.text, parsed.session)
+        precise = await self._precise_request(request, parsed)
         exclude: frozenset[str] = frozenset()
         failures: list[str] = []
         for attempt in range(self.config.retries + 1):
             candidates = self.table.candidates(parsed.model)
-            decision = self._decide(route, candidates, exclude)
+            decision = self._decide(route, candidates, exclude, precise)
             if decision is None:
                 break
             replica_id = decision.target.replica_id
@@ -243,13 +294,32 @@ class Gateway:
             exclude = exclude | {replica_id}
         raise self._no_replica(parsed.model, failures)
 
+    async def _precise_request(
+        self, request: Request, parsed: ParsedRequest
+    ) -> PreciseRequest | None:
+        """The request's tokens for the precise tier; None: the approximate tier decides."""
+        candidates = self.table.candidates(parsed.model)
+        if self.precise is None or not candidates:
+            return None
+        prepared = await self.precise.prepare(
+            request.path, request.body, parsed.model, len(parsed.text), candidates, self.load
+        )
+        return None if isinstance(prepared, Fallback) else prepared
+
     def _decide(
-        self, route: RouteRequest, candidates: tuple[Target, ...], exclude: frozenset[str]
+        self,
+        route: RouteRequest,
+        candidates: tuple[Target, ...],
+        exclude: frozenset[str],
+        precise: PreciseRequest | None = None,
     ) -> Decision | None:
         if not candidates:
             return None
         started = time.perf_counter()
-        decision = self.policy.choose(route, candidates, self.load, exclude=exclude)
+        if precise is not None and self.precise is not None:
+            decision = self.precise.choose(precise, route, candidates, self.load, exclude=exclude)
+        else:
+            decision = self.policy.choose(route, candidates, self.load, exclude=exclude)
         took = time.perf_counter() - started
         if decision is not None:
             self.load.acquire(decision.target.replica_id)  # counted at decision time

@@ -18,12 +18,46 @@ Families::
     llmgw_upstream_failures_total{reason}             attempts given up before a first byte
                                                       (connect, closed, status, protocol)
     llmgw_replica_in_flight{replica}                  requests in flight per replica
+
+The precise tier (issue #6; precise.py, tokenize.py, engines.py)::
+
+    llmgw_precise_fallbacks_total{reason}             requests the approximate tier decided
+                                                      instead, by why (precise.py docstring)
+    llmgw_precise_seconds                             the precise tier's own work per request:
+                                                      block keys + index match + scoring
+    llmgw_tokenize_seconds                            /tokenize calls (answer cache misses)
+    llmgw_tokenize_failures_total{reason}             timeout, connect, closed, protocol,
+                                                      status, malformed
+    llmgw_reuse_tokens_total{stage}                   prompt tokens reusable from KV caches:
+                                                      "available" (the best candidate's leading
+                                                      blocks), "captured" (the chosen one's),
+                                                      "delivered" (engines' own prefix hits)
+    llmgw_reuse_prompt_tokens_total{source}           what those are out of: "router" (prompt
+                                                      tokens of precise decisions; available
+                                                      and captured), "engine" (the engines'
+                                                      prefix-cache queries; delivered)
+    llmgw_engine_prefix_hit_ratio{replica}            an engine's own hits / queries over the
+                                                      poller's window (counter resets handled)
+    llmgw_engine_kv_capacity_tokens{replica}          num_gpu_blocks × block_size, as polled
+    llmgw_engine_polls_total{outcome}                 /metrics polls: ok, timeout, connect,
+                                                      closed, protocol, status, malformed
+    llmgw_kv_index_{replicas,keys,blocks}             the KV index's size (gauges)
+    llmgw_kv_index_{resets,refused,stored,removed}_total
+    llmgw_kv_index_event_lag_seconds_total            an engine's event → the index, summed,
+    llmgw_kv_index_event_lags_total                   over this many (mean: the ratio of rates)
+    llmgw_kv_index_event_lag_max_seconds              the longest of those
+
+Shares are ratios of two counters' rates, e.g. captured / available =
+``rate(llmgw_reuse_tokens_total{stage="captured"}[5m]) /
+rate(llmgw_reuse_tokens_total{stage="available"}[5m])``.
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
+
+from llmgw.server.router.kvindex import KvIndexStats
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -34,6 +68,12 @@ LATENCY_BUCKETS: tuple[float, ...] = (
 DECISION_BUCKETS: tuple[float, ...] = (
     5e-6, 1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
 )  # fmt: skip
+TOKENIZE_BUCKETS: tuple[float, ...] = (
+    2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
+)  # fmt: skip
+
+Collector = Callable[[], Iterable[str]]
+"""Lines (families with HELP and TYPE) read at each render: gauges of other objects."""
 
 
 class Histogram:
@@ -74,6 +114,17 @@ class GatewayMetrics:
         self.decision_seconds = Histogram(DECISION_BUCKETS)
         self.ttft: dict[str, Histogram] = {}
         self.latency: dict[str, Histogram] = {}
+        self.precise_fallbacks: dict[str, int] = {}
+        self.precise_seconds = Histogram(DECISION_BUCKETS)
+        self.tokenize_seconds = Histogram(TOKENIZE_BUCKETS)
+        self.tokenize_failures: dict[str, int] = {}
+        self.reuse = {"available": 0, "captured": 0, "delivered": 0}
+        self.reuse_prompt = {"router": 0, "engine": 0}
+        self._collectors: list[Collector] = []
+
+    def add_collector(self, collector: Collector) -> None:
+        """Render ``collector``'s lines at the end of every exposition."""
+        self._collectors.append(collector)
 
     def request_done(self, status: int) -> None:
         self.requests[status] = self.requests.get(status, 0) + 1
@@ -97,6 +148,29 @@ class GatewayMetrics:
         if histogram is None:
             histogram = self.latency[model] = Histogram(LATENCY_BUCKETS)
         histogram.observe(seconds)
+
+    def precise_fallback(self, reason: str) -> None:
+        self.precise_fallbacks[reason] = self.precise_fallbacks.get(reason, 0) + 1
+
+    def precise_decided(
+        self, prompt_tokens: int, available: int, captured: int, seconds: float
+    ) -> None:
+        """One precise decision: its prompt, the reuse on offer and taken, its own cost."""
+        self.reuse_prompt["router"] += prompt_tokens
+        self.reuse["available"] += available
+        self.reuse["captured"] += captured
+        self.precise_seconds.observe(seconds)
+
+    def tokenized(self, seconds: float, failure: str = "") -> None:
+        """One /tokenize call (``failure`` "" when it gave tokens)."""
+        self.tokenize_seconds.observe(seconds)
+        if failure:
+            self.tokenize_failures[failure] = self.tokenize_failures.get(failure, 0) + 1
+
+    def delivered(self, queried_tokens: int, hit_tokens: int) -> None:
+        """Prefix-cache queries and hits an engine counted since its last poll."""
+        self.reuse_prompt["engine"] += queried_tokens
+        self.reuse["delivered"] += hit_tokens
 
     def render(self, in_flight: Mapping[str, int]) -> bytes:
         """The text exposition; ``in_flight`` is requests in flight by replica id."""
@@ -123,6 +197,9 @@ class GatewayMetrics:
             f"llmgw_replica_in_flight{{replica={_quote(replica)}}} {count}"
             for replica, count in sorted(in_flight.items())
         )
+        self._render_precise(out)
+        for collector in self._collectors:
+            out.extend(collector())
         out.append("")
         return "\n".join(out).encode()
 
@@ -162,6 +239,100 @@ class GatewayMetrics:
             for model, histogram in sorted(by_model.items()):
                 out.extend(histogram.lines(name, f"model={_quote(model)},"))
 
+    def _render_precise(self, out: list[str]) -> None:
+        labelled(
+            out,
+            "llmgw_precise_fallbacks_total",
+            "counter",
+            "Requests the approximate tier decided because the precise tier could not.",
+            "reason",
+            self.precise_fallbacks,
+        )
+        _family(
+            out,
+            "llmgw_precise_seconds",
+            "histogram",
+            "The precise tier's own work per request: block keys, index match, scoring.",
+        )
+        out.extend(self.precise_seconds.lines("llmgw_precise_seconds", ""))
+        _family(out, "llmgw_tokenize_seconds", "histogram", "Calls to a replica's /tokenize.")
+        out.extend(self.tokenize_seconds.lines("llmgw_tokenize_seconds", ""))
+        labelled(
+            out,
+            "llmgw_tokenize_failures_total",
+            "counter",
+            "Calls to /tokenize that gave no tokens, by reason.",
+            "reason",
+            self.tokenize_failures,
+        )
+        labelled(
+            out,
+            "llmgw_reuse_tokens_total",
+            "counter",
+            "Prompt tokens reusable from KV caches: available (best candidate), "
+            "captured (chosen replica), delivered (engines' own prefix-cache hits).",
+            "stage",
+            self.reuse,
+        )
+        labelled(
+            out,
+            "llmgw_reuse_prompt_tokens_total",
+            "counter",
+            "Prompt tokens the reuse stages are out of: router (precise decisions), "
+            "engine (engines' prefix-cache queries).",
+            "source",
+            self.reuse_prompt,
+        )
+
+
+def kv_index_lines(stats: KvIndexStats) -> list[str]:
+    """The KV index's families (the gateway renders them through a collector)."""
+    out: list[str] = []
+    for name, help_, value in (
+        ("llmgw_kv_index_replicas", "Replicas with at least one block indexed.", stats.replicas),
+        ("llmgw_kv_index_keys", "Distinct block keys indexed.", stats.keys),
+        ("llmgw_kv_index_blocks", "(replica, block) pairs indexed.", stats.blocks),
+    ):
+        gauge(out, name, help_, value)
+    for name, help_, value in (
+        ("llmgw_kv_index_resets_total", "Replica resets that dropped blocks.", stats.resets),
+        ("llmgw_kv_index_refused_total", "Malformed feed changes refused.", stats.refused),
+        ("llmgw_kv_index_stored_total", "(replica, block) pairs added.", stats.stored),
+        ("llmgw_kv_index_removed_total", "(replica, block) pairs removed.", stats.removed),
+    ):
+        _family(out, name, "counter", help_)
+        out.append(f"{name} {value}")
+    lag = "llmgw_kv_index_event_lag_seconds_total"
+    _family(out, lag, "counter", "Time from an engine's KV event to the index, summed.")
+    out.append(f"{lag} {_number(stats.event_lag_sum_s)}")
+    _family(out, "llmgw_kv_index_event_lags_total", "counter", "Event-to-index lags observed.")
+    out.append(f"llmgw_kv_index_event_lags_total {stats.event_lags}")
+    gauge(
+        out,
+        "llmgw_kv_index_event_lag_max_seconds",
+        "The longest time from an engine's KV event to the index.",
+        stats.event_lag_max_s,
+    )
+    return out
+
+
+def labelled(
+    out: list[str], name: str, kind: str, help_: str, label: str, values: Mapping[str, float]
+) -> None:
+    """One family with one label: HELP, TYPE and a sample per value, sorted by label."""
+    _family(out, name, kind, help_)
+    out.extend(f"{name}{{{label}={_quote(key)}}} {_value(v)}" for key, v in sorted(values.items()))
+
+
+def gauge(out: list[str], name: str, help_: str, value: float) -> None:
+    """One unlabelled gauge."""
+    _family(out, name, "gauge", help_)
+    out.append(f"{name} {_value(value)}")
+
+
+def _value(value: float) -> str:
+    return str(value) if isinstance(value, int) else _number(value)
+
 
 def _family(out: list[str], name: str, kind: str, help_: str) -> None:
     out.append(f"# HELP {name} {help_}")
@@ -177,4 +348,15 @@ def _number(value: float) -> str:
     return repr(float(value))  # "0.005", "1.0", "5e-06", "inf": all valid sample values
 
 
-__all__ = ["CONTENT_TYPE", "DECISION_BUCKETS", "LATENCY_BUCKETS", "GatewayMetrics", "Histogram"]
+__all__ = [
+    "CONTENT_TYPE",
+    "DECISION_BUCKETS",
+    "LATENCY_BUCKETS",
+    "TOKENIZE_BUCKETS",
+    "Collector",
+    "GatewayMetrics",
+    "Histogram",
+    "gauge",
+    "kv_index_lines",
+    "labelled",
+]

@@ -1,0 +1,175 @@
+"""The precise tier end to end: a real server with its in-server gateway, a simulated DGX
+agent and three ``llmgw sim-engine`` replicas publishing KV events over ``ipc://``.
+
+The engines' events reach the agent's mirrors, go up its stream as block keys, into the
+server's block store, down the router feed into the gateway's KV index; the gateway
+tokenizes each chat through a replica's ``/tokenize`` and scores the replicas on the
+request's own blocks. Shown, after a warm-up: the decisions are the precise tier's (a
+request whose ``/tokenize`` took longer than its bound is the only exception allowed), and
+the chosen replica holds at least 99 % of the leading blocks the best replica holds (the
+gateway's own ``llmgw_reuse_tokens_total`` captured / available); the engines' own prefix
+hits and KV capacity reach the gateway through its poller.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+from procs import Cluster, wait_for
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+SIM_BIN = f"sim={sys.executable} -m llmgw sim-engine"
+READY = "SHARD_STATE_READY"
+GROUPS = 3
+USERS = 3  # per group
+
+FILE = """
+[profiles.kv-sim]
+engine = "sim"
+gpu_class = "H100"
+tp = 1
+model_path = "/models/chat"
+served_model_name = "chat"
+kv_events = true
+args = ["--sim-prefill-ms-per-token", "0.02", "--sim-decode-ms-per-token", "2"]
+
+[deployments.chat]
+profile = "kv-sim"
+replicas = 3
+"""
+
+
+def _ready(cluster: Cluster, count: int) -> list[dict[str, Any]] | None:
+    out = cluster.cli("get", "replicas", "-o", "json", check=False)
+    if out.returncode != 0:
+        return None
+    replicas = list(json.loads(out.stdout)["replicas"])
+    ready = [r for r in replicas if r.get("state") == READY]
+    return replicas if len(replicas) == count == len(ready) else None
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$", re.MULTILINE)
+
+
+def _metrics(base: str) -> dict[str, float]:
+    """The gateway's samples as ``name{labels}`` → value."""
+    text = httpx.get(f"{base}/metrics", timeout=5).text
+    return {f"{m[0]}{{{m[1]}}}" if m[1] else m[0]: float(m[2]) for m in _SAMPLE.findall(text)}
+
+
+def _sum(samples: dict[str, float], prefix: str) -> float:
+    return sum(v for k, v in samples.items() if k.startswith(prefix))
+
+
+def _system(group: int) -> str:
+    words = " ".join(f"rule{group}x{i}" for i in range(700))
+    return f"You are assistant {group}. Follow these rules: {words}"
+
+
+class Conversation:
+    """One user's chat, grown turn by turn with the engine's own answers."""
+
+    def __init__(self, group: int, user: int) -> None:
+        self.messages: list[dict[str, str]] = [{"role": "system", "content": _system(group)}]
+        self.user = user
+        self.turns = 0
+
+    def ask(self, client: httpx.Client) -> None:
+        self.turns += 1
+        question = f"User {self.user} asks question {self.turns}: " + "why " * 40
+        self.messages.append({"role": "user", "content": question})
+        reply = client.post(
+            "/v1/chat/completions",
+            json={"model": "chat", "messages": self.messages, "max_tokens": 24},
+        )
+        assert reply.status_code == 200, reply.text
+        answer = reply.json()["choices"][0]["message"]["content"]
+        self.messages.append({"role": "assistant", "content": answer})
+
+
+def test_after_warm_up_the_precise_tier_routes_to_the_replica_holding_the_prefix(
+    fleet: Cluster, tmp_path: Path
+) -> None:
+    # `fleet` kills the engines the agent leaves behind (agents keep them for adoption)
+    fleet.start_server()
+    fleet.start_agent("a1", "dgx-h100", "--engine-bin", SIM_BIN)
+    wait_for(lambda: fleet.node_states() == {"a1": "NODE_STATE_READY"}, 30, "agent READY")
+    path = tmp_path / "kv.toml"
+    path.write_text(FILE)
+    assert "deployment chat applied" in fleet.cli("apply", "-f", str(path)).stdout
+    wait_for(lambda: _ready(fleet, 3), 90, "3 READY replicas")
+    _exercise(fleet.gateway_url)
+
+
+def _exercise(base: str) -> None:
+    routes = "llmgw_replica_in_flight{"
+    wait_for(lambda: sum(k.startswith(routes) for k in _metrics(base)) == 3, 30, "3 routes")
+    conversations = [Conversation(g, u) for g in range(GROUPS) for u in range(USERS)]
+    with httpx.Client(base_url=base, timeout=30) as client:
+        for conversation in conversations[::USERS]:  # warm-up: each group's first user
+            conversation.ask(client)
+        wait_for(lambda: _metrics(base).get("llmgw_kv_index_replicas", 0) >= 1, 20, "blocks")
+        time.sleep(0.5)  # the last warm-up request's blocks reach the index too
+        before = _metrics(base)
+        asked = 0
+        for turn in range(2):
+            for conversation in conversations:
+                if turn or conversation.turns == 0:
+                    conversation.ask(client)
+                    asked += 1
+                    time.sleep(0.1)  # let its blocks be published before the next one
+        after = _metrics(base)
+    _check_decisions(before, after, asked)
+    _check_reuse(before, after)
+    _check_delivered(base)
+
+
+def _delta(before: dict[str, float], after: dict[str, float], name: str) -> float:
+    return after.get(name, 0.0) - before.get(name, 0.0)
+
+
+def _check_decisions(before: dict[str, float], after: dict[str, float], asked: int) -> None:
+    def changed(prefix: str) -> dict[str, float]:
+        return {
+            key: after[key] - before.get(key, 0.0)
+            for key in after
+            if key.startswith(prefix) and after[key] != before.get(key, 0.0)
+        }
+
+    decided = changed("llmgw_prefix_decisions_total{")
+    assert sum(decided.values()) == asked, decided
+    precise = sum(v for k, v in decided.items() if 'tier="precise"' in k)
+    hits = decided.get('llmgw_prefix_decisions_total{tier="precise",outcome="hit"}', 0)
+    # On a machine this busy a /tokenize may take longer than its 50 ms: such a request
+    # goes to the approximate tier, and that is the only reason allowed.
+    fallbacks = changed("llmgw_precise_fallbacks_total{")
+    assert set(fallbacks) <= {'llmgw_precise_fallbacks_total{reason="timeout"}'}, fallbacks
+    assert precise + sum(fallbacks.values()) == asked, (decided, fallbacks)
+    assert hits >= 0.8 * asked, decided  # the precise tier decided, and found the prefix
+
+
+def _check_reuse(before: dict[str, float], after: dict[str, float]) -> None:
+    available = _delta(before, after, 'llmgw_reuse_tokens_total{stage="available"}')
+    captured = _delta(before, after, 'llmgw_reuse_tokens_total{stage="captured"}')
+    prompt = _delta(before, after, 'llmgw_reuse_prompt_tokens_total{source="router"}')
+    assert available > 0.5 * prompt > 0  # most of each prompt was cached somewhere ...
+    assert captured >= 0.99 * available  # ... and the chosen replica held it
+
+
+def _check_delivered(base: str) -> None:
+    # the poller reads the engines' own counters every 5 s: their hits confirm the choices
+    def delivered() -> float:
+        return _metrics(base).get('llmgw_reuse_tokens_total{stage="delivered"}', 0.0)
+
+    assert wait_for(delivered, 20, "the engines' prefix hits") > 0
+    samples = _metrics(base)
+    capacity = [v for k, v in samples.items() if k.startswith("llmgw_engine_kv_capacity_tokens")]
+    assert len(capacity) == 3 and all(v == 4096 * 16 for v in capacity)
