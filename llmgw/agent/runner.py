@@ -113,6 +113,7 @@ class ShardRunner:
         self.reason = ""
         self.exit_code: int | None = None
         self.restarts = restarts
+        self.port_in_use = 0  # the port refused because another process holds it
         self.since_ms = 0
         self.process: EngineProcess | None = None
         self.log = EngineLog(
@@ -154,6 +155,7 @@ class ShardRunner:
             restarts=self.restarts,
             engine=m.profile.engine if m.profile is not None else "",
             gave_up=self.state is ShardState.FAILED and self.command is None,
+            port_in_use=self.port_in_use if self.state is ShardState.FAILED else 0,
         )
 
     def begin(self, state: ShardState, reason: str) -> None:

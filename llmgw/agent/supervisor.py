@@ -163,7 +163,11 @@ class Supervisor:
             self._refuse(ctx, message, existing, str(exc))
             return
         if existing is None and (taken := _port_taken(ctx.config.host, command.launch.port)):
-            self._refuse(ctx, message, existing, taken)
+            log.warning("shard %s: StartShard refused: %s", message.shard_id, taken)
+            runner = self._add(ShardRunner(ctx, message, None))
+            runner.port_in_use = command.launch.port
+            runner.begin(NEW_STATE, "accepted")
+            runner.fail_now(taken)
             return
         if existing is None:
             runner = self._add(ShardRunner(ctx, message, command))

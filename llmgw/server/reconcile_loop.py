@@ -31,6 +31,10 @@ replica is no longer ACTIVE or SURGE its request is forgotten. They are stored w
 action that made them, so a server killed before the round that carries one out does it
 after its restart (a drained replica, not one of its own choice, is retired).
 
+**Ports held by other processes**: an agent refuses a shard whose engine port another
+process holds (``ShardStatus.port_in_use``); for ``BUSY_PORT_S`` that port counts as taken
+on that node and the nodes sharing its address, so the replacement gets another one.
+
 A round that fails (the store, a bug) is logged and the next tick tries again.
 """
 
@@ -73,6 +77,10 @@ SendFn = Callable[[str, ControlMessage], Awaitable[bool]]
 """Sends a command to a node's agent; False when it is not connected (AgentService.send)."""
 
 
+BUSY_PORT_S = 600.0
+"""How long a port an agent refused (another process held it) is kept out of placement."""
+
+
 def api_key_for(replica_id: str) -> str:
     """A fresh secret API key for a new replica (its engines require it as a bearer token).
 
@@ -103,6 +111,7 @@ class ReconcileLoop:
         self._started = clock()
         self._down_since: dict[str, float] = {}  # node id → monotonic time it was seen down
         self.failures: dict[str, tuple[int, float]] = {}  # deployment → (in a row, last at)
+        self.busy_ports: dict[tuple[str, int], float] = {}  # (node, port) → held until
         self._wakeup = asyncio.Event()
         self._lock = asyncio.Lock()
         plane.reconcile_soon = self.poke
@@ -149,7 +158,7 @@ class ReconcileLoop:
             deployments=dict(plane.desired.deployments),
             profiles=dict(plane.desired.profiles),
             fingerprint=profile_fingerprint,
-            place=_LazyPlacer(plane, self.port_range, now),
+            place=_LazyPlacer(plane, self.port_range, now, self._busy(now)),
             replicas=dict(plane.replicas),
             shards=dict(plane.inventory.shards),
             nodes=self._nodes(now),
@@ -162,6 +171,15 @@ class ReconcileLoop:
             held=self._held(now),
             streak=self._streak(now),
         )
+
+    def _busy(self, now: float) -> frozenset[tuple[str, int]]:
+        """Engine ports another process holds on a node, as agents refused them lately."""
+        for shard in self.plane.inventory.shards.values():
+            port = shard.status.port_in_use if shard.status is not None else 0
+            if port:
+                self.busy_ports[(shard.node_id, port)] = now + BUSY_PORT_S
+        self.busy_ports = {k: until for k, until in self.busy_ports.items() if until > now}
+        return frozenset(self.busy_ports)
 
     def _count_failures(self, decision: Decision, now: float) -> None:
         for name, failed in decision.failed.items():
@@ -251,10 +269,17 @@ class _LazyPlacer:
     time, each seeing the ports the ones before it took on its neighbours.
     """
 
-    def __init__(self, plane: ControlPlane, port_range: tuple[int, int], now: float) -> None:
+    def __init__(
+        self,
+        plane: ControlPlane,
+        port_range: tuple[int, int],
+        now: float,
+        busy: frozenset[tuple[str, int]] = frozenset(),
+    ) -> None:
         self._plane = plane
         self._port_range = port_range
         self._now = now
+        self._busy = busy
         self._built: tuple[FleetPlacer, dict[str, tuple[str, ...]]] | None = None
 
     def _build(self) -> tuple[FleetPlacer, dict[str, tuple[str, ...]]]:
@@ -276,6 +301,14 @@ class _LazyPlacer:
         taken: Sequence[ReplicaPlan],
     ) -> Sequence[ReplicaPlan | Unplaceable]:
         placer, neighbours = self._build()
+        if self._busy:  # ports other processes hold: taken, on the node and its neighbours
+            busy = [
+                (n, port)
+                for node_id, port in self._busy
+                for n in (node_id, *neighbours.get(node_id, ()))
+            ]
+            shards = tuple(ShardPlan("", n, 0, (), port) for n, port in sorted(set(busy)))
+            taken = [*taken, ReplicaPlan("", "", "", "", shards)]
         if not neighbours:
             return placer(deployment, profile, replica_ids, excluding=excluding, taken=taken)
         held = list(taken)

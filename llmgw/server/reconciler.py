@@ -219,19 +219,27 @@ class _Round:
             node_id, why, failed = broken
             self.set_lifecycle(record, Lifecycle.RETIRED, why)
             name = record.plan.deployment
-            self.avoid.setdefault(name, set()).add(node_id)
+            if node_id:
+                self.avoid.setdefault(name, set()).add(node_id)
             self.replaced.setdefault(name, []).append(record.replica_id)
             if failed:
                 self.failed[name] = self.failed.get(name, 0) + 1
 
     def broken(self, record: ReplicaRecord) -> tuple[str, str, bool] | None:
-        """The node to avoid, why, and whether a shard failed (rather than its node went),
-        when ``record`` must be replaced."""
+        """The node to avoid ("" for none), why, and whether a shard failed (rather than its
+        node went), when ``record`` must be replaced. A shard refused only because another
+        process holds its port avoids no node: its replacement gets another port."""
         for plan in record.plan.shards:
             if why := self.node_gone(plan.node_id):
                 return plan.node_id, why, False
             if why := self.exhausted(plan):
-                return plan.node_id, why, True
+                shard = self.on_node(plan)
+                port_only = (
+                    shard is not None
+                    and shard.status is not None
+                    and bool(shard.status.port_in_use)
+                )
+                return ("" if port_only else plan.node_id), why, True
         return None
 
     def node_gone(self, node_id: str) -> str:

@@ -452,6 +452,7 @@ async def test_a_port_another_process_holds_is_refused_before_any_engine_starts(
         await sup.start(message)
         failed = harness.recorder.of("s1")[-1]
     assert failed.state is S.FAILED and failed.gave_up and failed.pid == 0
+    assert failed.port_in_use == port  # so the server places it on another port
     why = f"port {port} on 127.0.0.1 is in use by another process (Address already in use)"
     assert failed.reason == why
 

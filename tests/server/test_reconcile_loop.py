@@ -257,6 +257,26 @@ async def test_replicas_that_keep_failing_are_replaced_with_a_growing_delay(
     assert [crash_delay(n, loop.config) for n in (0, 1, 2, 3, 20)] == [0, 5, 10, 20, 300]
 
 
+async def test_a_port_another_process_holds_is_not_placed_again(plane: ControlPlane) -> None:
+    agents = FakeAgents(plane, {"a1"})
+    loop = ReconcileLoop(plane, agents.send, port_range=(20000, 20009))
+    await _register(plane, "a1")
+    await _apply(plane, 1)
+    await loop.round()
+    (start,) = [m.start_shard for _, m in agents.sent if m.start_shard is not None]
+    assert start.port == 20000
+    refused = ShardStatus(
+        shard_id=start.shard_id, replica_id=start.replica_id, state=ShardState.FAILED,
+        reason="port 20000 on 127.0.0.1 is in use by another process", gave_up=True,
+        port_in_use=20000,
+    )  # fmt: skip
+    plane.shard_status("a1", refused)
+    await loop.round()
+    starts = [m.start_shard for _, m in agents.sent if m.start_shard is not None]
+    assert [s.replica_id for s in starts] == ["chat-1", "chat-2"]
+    assert starts[1].port == 20001 and ("a1", 20000) in loop.busy_ports
+
+
 def test_api_keys_never_start_with_a_dash() -> None:
     assert not any(api_key_for("r").startswith("-") for _ in range(2000))
 

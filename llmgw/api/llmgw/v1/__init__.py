@@ -50,6 +50,7 @@ __all__ = (
     "Registered",
     "Replica",
     "ReplicaRequest",
+    "ReplicaRouterStats",
     "ReprofileReplicaRequest",
     "RouteTarget",
     "RouterFeedEvent",
@@ -1169,6 +1170,37 @@ default_message_pool.register_message("llmgw.v1", "ReplicaRequest", ReplicaReque
 
 
 @dataclass(eq=False, repr=False)
+class ReplicaRouterStats(betterproto2.Message):
+    replica_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    in_flight: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    requests in flight now (a gauge)
+    """
+
+    requests: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+    """
+    decisions that chose it (cumulative)
+    """
+
+    delivered_hit_ratio: "float | None" = betterproto2.field(
+        4, betterproto2.TYPE_DOUBLE, optional=True
+    )
+    """
+    Its engine's own prefix-cache hits / queries over the gateway's poll window; absent
+    when not polled yet or nothing was queried in the window.
+    """
+
+    kv_capacity_tokens: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+    """
+    num_gpu_blocks x block_size as polled; 0: unknown
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "ReplicaRouterStats", ReplicaRouterStats)
+
+
+@dataclass(eq=False, repr=False)
 class ReprofileReplicaRequest(betterproto2.Message):
     replica_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
@@ -1255,6 +1287,11 @@ default_message_pool.register_message("llmgw.v1", "RouterSnapshot", RouterSnapsh
 
 @dataclass(eq=False, repr=False)
 class RouterStats(betterproto2.Message):
+    """
+    The in-server gateway's figures. Counters are cumulative since the gateway started (a
+    client computes windowed rates and ratios from deltas, treating a drop as a reset).
+    """
+
     decisions: "int" = betterproto2.field(1, betterproto2.TYPE_UINT64)
 
     decisions_by_tier: "dict[str, int]" = betterproto2.field(
@@ -1262,6 +1299,53 @@ class RouterStats(betterproto2.Message):
         betterproto2.TYPE_MAP,
         map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_UINT64),
     )
+
+    decisions_by_tier_outcome: "dict[str, int]" = betterproto2.field(
+        3,
+        betterproto2.TYPE_MAP,
+        map_meta=betterproto2.map_meta(betterproto2.TYPE_STRING, betterproto2.TYPE_UINT64),
+    )
+    """
+    Decisions by "TIER/OUTCOME" (tiers: precise, approximate, affinity, load; outcomes:
+    hit, miss, guarded), as llmgw_prefix_decisions_total{tier,outcome}.
+    """
+
+    requests_by_status: "dict[int, int]" = betterproto2.field(
+        4,
+        betterproto2.TYPE_MAP,
+        map_meta=betterproto2.map_meta(betterproto2.TYPE_UINT32, betterproto2.TYPE_UINT64),
+    )
+    """
+    OpenAI requests answered, by HTTP status (499: the client went away first).
+    """
+
+    reuse_available_tokens: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+    """
+    Prompt tokens reusable from KV caches (llmgw_reuse_tokens_total{stage}): available
+    (the best candidate's leading blocks) and captured (the chosen replica's) are out of
+    router_prompt_tokens; delivered (engines' own prefix-cache hits) is out of
+    engine_prompt_tokens (the engines' prefix-cache queries).
+    """
+
+    reuse_captured_tokens: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+
+    reuse_delivered_tokens: "int" = betterproto2.field(7, betterproto2.TYPE_UINT64)
+
+    router_prompt_tokens: "int" = betterproto2.field(8, betterproto2.TYPE_UINT64)
+
+    engine_prompt_tokens: "int" = betterproto2.field(9, betterproto2.TYPE_UINT64)
+
+    replicas: "list[ReplicaRouterStats]" = betterproto2.field(
+        10, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    One row per replica in the gateway's routing table or with requests in flight.
+    """
+
+    at_unix_ms: "int" = betterproto2.field(11, betterproto2.TYPE_INT64)
+    """
+    the server's wall clock when these were read
+    """
 
 
 default_message_pool.register_message("llmgw.v1", "RouterStats", RouterStats)
@@ -1377,6 +1461,12 @@ class ShardStatus(betterproto2.Message):
     """
     FAILED for good: its agent will not restart it (the command was refused, e.g. a
     profile its adapter cannot run); the reconciler replaces its replica at once.
+    """
+
+    port_in_use: "int" = betterproto2.field(16, betterproto2.TYPE_UINT32)
+    """
+    The engine port StartShard asked for, when another process on the node holds it (the
+    shard is refused, gave_up); the server places its replacement on another port.
     """
 
 
