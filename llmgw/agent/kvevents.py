@@ -51,6 +51,7 @@ log = logging.getLogger(__name__)
 _MONITORED = zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED
 _DRAIN_LIMIT = 1000  # messages read per wake-up, so one busy socket cannot starve the rest
 _RETRY_S = 1.0  # after an unexpected error, before the sockets are opened again
+MAX_DATA_PARALLEL_RANK = 4095  # each rank costs a mirror; the server refuses higher ones too
 
 
 @dataclass(frozen=True, slots=True)
@@ -380,6 +381,10 @@ class EngineSubscriber:
             self._bad(f"batch {seq}", exc)
             return
         rank = batch.data_parallel_rank or 0
+        if not 0 <= rank <= MAX_DATA_PARALLEL_RANK:
+            error = f"data_parallel_rank {rank} is outside 0..{MAX_DATA_PARALLEL_RANK}"
+            self._bad(f"batch {seq}", KvEventDecodeError(error))
+            return
         mirror = self.mirrors.get(rank)
         if mirror is None:
             mirror = self.mirrors[rank] = BlockMirror(compute_keys=self.config.compute_keys)

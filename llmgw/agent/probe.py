@@ -29,6 +29,7 @@ IN_FLIGHT_GAUGES = frozenset(
     }
 )
 """Gauges whose sum is the number of requests an engine holds (running or queued)."""
+_MAX_COUNT = 2.0**53  # the in-flight count a page can report at most
 
 
 @dataclass(frozen=True, slots=True)
@@ -71,7 +72,10 @@ def parse_in_flight(text: str) -> int | None:
         if name in IN_FLIGHT_GAUGES and value is not None:
             found = True
             total += value
-    return round(total) if found else None
+    if not found:
+        return None
+    # Finite gauges can still sum past the largest float (an absurd page): cap, not crash.
+    return round(min(max(total, -_MAX_COUNT), _MAX_COUNT))
 
 
 def _sample(line: str) -> tuple[str, float | None]:

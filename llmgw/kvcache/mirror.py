@@ -32,6 +32,7 @@ so no parent links are kept.
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 import sys
 from array import array
@@ -165,7 +166,8 @@ class MirrorDelta:
     ``stored_keys[i]`` is the block key of ``stored[i]`` (`UNKNOWN_KEY` when unknown), and
     ``removed_keys[i]`` the key ``removed[i]`` had. A hash in both lists changed its key.
     ``oldest_event_ts`` is the engine's timestamp of the oldest batch applied since the last
-    delta (0.0 when none was), for measuring the time from an event to an index.
+    delta (0.0 when none was, or none carried a finite, non-negative one), for measuring the
+    time from an event to an index.
     """
 
     reset: bool
@@ -255,8 +257,10 @@ class BlockMirror:
                 self.reset()
         self.batches += 1
         self.events += len(batch.events)
-        if batch.events and (self._oldest_ts is None or batch.ts < self._oldest_ts):
-            self._oldest_ts = batch.ts
+        ts = batch.ts  # a NaN, infinite or negative one would make receivers refuse the delta
+        if batch.events and math.isfinite(ts) and ts >= 0:
+            if self._oldest_ts is None or ts < self._oldest_ts:
+                self._oldest_ts = ts
 
     def reset(self) -> None:
         """Forget every block; the next delta tells the receiver to do the same."""

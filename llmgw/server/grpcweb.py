@@ -77,7 +77,9 @@ _DATA_FLAG: Final = 0x00
 _COMPRESSED_FLAG: Final = 0x01
 _TRAILER_FLAG: Final = 0x80
 _PREFIX_BYTES: Final = 5
-_BASE64_BODY: Final = re.compile(rb"(?:[A-Za-z0-9+/]+={0,2})*")
+# Runs of base64 characters, each but the last ended by one or two "=": unambiguous, so
+# matching takes linear time ("(?:[...]+={0,2})*" backtracked exponentially on "AAAA…A!").
+_BASE64_BODY: Final = re.compile(rb"(?:[A-Za-z0-9+/]+(?:={1,2}[A-Za-z0-9+/]+)*={0,2})?")
 _BASE64_CHUNK: Final = re.compile(rb"[A-Za-z0-9+/]+={0,2}")
 _ALLOW_HEADERS: Final = b"content-type, x-grpc-web, x-user-agent, grpc-timeout, authorization"
 _EXPOSE_HEADERS: Final = b"grpc-status, grpc-message"

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import re
 import time
 from collections import Counter, deque
@@ -54,7 +55,9 @@ HITS: Final = "vllm:prefix_cache_hits_total"
 CACHE_INFO: Final = "vllm:cache_config_info"
 _WANTED: Final = (QUERIES, HITS, CACHE_INFO)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+_MAX_INCREMENT = float(2**53)  # a larger sum of increments is no real engine's
+
+_LABEL = re.compile(r'(?<!\w)(\w+)="((?:[^"\\]|\\.)*)"')  # anchored: linear on long runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -169,6 +172,8 @@ class ReuseWindow:
         total = 0.0
         reset = False
         for series, value in values.items():
+            if not math.isfinite(value) or value < 0:
+                continue  # not a counter's value: ignored, the baseline kept
             last = self._last.get((kind, series))
             self._last[(kind, series)] = value
             if last is None:
@@ -178,7 +183,7 @@ class ReuseWindow:
                 total += value  # restarted from 0: all of it is new
             else:
                 total += value - last
-        return int(total), reset
+        return int(min(total, _MAX_INCREMENT)), reset
 
 
 class EnginePoller:

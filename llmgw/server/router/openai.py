@@ -102,6 +102,10 @@ def _json_object(body: bytes) -> dict[str, Any]:
         raise BadRequest(f"the request body is not UTF-8: {exc.reason} at {exc.start}") from exc
     except json.JSONDecodeError as exc:
         raise BadRequest(f"the request body is not valid JSON: {exc}") from exc
+    except ValueError as exc:  # an integer longer than sys.get_int_max_str_digits() allows
+        raise BadRequest("the request body holds a number with too many digits") from exc
+    except RecursionError as exc:  # the decoder recurses once per nested array or object
+        raise BadRequest("the request body is nested too deeply") from exc
     if not isinstance(document, dict):
         raise BadRequest("the request body must be a JSON object")
     return document

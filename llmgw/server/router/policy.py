@@ -250,7 +250,8 @@ class SessionPolicy:
 
 
 def _rendezvous(session: str, replica_id: str) -> bytes:
-    key = f"{session}\x00{replica_id}".encode()
+    # surrogatepass: a JSON body's "user" may hold a lone surrogate ("\ud800" is valid JSON)
+    key = f"{session}\x00{replica_id}".encode("utf-8", "surrogatepass")
     return hashlib.blake2b(key, digest_size=8).digest()
 
 

@@ -66,7 +66,8 @@ __all__ = [
 
 TOKENIZE_PATH: Final = "/tokenize"
 _PATH: Final = TOKENIZE_PATH.encode()
-_DUMPS = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+# ASCII: a lone surrogate ("\ud800" is valid JSON) is written as its escape, not encoded
+_DUMPS = json.JSONEncoder(ensure_ascii=True, separators=(",", ":")).encode
 _LOADS = json.JSONDecoder().decode
 _CHAT_FIELDS: Final = (
     "add_generation_prompt",
@@ -117,7 +118,7 @@ def tokenize_input(path: str, body: bytes, model: str) -> TokenizeInput:
     ``openai.parse_request``, so it is a JSON object naming ``model``)."""
     try:
         document = _LOADS(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # bad UTF-8 or JSON, too deep, an int too long
         return TokenizeInput(unsupported="malformed_request")
     if not isinstance(document, dict):
         return TokenizeInput(unsupported="malformed_request")
@@ -183,7 +184,7 @@ def parse_tokens(body: bytes, max_tokens: int) -> array[int] | None:
     """The ``tokens`` of a ``/tokenize`` answer; None when the answer is malformed."""
     try:
         document = _LOADS(body.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (ValueError, RecursionError):  # bad UTF-8 or JSON, too deep, an int too long
         return None
     if not isinstance(document, dict):
         return None
