@@ -35,8 +35,8 @@ from llmgw.server.grpcweb import GrpcWebApp
 from llmgw.server.inventory import InventoryConfig
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
-from llmgw.server.router.gateway import GatewayConfig
-from llmgw.server.routersvc import RouterService, serve_gateway
+from llmgw.server.router.gateway import Gateway, GatewayConfig
+from llmgw.server.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.store import Store
 from llmgw.server.testhooks import AgentCommandHook
 from llmgw.signals import stop_on_signals
@@ -93,6 +93,16 @@ class ServerConfig:
     join_token: str | None = field(default=None, repr=False)  # agents' token; never logged
 
 
+class _GatewaySlot:
+    """The in-server gateway while it serves (``ControlService``'s gateway provider)."""
+
+    def __init__(self) -> None:
+        self.gateway: Gateway | None = None
+
+    def __call__(self) -> Gateway | None:
+        return self.gateway
+
+
 class _EmbeddedUvicorn(uvicorn.Server):
     """uvicorn without its own signal handlers: this process handles signals once."""
 
@@ -108,7 +118,8 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
     async with Store(config.db_path) as store:
         plane = ControlPlane(store, InventoryConfig(grace_s=config.node_grace_s))
         await plane.load()
-        control = ControlService(plane)
+        slot = _GatewaySlot()
+        control = ControlService(plane, gateway=slot)
         agents = AgentService(plane, heartbeat_interval_ms=config.heartbeat_interval_ms)
         router = RouterService(plane)  # API keys: native gRPC only, never gRPC-web
         grpc = grpclib.server.Server(
@@ -120,7 +131,8 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
         await grpc.start(config.grpc_listen.host, config.grpc_listen.port)
         web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents, auth))
         try:
-            async with _gateway(config, plane), asyncio.TaskGroup() as tasks:
+            async with _gateway(config, plane) as served, asyncio.TaskGroup() as tasks:
+                slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
                 web_task = tasks.create_task(web.serve(), name="grpc-web")
                 tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
                 loop = _reconcile_loop(config, plane, agents)
@@ -137,6 +149,7 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
                 if reconcile_task is not None:
                     reconcile_task.cancel()
         finally:
+            slot.gateway = None
             agents.shutdown()
             router.shutdown()
             await asyncio.sleep(0)  # let the streams send their trailers

@@ -12,16 +12,18 @@ Operator actions on replicas and nodes (start, drain, reprofile, drain a node) a
 and a refusal answers the action's status and changes nothing. The audit actor is the
 caller's token (``llmgw.server.auth.current_actor``), or ``operator`` with authentication off.
 
-The RPCs whose implementation belongs to later work (router statistics) answer
-UNIMPLEMENTED with a message naming what is missing, so a client
-can tell "not yet" from "failed".
+``GetRouterStats`` reads the in-server gateway's counters through ``gateway``, a provider
+set by ``llmgw.server.app`` (None, or a provider answering None: the server runs no gateway,
+and the RPC answers FAILED_PRECONDITION saying so). Counters are cumulative; clients compute
+windowed rates from deltas.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator, Coroutine
-from typing import Any, NoReturn
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from typing import Any
 
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
@@ -38,6 +40,7 @@ from llmgw.api.llmgw.v1 import (
     ListProfilesResponse,
     NodeRequest,
     ReplicaRequest,
+    ReplicaRouterStats,
     ReprofileReplicaRequest,
     RouterStats,
     WatchEvent,
@@ -49,6 +52,7 @@ from llmgw.server.desired import Change, check_apply, plan_text, refusal
 from llmgw.server.errors import ProfileError, UnknownNode, quoted
 from llmgw.server.plane import ControlPlane
 from llmgw.server.profiles import profile_fingerprint
+from llmgw.server.router.gateway import Gateway
 
 log = logging.getLogger(__name__)
 
@@ -56,18 +60,18 @@ OPERATOR = ANONYMOUS_ACTOR
 """The actor recorded in the audit log when authentication is off."""
 
 
-def _not_yet(rpc: str, arrives_with: str) -> NoReturn:
-    raise GRPCError(
-        Status.UNIMPLEMENTED,
-        f"{rpc} is not implemented by this server yet: it arrives with {arrives_with}",
-    )
+GatewayProvider = Callable[[], Gateway | None]
+"""The in-server gateway while it serves, else None (``GetRouterStats`` reads it)."""
+
+NO_GATEWAY = "the server runs no gateway (--gateway-listen off)"
 
 
 class ControlService(ControlServiceBase):
     """Operator RPCs over the control plane."""
 
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: ControlPlane, gateway: GatewayProvider | None = None) -> None:
         self.plane = plane
+        self.gateway: GatewayProvider = gateway if gateway is not None else lambda: None
 
     async def get_cluster(self, message: GetClusterRequest) -> Cluster:
         return self.plane.snapshot()
@@ -163,7 +167,50 @@ class ControlService(ControlServiceBase):
         return ListProfilesResponse(profiles=[profiles[name] for name in sorted(profiles)])
 
     async def get_router_stats(self, message: GetRouterStatsRequest) -> RouterStats:
-        _not_yet("GetRouterStats", "the gateway")
+        gateway = self.gateway()
+        if gateway is None:
+            raise GRPCError(Status.FAILED_PRECONDITION, NO_GATEWAY)
+        return router_stats(gateway, int(time.time() * 1000))
+
+
+def router_stats(gateway: Gateway, now_ms: int) -> RouterStats:
+    """``gateway``'s counters as ``RouterStats`` (cumulative), read at wall clock ``now_ms``."""
+    figures = gateway.metrics.figures()
+    by_tier: dict[str, int] = {}
+    for (tier, _), count in figures.decisions.items():
+        by_tier[tier] = by_tier.get(tier, 0) + count
+    return RouterStats(
+        decisions=sum(by_tier.values()),
+        decisions_by_tier=by_tier,
+        decisions_by_tier_outcome={f"{t}/{o}": n for (t, o), n in figures.decisions.items()},
+        requests_by_status=dict(figures.requests),
+        reuse_available_tokens=figures.reuse.get("available", 0),
+        reuse_captured_tokens=figures.reuse.get("captured", 0),
+        reuse_delivered_tokens=figures.reuse.get("delivered", 0),
+        router_prompt_tokens=figures.reuse_prompt.get("router", 0),
+        engine_prompt_tokens=figures.reuse_prompt.get("engine", 0),
+        replicas=_replica_rows(gateway, figures.routed),
+        at_unix_ms=now_ms,
+    )
+
+
+def _replica_rows(gateway: Gateway, routed: Mapping[str, int]) -> list[ReplicaRouterStats]:
+    """One row per replica in the routing table or with requests in flight, by id."""
+    in_flight = gateway.load.snapshot()
+    ids = sorted({t.replica_id for t in gateway.table.targets()} | set(in_flight))
+    rows: list[ReplicaRouterStats] = []
+    for replica_id in ids:
+        facts = gateway.engines.facts(replica_id)
+        rows.append(
+            ReplicaRouterStats(
+                replica_id=replica_id,
+                in_flight=in_flight.get(replica_id, 0),
+                requests=routed.get(replica_id, 0),
+                delivered_hit_ratio=facts.hit_ratio if facts is not None else None,
+                kv_capacity_tokens=facts.kv_tokens if facts is not None else 0,
+            )
+        )
+    return rows
 
 
 def _replica_target(deployment: str, replica_id: str) -> str:

@@ -13,8 +13,11 @@ repeats the recent ones, kept once) and the state changes it saw (node, shard, r
 newest last, bounded. State changes are not invented for the first snapshot; after a
 reconnection the new snapshot's differences from the old one are logged as changes.
 
-Router statistics are sampled counters (``RouterStats``); rates and the prefix-routed share
-are windowed (``llmgw.tui.rates``), so a gateway restart does not make them negative.
+Router statistics are sampled counters (``RouterStats``); rates, the prefix-routed share,
+each tier's hit share, the reuse ratios and per-replica request rates are windowed
+(``llmgw.tui.rates``), so a gateway restart does not make them negative. A server that sets
+``at_unix_ms`` gives the detailed figures (outcomes, statuses, reuse, replicas); an older
+one gives decisions by tier only, and the view says the rest is not reported.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from llmgw.api.llmgw.v1 import (
     NodeState,
     NodeTelemetry,
     Replica,
+    ReplicaRouterStats,
     RouterStats,
     Shard,
     WatchEvent,
@@ -66,8 +70,10 @@ __all__ = [
     "PREFIX_TIERS",
     "ClusterModel",
     "ConsoleSnapshot",
+    "ReplicaLoad",
     "RouterStatus",
     "RouterView",
+    "TierFigures",
     "RowDiff",
     "diff_rows",
 ]
@@ -78,6 +84,11 @@ PREFIX_TIERS: Final = ("precise", "approximate")
 """Router tiers whose decision used a cached prefix (DESIGN.md → KV events and routing)."""
 DECISIONS: Final = "decisions"
 _TIER = "tier:"
+_HIT = "hit:"  # decisions of a tier whose outcome was "hit"
+_REQUESTS = "requests"  # requests answered, any status
+_ROUTED = "routed:"  # decisions that chose a replica
+_REUSE = ("available", "captured", "delivered")
+_PROMPT = ("router", "engine")
 
 
 class RouterStatus(enum.Enum):
@@ -86,6 +97,28 @@ class RouterStatus(enum.Enum):
     UNKNOWN = "unknown"  # not asked yet
     AVAILABLE = "available"  # the last GetRouterStats answered
     UNAVAILABLE = "unavailable"  # the server does not give them (``reason`` says why)
+
+
+@dataclass(frozen=True, slots=True)
+class TierFigures:
+    """One routing tier: its decisions (total), their rate and the share that hit."""
+
+    tier: str
+    decisions: int
+    rate: float  # per second over the window
+    hit_share: float | None  # Δhits / Δdecisions of this tier; None: none in the window
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaLoad:
+    """One replica as the gateway sees it, as of the latest sample."""
+
+    replica_id: str
+    in_flight: int
+    requests: int  # decisions that chose it (total)
+    request_rate: float | None  # per second over the window
+    delivered_hit_ratio: float | None  # its engine's own prefix-cache hit ratio
+    kv_capacity_tokens: int  # 0: unknown
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,6 +135,13 @@ class RouterView:
     rate_series: tuple[float, ...] = ()
     share_series: tuple[float, ...] = ()
     window_s: float = 0.0
+    detailed: bool = False  # the server reports outcomes, statuses, reuse and replicas
+    tiers: tuple[TierFigures, ...] = ()
+    available_share: float | None = None  # Δavailable / Δrouter prompt tokens
+    captured_share: float | None = None  # Δcaptured / Δrouter prompt tokens
+    captured_of_available: float | None = None  # Δcaptured / Δavailable
+    delivered_share: float | None = None  # Δdelivered / Δengine prompt tokens
+    replicas: tuple[ReplicaLoad, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,6 +222,7 @@ class ClusterModel:
         self._router = CounterWindow(router_window_s)
         self._router_status = RouterStatus.UNKNOWN
         self._router_reason = ""
+        self._router_latest = RouterStats()
         self._cache: ConsoleSnapshot | None = None
 
     # --- events ------------------------------------------------------------------------
@@ -406,10 +447,9 @@ class ClusterModel:
         """A GetRouterStats answer read at monotonic ``at_s`` (None: not a timed sample)."""
         self._router_status = RouterStatus.AVAILABLE
         self._router_reason = ""
+        self._router_latest = stats
         if at_s is not None:
-            values = {DECISIONS: stats.decisions}
-            values.update((_TIER + t, n) for t, n in stats.decisions_by_tier.items())
-            self._router.add(at_s, values)
+            self._router.add(at_s, _router_counters(stats))
         self._changed()
 
     def router_unavailable(self, reason: str) -> None:
@@ -424,20 +464,29 @@ class ClusterModel:
     def _router_view(self) -> RouterView:
         if self._router_status is not RouterStatus.AVAILABLE:
             return RouterView(self._router_status, self._router_reason)
-        window = self._router
+        window, stats = self._router, self._router_latest
         latest = window.latest()
         tiers = [n.removeprefix(_TIER) for n in window.names() if n.startswith(_TIER)]
-        prefix = [_TIER + t for t in PREFIX_TIERS]
+        detailed = stats.at_unix_ms != 0
+        hits = [_HIT + t for t in tiers] if detailed else [_TIER + t for t in PREFIX_TIERS]
+        requests = [_REQUESTS] if detailed and stats.requests_by_status else [DECISIONS]
         return RouterView(
             status=RouterStatus.AVAILABLE,
             decisions=latest.get(DECISIONS) if latest else 0,
             by_tier=tuple((t, latest.get(_TIER + t) if latest else 0) for t in tiers),
             tier_rates=tuple((t, window.rate([_TIER + t]) or 0.0) for t in tiers),
-            request_rate=window.rate([DECISIONS]),
-            prefix_share=window.ratio(prefix, [DECISIONS]),
-            rate_series=window.rate_series([DECISIONS]),
-            share_series=window.ratio_series(prefix, [DECISIONS]),
+            request_rate=window.rate(requests),
+            prefix_share=window.ratio(hits, [DECISIONS]),
+            rate_series=window.rate_series(requests),
+            share_series=window.ratio_series(hits, [DECISIONS]),
             window_s=window.span_s(),
+            detailed=detailed,
+            tiers=tuple(_tier_figures(window, t, detailed) for t in tiers),
+            available_share=window.ratio(["reuse:available"], ["prompt:router"]),
+            captured_share=window.ratio(["reuse:captured"], ["prompt:router"]),
+            captured_of_available=window.ratio(["reuse:captured"], ["reuse:available"]),
+            delivered_share=window.ratio(["reuse:delivered"], ["prompt:engine"]),
+            replicas=tuple(_replica_load(window, r) for r in stats.replicas),
         )
 
     # --- snapshots ---------------------------------------------------------------------
@@ -463,6 +512,49 @@ class ClusterModel:
             router=self._router_view(),
         )
         return self._cache
+
+
+def _router_counters(stats: RouterStats) -> dict[str, int]:
+    """A RouterStats answer as the named counters the router window keeps."""
+    values = {DECISIONS: stats.decisions}
+    values.update((_TIER + t, n) for t, n in stats.decisions_by_tier.items())
+    for key, count in stats.decisions_by_tier_outcome.items():
+        tier, _, outcome = key.partition("/")
+        if outcome == "hit":
+            values[_HIT + tier] = count
+    if stats.requests_by_status:
+        values[_REQUESTS] = sum(stats.requests_by_status.values())
+    reuse = (
+        stats.reuse_available_tokens,
+        stats.reuse_captured_tokens,
+        stats.reuse_delivered_tokens,
+    )
+    values.update(("reuse:" + stage, n) for stage, n in zip(_REUSE, reuse, strict=True))
+    prompt = (stats.router_prompt_tokens, stats.engine_prompt_tokens)
+    values.update(("prompt:" + source, n) for source, n in zip(_PROMPT, prompt, strict=True))
+    values.update((_ROUTED + r.replica_id, r.requests) for r in stats.replicas)
+    return values
+
+
+def _tier_figures(window: CounterWindow, tier: str, detailed: bool) -> TierFigures:
+    latest = window.latest()
+    return TierFigures(
+        tier=tier,
+        decisions=latest.get(_TIER + tier) if latest else 0,
+        rate=window.rate([_TIER + tier]) or 0.0,
+        hit_share=window.ratio([_HIT + tier], [_TIER + tier]) if detailed else None,
+    )
+
+
+def _replica_load(window: CounterWindow, row: ReplicaRouterStats) -> ReplicaLoad:
+    return ReplicaLoad(
+        replica_id=row.replica_id,
+        in_flight=row.in_flight,
+        requests=row.requests,
+        request_rate=window.rate([_ROUTED + row.replica_id]),
+        delivered_hit_ratio=row.delivered_hit_ratio,
+        kv_capacity_tokens=row.kv_capacity_tokens,
+    )
 
 
 def _claim_of(row: ShardRow) -> tuple[str, tuple[str, ...], bool]:

@@ -311,7 +311,7 @@ class WatchSession:
         try:
             stats = await self._client.get_router_stats()
         except RpcError as exc:
-            if exc.status is Status.UNIMPLEMENTED:
+            if exc.status in (Status.UNIMPLEMENTED, Status.FAILED_PRECONDITION):
                 self.model.router_unavailable(f"no router stats yet: {exc.message or exc}")
                 self._wake.set()
                 return self._config.router_unavailable_every_s

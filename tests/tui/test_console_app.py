@@ -535,7 +535,7 @@ async def test_once_json_prints_the_cluster(procs: Procs, channel: GrpcWebChanne
     migs = [g for g in data["gpus"] if g["info"]["migProfile"]]
     assert migs and all(g["nodeId"] == "m1" for g in data["gpus"])
     assert data["router"]["status"] == "UNAVAILABLE"
-    assert "not implemented" in data["router"]["reason"]
+    assert "runs no gateway" in data["router"]["reason"]
 
 
 def test_the_token_goes_as_a_bearer_header_and_unreachable_is_one_line(

@@ -137,6 +137,7 @@ class Gateway:
         )
         self._server: HttpServer | None = None
         table.on_removed(self.policy.forget)
+        table.on_removed(self.metrics.forget_replica)
         self.precise = self._precise_tier()
         self.engines = EnginePoller(
             table,
@@ -323,7 +324,7 @@ class Gateway:
         took = time.perf_counter() - started
         if decision is not None:
             self.load.acquire(decision.target.replica_id)  # counted at decision time
-            self.metrics.decided(decision.tier, decision.outcome, took)
+            self.metrics.decided(decision.tier, decision.outcome, took, decision.target.replica_id)
         return decision
 
     def _no_replica(self, model: str, failures: list[str]) -> RequestRefused:

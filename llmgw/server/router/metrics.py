@@ -56,6 +56,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
 
 from llmgw.server.router.kvindex import KvIndexStats
 
@@ -104,6 +106,21 @@ class Histogram:
         yield f"{name}_count{braces} {self.count}"
 
 
+@dataclass(frozen=True, slots=True)
+class MetricFigures:
+    """The gateway's counters at one instant (copies: safe to hand to other tasks).
+
+    Every figure is cumulative since the gateway started; ``routed`` counts the decisions
+    that chose each replica (only those the gateway reported with a replica id).
+    """
+
+    decisions: Mapping[tuple[str, str], int]  # (tier, outcome) → decisions
+    requests: Mapping[int, int]  # HTTP status → requests answered
+    reuse: Mapping[str, int]  # stage (available, captured, delivered) → tokens
+    reuse_prompt: Mapping[str, int]  # source (router, engine) → prompt tokens
+    routed: Mapping[str, int]  # replica id → decisions that chose it
+
+
 class GatewayMetrics:
     """Everything ``/metrics`` shows; updated by the gateway on its one event loop."""
 
@@ -120,6 +137,7 @@ class GatewayMetrics:
         self.tokenize_failures: dict[str, int] = {}
         self.reuse = {"available": 0, "captured": 0, "delivered": 0}
         self.reuse_prompt = {"router": 0, "engine": 0}
+        self.routed: dict[str, int] = {}
         self._collectors: list[Collector] = []
 
     def add_collector(self, collector: Collector) -> None:
@@ -129,10 +147,27 @@ class GatewayMetrics:
     def request_done(self, status: int) -> None:
         self.requests[status] = self.requests.get(status, 0) + 1
 
-    def decided(self, tier: str, outcome: str, seconds: float) -> None:
+    def decided(self, tier: str, outcome: str, seconds: float, replica_id: str = "") -> None:
+        """One routing decision; ``replica_id`` (when given) is the replica it chose."""
         key = (tier, outcome)
         self.decisions[key] = self.decisions.get(key, 0) + 1
         self.decision_seconds.observe(seconds)
+        if replica_id:
+            self.routed[replica_id] = self.routed.get(replica_id, 0) + 1
+
+    def forget_replica(self, replica_id: str) -> None:
+        """Drop a replica that left the routing table from ``routed`` (bounded labels)."""
+        self.routed.pop(replica_id, None)
+
+    def figures(self) -> MetricFigures:
+        """A frozen copy of the counters (``GetRouterStats`` reads these)."""
+        return MetricFigures(
+            decisions=MappingProxyType(dict(self.decisions)),
+            requests=MappingProxyType(dict(self.requests)),
+            reuse=MappingProxyType(dict(self.reuse)),
+            reuse_prompt=MappingProxyType(dict(self.reuse_prompt)),
+            routed=MappingProxyType(dict(self.routed)),
+        )
 
     def upstream_failed(self, reason: str) -> None:
         self.failures[reason] = self.failures.get(reason, 0) + 1
@@ -356,6 +391,7 @@ __all__ = [
     "Collector",
     "GatewayMetrics",
     "Histogram",
+    "MetricFigures",
     "gauge",
     "kv_index_lines",
     "labelled",

@@ -2,7 +2,10 @@
 
 Both redraw only when what they show changed (their frozen summaries compare by value).
 Router figures come from ``GetRouterStats``; while the server does not give them, both
-views say so in words, with the server's reason, instead of drawing zeros.
+views say so in words, with the server's reason, instead of drawing zeros. A server that
+gives the detailed figures adds each tier's hit share, the reuse ratios (available and
+captured out of the routed prompt tokens, delivered out of the engines' prompt tokens) and
+a row per replica (in flight, request rate, its engine's own prefix-cache hit ratio).
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from textual.containers import VerticalScroll
 from textual.widget import Widget
 from textual.widgets import Label, Sparkline, Static
 
-from llmgw.tui.model import ConsoleSnapshot, RouterStatus, RouterView
+from llmgw.tui.model import ConsoleSnapshot, ReplicaLoad, RouterStatus, RouterView
 from llmgw.tui.summary import Overview, summarize
 from llmgw.tui.widgets.cells import NOT_REPORTED, GiB, percent, shard_state_cell
 
@@ -85,10 +88,11 @@ def _requests(router: RouterView) -> Text:
     if router.status is RouterStatus.UNAVAILABLE:
         return Text(router.reason or "no router stats", style="dim")
     rate = NOT_REPORTED if router.request_rate is None else f"{router.request_rate:.1f}/s"
+    what = "prefix hits" if router.detailed else "routed by cached prefix"
     share = (
         "no requests in the window"
         if router.prefix_share is None
-        else f"{router.prefix_share:.0%} routed by cached prefix"
+        else f"{router.prefix_share:.0%} {what}"
     )
     return Text(f"{rate} over {router.window_s:.0f}s, {share}; {router.decisions} decisions")
 
@@ -96,6 +100,9 @@ def _requests(router: RouterView) -> Text:
 def router_text(router: RouterView) -> RenderableType:
     if router.status is not RouterStatus.AVAILABLE:
         return Group(_requests(router), Text(""), _missing())
+    if router.detailed:
+        parts = (_tier_table(router), Text(""), _reuse(router), Text(""), _replica_table(router))
+        return Group(_requests(router), Text(""), *parts)
     tiers = Table("TIER", "DECISIONS", "RATE", box=None, padding=(0, 2))
     rates = dict(router.tier_rates)
     for tier, total in router.by_tier:
@@ -103,6 +110,57 @@ def router_text(router: RouterView) -> RenderableType:
     if not router.by_tier:
         tiers.add_row(Text("(no decisions yet)", style="dim"), "", "")
     return Group(_requests(router), Text(""), tiers, Text(""), _missing())
+
+
+def _share(value: float | None) -> Text:
+    return percent(None if value is None else 100 * value)
+
+
+def _tier_table(router: RouterView) -> Table:
+    tiers = Table("TIER", "DECISIONS", "RATE", "HIT", box=None, padding=(0, 2))
+    for tier in router.tiers:
+        tiers.add_row(
+            Text(tier.tier), str(tier.decisions), f"{tier.rate:.1f}/s", _share(tier.hit_share)
+        )
+    if not router.tiers:
+        tiers.add_row(Text("(no decisions yet)", style="dim"), "", "", "")
+    return tiers
+
+
+def _reuse(router: RouterView) -> Table:
+    grid = _grid()
+    idle = Text("no prompts in the window", style="dim")
+
+    def line(value: float | None, out_of: str, extra: str = "") -> Text:
+        return idle if value is None else Text(f"{value:.0%} of {out_of}{extra}")
+
+    captured = router.captured_of_available
+    extra = "" if captured is None else f" ({captured:.0%} of available)"
+    grid.add_row("reuse available", line(router.available_share, "routed prompt tokens"))
+    grid.add_row("reuse captured", line(router.captured_share, "routed prompt tokens", extra))
+    grid.add_row("reuse delivered", line(router.delivered_share, "engine prompt tokens"))
+    return grid
+
+
+def _replica_table(router: RouterView) -> Table:
+    table = Table("REPLICA", "IN-FLIGHT", "REQ/S", "DELIVERED HIT", "KV", box=None, padding=(0, 2))
+    for row in router.replicas:
+        table.add_row(*_replica_cells(row))
+    if not router.replicas:
+        table.add_row(Text("(no replicas in the routing table)", style="dim"), "", "", "", "")
+    return table
+
+
+def _replica_cells(row: ReplicaLoad) -> tuple[Text, ...]:
+    rate = NOT_REPORTED if row.request_rate is None else f"{row.request_rate:.1f}/s"
+    kv = f"{row.kv_capacity_tokens:,} tok" if row.kv_capacity_tokens else NOT_REPORTED
+    return (
+        Text(row.replica_id, no_wrap=True, overflow="ellipsis"),
+        Text(str(row.in_flight)),
+        Text(rate),
+        _share(row.delivered_hit_ratio),
+        Text(kv, style="" if row.kv_capacity_tokens else "dim"),
+    )
 
 
 def _missing() -> Table:
@@ -155,7 +213,8 @@ class _Pulse(Widget):
         self._text.update(body)
         self._series(self._rate, self._rate_label, "requests/s", snapshot.router.rate_series)
         share = snapshot.router.share_series
-        self._series(self._share, self._share_label, "share routed by a cached prefix", share)
+        title = "prefix-hit rate" if snapshot.router.detailed else "share routed by a cached prefix"
+        self._series(self._share, self._share_label, title, share)
 
     @staticmethod
     def _series(line: Sparkline, label: Label, title: str, data: tuple[float, ...]) -> None:
@@ -183,7 +242,7 @@ class OverviewView(_Pulse):
 
 
 class RouterPanel(_Pulse):
-    """``:router`` — decisions by tier, rates, what the API does not carry yet."""
+    """``:router`` — decisions by tier, reuse, per-replica load, rates (sparklines)."""
 
     TITLE = "Router"
 

@@ -1,0 +1,152 @@
+"""GetRouterStats: the in-server gateway's counters, per-replica rows, and no gateway."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import socket
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+from grpclib.testing import ChannelFor
+
+from llmgw.api.llmgw.v1 import ControlServiceStub, GetRouterStatsRequest, RouterStats
+from llmgw.cli.main import build_parser
+from llmgw.cli.simengine import config_from_args
+from llmgw.server.controlsvc import NO_GATEWAY, ControlService, router_stats
+from llmgw.server.plane import ControlPlane
+from llmgw.server.router.gateway import Gateway, GatewayConfig
+from llmgw.server.router.table import RoutingTable, Target
+from llmgw.server.store import Store
+from llmgw.sim.engine import serve
+
+
+@contextlib.asynccontextmanager
+async def control(tmp_path: Path, gateway: Gateway | None) -> AsyncIterator[ControlServiceStub]:
+    """A ControlService over an in-process plane, reached through an in-memory channel."""
+    async with Store(tmp_path / "s.db") as store:
+        plane = ControlPlane(store)
+        await plane.load()
+        service = ControlService(plane, gateway=lambda: gateway)
+        async with ChannelFor([service]) as channel:
+            yield ControlServiceStub(channel)
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+async def wait_listening(port: int) -> None:
+    for _ in range(250):
+        with contextlib.suppress(OSError):
+            _, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.close()
+            await writer.wait_closed()
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"nothing listens on {port}")
+
+
+@contextlib.asynccontextmanager
+async def sim_engine(model: str, blocks: int) -> AsyncIterator[str]:
+    """A simulated vLLM on loopback (block size 16, ``blocks`` KV blocks); its URL."""
+    port = free_port()
+    args = build_parser().parse_args(
+        ["sim-engine", "serve", model, "--port", str(port), "--block-size", "16"]
+        + ["--sim-kv-blocks", str(blocks), "--sim-load-seconds", "0"]
+        + ["--sim-prefill-ms-per-token", "0", "--sim-decode-ms-per-token", "0"]
+    )
+    stop = asyncio.Event()
+    engine = asyncio.create_task(serve(config_from_args(args, {}), stop))
+    try:
+        await wait_listening(port)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        assert await engine == 0
+
+
+async def test_no_gateway_answers_failed_precondition(tmp_path: Path) -> None:
+    async with control(tmp_path, None) as stub:
+        with pytest.raises(GRPCError) as caught:
+            await stub.get_router_stats(GetRouterStatsRequest())
+    assert caught.value.status is Status.FAILED_PRECONDITION
+    assert caught.value.message == NO_GATEWAY
+
+
+async def test_requests_through_a_gateway_reach_get_router_stats(tmp_path: Path) -> None:
+    async with sim_engine("sim-model", 500) as url:
+        table = RoutingTable(
+            [
+                Target("r1", "sim-model", url),
+                Target("r2", "other", "http://127.0.0.1:9", ready=False),
+            ]
+        )
+        gateway = Gateway(table, GatewayConfig(port=0, engine_poll_s=0, precise=False))
+        host, port = await gateway.start()
+        try:
+            await gateway.engines.poll_once()  # the engine's baseline
+            prompt = " ".join(f"word{i}" for i in range(300))
+            async with httpx.AsyncClient(base_url=f"http://{host}:{port}") as client:
+                for model in ("sim-model", "sim-model", "nope"):
+                    body = {"model": model, "prompt": prompt, "max_tokens": 1}
+                    await client.post("/v1/completions", json=body)
+            await gateway.engines.poll_once()
+            gateway.load.acquire("r2")  # one request in flight, as if still streaming
+            before_ms = int(time.time() * 1000)
+            async with control(tmp_path, gateway) as stub:
+                stats = await stub.get_router_stats(GetRouterStatsRequest())
+        finally:
+            await gateway.stop()
+    assert stats.decisions == 2
+    assert stats.decisions_by_tier == {"load": 1, "approximate": 1}
+    assert stats.decisions_by_tier_outcome == {"load/miss": 1, "approximate/hit": 1}
+    assert stats.requests_by_status == {200: 2, 404: 1}
+    assert stats.reuse_delivered_tokens > 0  # the second prompt hit the first's blocks
+    assert stats.engine_prompt_tokens >= 2 * 300 > stats.reuse_delivered_tokens
+    assert stats.at_unix_ms >= before_ms
+    rows = {row.replica_id: row for row in stats.replicas}
+    assert sorted(rows) == ["r1", "r2"]
+    assert (rows["r1"].in_flight, rows["r2"].in_flight) == (0, 1)
+    assert rows["r1"].kv_capacity_tokens == 500 * 16
+    ratio = stats.reuse_delivered_tokens / stats.engine_prompt_tokens
+    assert rows["r1"].delivered_hit_ratio == pytest.approx(ratio)
+    assert rows["r2"].delivered_hit_ratio is None  # never polled (not READY)
+    assert rows["r2"].kv_capacity_tokens == 0
+
+
+def test_recorded_figures_map_onto_every_field() -> None:
+    gateway = Gateway(RoutingTable([Target("r1", "m", "http://127.0.0.1:9")]))
+    metrics = gateway.metrics
+    metrics.decided("precise", "hit", 1e-4, replica_id="r1")
+    metrics.decided("precise", "guarded", 1e-4, replica_id="r1")
+    metrics.decided("load", "miss", 1e-4, replica_id="gone")
+    metrics.precise_decided(prompt_tokens=1000, available=640, captured=512, seconds=1e-4)
+    metrics.delivered(queried_tokens=900, hit_tokens=300)
+    metrics.request_done(200)
+    metrics.request_done(499)
+    stats = router_stats(gateway, now_ms=1_700_000_000_000)
+    assert stats == RouterStats(
+        decisions=3,
+        decisions_by_tier={"precise": 2, "load": 1},
+        decisions_by_tier_outcome={"precise/hit": 1, "precise/guarded": 1, "load/miss": 1},
+        requests_by_status={200: 1, 499: 1},
+        reuse_available_tokens=640,
+        reuse_captured_tokens=512,
+        reuse_delivered_tokens=300,
+        router_prompt_tokens=1000,
+        engine_prompt_tokens=900,
+        replicas=stats.replicas,
+        at_unix_ms=1_700_000_000_000,
+    )
+    [row] = stats.replicas  # "gone" is neither in the table nor in flight
+    assert (row.replica_id, row.requests, row.in_flight) == ("r1", 2, 0)
+    metrics.forget_replica("r1")
+    assert router_stats(gateway, now_ms=0).replicas[0].requests == 0

@@ -1,0 +1,204 @@
+"""The router view from detailed GetRouterStats: windowed rates and ratios (counter resets
+included), per-replica rows, and the view on screen through Textual's Pilot."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import pytest
+from textual.widgets import Sparkline
+
+from llmgw.api.llmgw.v1 import ReplicaRouterStats, RouterStats
+from llmgw.tui.app import ConsoleApp
+from llmgw.tui.model import ClusterModel, RouterStatus, RouterView
+from llmgw.tui.stream import LinkPhase, LinkStatus
+
+T0 = 1_700_000_000_000
+
+
+def stats(
+    decisions: dict[str, int],
+    requests: dict[int, int],
+    reuse: tuple[int, int, int],
+    prompts: tuple[int, int],
+    replicas: list[ReplicaRouterStats],
+) -> RouterStats:
+    """A detailed answer; ``decisions`` is by "TIER/OUTCOME"."""
+    by_tier: dict[str, int] = {}
+    for key, count in decisions.items():
+        tier = key.split("/")[0]
+        by_tier[tier] = by_tier.get(tier, 0) + count
+    return RouterStats(
+        decisions=sum(decisions.values()),
+        decisions_by_tier=by_tier,
+        decisions_by_tier_outcome=decisions,
+        requests_by_status=requests,
+        reuse_available_tokens=reuse[0],
+        reuse_captured_tokens=reuse[1],
+        reuse_delivered_tokens=reuse[2],
+        router_prompt_tokens=prompts[0],
+        engine_prompt_tokens=prompts[1],
+        replicas=replicas,
+        at_unix_ms=T0,
+    )
+
+
+def replica(rid: str, requests: int, in_flight: int, ratio: float | None) -> ReplicaRouterStats:
+    return ReplicaRouterStats(
+        replica_id=rid,
+        in_flight=in_flight,
+        requests=requests,
+        delivered_hit_ratio=ratio,
+        kv_capacity_tokens=8192 if ratio is not None else 0,
+    )
+
+
+FIRST = stats(
+    {"precise/hit": 4, "precise/guarded": 2, "load/miss": 4},
+    {200: 10},
+    (500, 400, 100),
+    (1000, 800),
+    [replica("r1", 6, 1, 0.25), replica("r2", 4, 0, None)],
+)
+SECOND = stats(  # ten seconds later
+    {"precise/hit": 16, "precise/guarded": 4, "load/miss": 10},
+    {200: 28, 499: 2},
+    (1500, 1000, 500),
+    (3000, 2800),
+    [replica("r1", 20, 3, 0.3), replica("r2", 10, 0, None)],
+)
+RESTARTED = stats(  # the gateway restarted: every counter began again; r2 has left
+    {"load/miss": 5},
+    {200: 5},
+    (0, 0, 50),
+    (0, 100),
+    [replica("r1", 5, 0, 0.5)],
+)
+
+
+def two_polls() -> RouterView:
+    model = ClusterModel()
+    model.add_router_stats(FIRST, 0.0)
+    model.add_router_stats(SECOND, 10.0)
+    return model.snapshot(T0).router
+
+
+def test_two_polls_give_windowed_rates_and_ratios() -> None:
+    router = two_polls()
+    assert router.status is RouterStatus.AVAILABLE and router.detailed
+    assert router.request_rate == pytest.approx(2.0)  # 20 requests answered in 10 s
+    assert router.prefix_share == pytest.approx(12 / 20)  # hits among the decisions
+    tiers = {t.tier: t for t in router.tiers}
+    assert (tiers["precise"].decisions, tiers["precise"].rate) == (20, pytest.approx(1.4))
+    assert tiers["precise"].hit_share == pytest.approx(12 / 14)
+    assert tiers["load"].hit_share == 0.0
+    assert router.available_share == pytest.approx(1000 / 2000)
+    assert router.captured_share == pytest.approx(600 / 2000)
+    assert router.captured_of_available == pytest.approx(600 / 1000)
+    assert router.delivered_share == pytest.approx(400 / 2000)
+    rows = {r.replica_id: r for r in router.replicas}
+    assert (rows["r1"].in_flight, rows["r1"].request_rate) == (3, pytest.approx(1.4))
+    assert rows["r1"].delivered_hit_ratio == pytest.approx(0.3)
+    assert rows["r2"].delivered_hit_ratio is None and rows["r2"].request_rate == pytest.approx(0.6)
+
+
+def test_a_gateway_restart_counts_from_zero_never_negative() -> None:
+    model = ClusterModel()
+    for at, answer in ((0.0, FIRST), (10.0, SECOND), (20.0, RESTARTED)):
+        model.add_router_stats(answer, at)
+    router = model.snapshot(T0).router
+    assert router.request_rate == pytest.approx((20 + 5) / 20)
+    assert router.rate_series == pytest.approx((2.0, 0.5))
+    assert router.share_series == pytest.approx((0.6, 0.0))
+    assert router.prefix_share == pytest.approx(12 / 25)
+    assert router.delivered_share == pytest.approx((400 + 50) / (2000 + 100))
+    assert router.available_share == pytest.approx(1000 / 2000)  # nothing routed since
+    [row] = router.replicas  # r2 left the gateway
+    assert (row.replica_id, row.requests, row.request_rate) == ("r1", 5, pytest.approx(19 / 20))
+
+
+def test_an_old_server_keeps_the_decisions_only_view() -> None:
+    model = ClusterModel()
+    model.add_router_stats(RouterStats(decisions=4, decisions_by_tier={"precise": 4}), 0.0)
+    model.add_router_stats(RouterStats(decisions=8, decisions_by_tier={"precise": 6}), 2.0)
+    router = model.snapshot(T0).router
+    assert not router.detailed and router.replicas == ()
+    assert router.request_rate == pytest.approx(2.0)  # decisions, as before
+    assert router.prefix_share == pytest.approx(2 / 4)  # the prefix tiers' share
+    assert router.available_share is None and router.tiers[0].hit_share is None
+
+
+# --- on screen ---------------------------------------------------------------------------
+
+
+THIRD = stats(  # ten seconds after SECOND: ten more requests, all to r2 by load
+    {"precise/hit": 16, "precise/guarded": 4, "load/miss": 20},
+    {200: 38, 499: 2},
+    (1500, 1000, 500),
+    (3000, 2800),
+    [replica("r1", 20, 0, 0.3), replica("r2", 20, 1, None)],
+)
+
+
+class RouterFeed:
+    """Pushes a snapshot holding the first two polls, then each poll the test pushes."""
+
+    def __init__(self) -> None:
+        self.sink: Any = None
+        self.model = ClusterModel()
+
+    async def run(self, sink: Any) -> None:
+        self.sink = sink
+        self.model.add_router_stats(FIRST, 90.0)
+        self.push(SECOND, 100.0)
+        sink.status_changed(LinkStatus().to(LinkPhase.LIVE, live_at=100.0))
+        await asyncio.Event().wait()
+
+    def push(self, answer: RouterStats, at_s: float) -> None:
+        self.model.add_router_stats(answer, at_s)
+        self.sink.snapshot_ready(self.model.snapshot(T0 + int(at_s * 1000)))
+
+
+def screen_text(app: ConsoleApp) -> str:
+    return "\n".join(strip.text for strip in app.screen._compositor.render_strips())
+
+
+def rows(text: str) -> dict[str, list[str]]:
+    """The screen's lines as words, by their first word."""
+    return {words[0]: words for words in map(str.split, text.splitlines()) if words}
+
+
+async def test_the_router_view_shows_tiers_reuse_replicas_and_sparklines() -> None:
+    feed = RouterFeed()
+    app = ConsoleApp(feed, view="router", clock=lambda: 100.0)
+    async with app.run_test(size=(160, 50)) as pilot:
+        for _ in range(100):
+            if app.displayed.router.detailed:
+                break
+            await pilot.pause(0.05)
+        await pilot.pause()
+        text = screen_text(app)
+        assert "2.0/s over 10s, 60% prefix hits; 30 decisions" in text
+        assert "DELIVERED HIT" in text and "not reported by the server yet" not in text
+        lines = rows(text)
+        assert lines["precise"][1:4] == ["20", "1.4/s", "86%"]
+        assert lines["load"][1:4] == ["10", "0.6/s", "0%"]
+        assert lines["r1"][1:4] == ["3", "1.4/s", "30%"] and "8,192" in lines["r1"]
+        assert lines["r2"][1:4] == ["0", "0.6/s", "–"]
+        assert "50% of routed prompt tokens" in text  # available
+        assert "30% of routed prompt tokens (60% of available)" in text  # captured
+        assert "20% of engine prompt tokens" in text  # delivered
+        assert "prefix-hit rate" in text
+        rate = app.query_one("#router-rate", Sparkline)
+        assert not rate.display and "requests/s: no samples yet" in text  # one interval
+        feed.push(THIRD, 110.0)
+        await pilot.pause()
+        share = app.query_one("#router-share", Sparkline)
+        assert rate.display and list(rate.data or []) == pytest.approx([2.0, 1.0])
+        assert share.display and list(share.data or []) == pytest.approx([0.6, 0.0])
+        lines = rows(screen_text(app))
+        assert lines["r2"][1:3] == ["1", "0.8/s"]  # 16 of 40 decisions over 20 s
+        await pilot.press("colon", *"overview", "enter")
+        await pilot.pause()
+        assert "1.5/s over 20s, 40% prefix hits; 40 decisions" in screen_text(app)
