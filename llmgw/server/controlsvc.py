@@ -208,6 +208,7 @@ def _replica_rows(gateway: Gateway, routed: Mapping[str, int]) -> list[ReplicaRo
                 requests=routed.get(replica_id, 0),
                 delivered_hit_ratio=facts.hit_ratio if facts is not None else None,
                 kv_capacity_tokens=facts.kv_tokens if facts is not None else 0,
+                kv_usage=facts.kv_usage if facts is not None else None,
             )
         )
     return rows

@@ -63,6 +63,7 @@ from llmgw.tui.rows import (
     node_row,
     replica_row,
     shard_row,
+    with_router_figures,
     with_shards,
 )
 
@@ -119,6 +120,7 @@ class ReplicaLoad:
     request_rate: float | None  # per second over the window
     delivered_hit_ratio: float | None  # its engine's own prefix-cache hit ratio
     kv_capacity_tokens: int  # 0: unknown
+    kv_usage: float | None = None  # share (0..1) of its engine's KV cache in use
 
 
 @dataclass(frozen=True, slots=True)
@@ -500,16 +502,17 @@ class ClusterModel:
         self.dirty = False
         if self._cache is not None and self._cache.taken_ms == now_ms:
             return self._cache
+        router = self._router_view()
         self._cache = ConsoleSnapshot(
             revision=self.revision,
             taken_ms=now_ms,
             nodes=MappingProxyType(dict(self._nodes)),
             gpus=MappingProxyType(dict(self._gpus)),
             shards=MappingProxyType(dict(self._shards)),
-            replicas=MappingProxyType(dict(self._replicas)),
+            replicas=MappingProxyType(_with_loads(self._replicas, router.replicas)),
             deployments=MappingProxyType(dict(self._deployments)),
             events=MappingProxyType({e.key: e for e in self._events}),
-            router=self._router_view(),
+            router=router,
         )
         return self._cache
 
@@ -554,7 +557,20 @@ def _replica_load(window: CounterWindow, row: ReplicaRouterStats) -> ReplicaLoad
         request_rate=window.rate([_ROUTED + row.replica_id]),
         delivered_hit_ratio=row.delivered_hit_ratio,
         kv_capacity_tokens=row.kv_capacity_tokens,
+        kv_usage=row.kv_usage,
     )
+
+
+def _with_loads(
+    replicas: Mapping[str, ReplicaRow], loads: tuple[ReplicaLoad, ...]
+) -> dict[str, ReplicaRow]:
+    """``replicas`` with the gateway's figures joined by id (a replica without: not reported)."""
+    joined = dict(replicas)
+    for load in loads:
+        if (row := joined.get(load.replica_id)) is not None:
+            figures = (load.in_flight, load.kv_usage, load.delivered_hit_ratio)
+            joined[load.replica_id] = with_router_figures(row, *figures)
+    return joined
 
 
 def _claim_of(row: ShardRow) -> tuple[str, tuple[str, ...], bool]:

@@ -56,6 +56,7 @@ __all__ = [
     "read_shard_state",
     "replica_row",
     "shard_row",
+    "with_router_figures",
     "with_shards",
 ]
 
@@ -419,8 +420,9 @@ def shard_row(shard: Shard) -> ShardRow:
 class ReplicaRow:
     """A replica with what its shards add (nodes, GPUs, since when it is in its state).
 
-    ``in_flight``, ``kv_usage`` and ``prefix_hit`` are None while the server does not
-    report them per replica (the views say "not reported" instead of inventing a zero).
+    ``in_flight``, ``kv_usage`` and ``prefix_hit`` (shares 0..1) are the gateway's figures
+    (GetRouterStats), joined in by the model's snapshot; None while the server does not report
+    them for this replica (the views say "not reported" instead of inventing a zero).
     """
 
     replica_id: str
@@ -466,6 +468,15 @@ def with_shards(row: ReplicaRow, shards: list[ShardRow]) -> ReplicaRow:
     if (nodes, gpus, since) == (row.nodes, row.gpus, row.since_ms):
         return row
     return dataclasses.replace(row, nodes=nodes, gpus=gpus, since_ms=since)
+
+
+def with_router_figures(
+    row: ReplicaRow, in_flight: int | None, kv_usage: float | None, prefix_hit: float | None
+) -> ReplicaRow:
+    """``row`` with the gateway's figures for it (same row if equal)."""
+    if (in_flight, kv_usage, prefix_hit) == (row.in_flight, row.kv_usage, row.prefix_hit):
+        return row
+    return dataclasses.replace(row, in_flight=in_flight, kv_usage=kv_usage, prefix_hit=prefix_hit)
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,6 +26,7 @@ from llmgw.server.router.policy import PrefixPolicy
 from llmgw.server.router.table import RoutingTable, Target
 from llmgw.server.router.upstream import UpstreamPool
 from llmgw.sim.engine import serve
+from llmgw.sim.engine.metrics import EngineGauges, EngineStats, render_metrics
 
 SAMPLE = Path("/work/shared/spec/vllm-0.32-metrics-sample.txt")
 if not SAMPLE.exists():  # the copy the simulated engine's tests keep
@@ -47,6 +48,34 @@ def test_the_real_vllm_sample_is_read() -> None:
     sample = parse_engine_metrics(SAMPLE.read_text())
     assert sample.queries == {"0": 79.0} and sample.hits == {"0": 0.0}
     assert (sample.block_size, sample.kv_tokens) == (128, 364 * 128)
+    assert sample.kv_usage == 0.0  # said (idle), not unknown
+    busy = SAMPLE.read_text().replace(
+        'vllm:kv_cache_usage_perc{engine="0",model_name="smollm2-135m"} 0.0',
+        'vllm:kv_cache_usage_perc{engine="0",model_name="smollm2-135m"} 0.022',
+    )
+    assert parse_engine_metrics(busy).kv_usage == pytest.approx(0.022)
+
+
+def test_kv_usage_is_read_from_the_simulated_engines_page() -> None:
+    gauges = EngineGauges(running=3, waiting=1, waiting_deferred=0, kv_usage=0.4375)
+    info = {"block_size": "16", "num_gpu_blocks": "500", "num_cpu_blocks": "None"}
+    text = render_metrics(EngineStats(4096), gauges, model_name="m", cache_info=info)
+    sample = parse_engine_metrics(text)
+    assert sample.kv_usage == pytest.approx(0.4375)
+    assert (sample.block_size, sample.kv_tokens) == (16, 500 * 16)
+
+
+def test_kv_usage_is_the_mean_over_dp_ranks_and_bad_values_are_left_out() -> None:
+    def usage(engine: str, value: str) -> str:
+        return f'vllm:kv_cache_usage_perc{{engine="{engine}",model_name="m"}} {value}\n'
+
+    assert parse_engine_metrics(usage("0", "0.2") + usage("1", "0.6")).kv_usage == (
+        pytest.approx(0.4)
+    )
+    assert parse_engine_metrics(usage("0", "NaN") + usage("1", "0.5")).kv_usage == 0.5
+    assert parse_engine_metrics(usage("0", "1.5")).kv_usage == 1.0  # a share, at most all
+    assert parse_engine_metrics(usage("0", "NaN")).kv_usage is None
+    assert parse_engine_metrics(page(10, 4).decode()).kv_usage is None  # not said: unknown
 
 
 def test_data_parallel_engines_add_up_and_bad_samples_are_refused() -> None:
@@ -231,6 +260,7 @@ async def test_the_simulated_engine_is_polled_and_bounds_the_approximate_tree() 
         assert await engine == 0
     facts = gateway.engines.facts("r1")
     assert facts is not None and facts.block_size == 16 and facts.kv_tokens == 500 * 16
+    assert facts.kv_usage is not None and facts.kv_usage == counters.kv_usage
     assert facts.queried_tokens == counters.queries["0"] > 0
     assert facts.hit_tokens == counters.hits["0"] > 0  # the second request hit the first's
     assert gateway.metrics.reuse["delivered"] == counters.hits["0"]

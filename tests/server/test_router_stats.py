@@ -24,6 +24,7 @@ from llmgw.server.router.gateway import Gateway, GatewayConfig
 from llmgw.server.router.table import RoutingTable, Target
 from llmgw.server.store import Store
 from llmgw.sim.engine import serve
+from llmgw.sim.engine.metrics import EngineGauges, EngineStats, render_metrics
 
 
 @contextlib.asynccontextmanager
@@ -120,6 +121,51 @@ async def test_requests_through_a_gateway_reach_get_router_stats(tmp_path: Path)
     assert rows["r1"].delivered_hit_ratio == pytest.approx(ratio)
     assert rows["r2"].delivered_hit_ratio is None  # never polled (not READY)
     assert rows["r2"].kv_capacity_tokens == 0
+    assert rows["r1"].kv_usage is not None and 0.0 <= rows["r1"].kv_usage <= 1.0
+    assert rows["r2"].kv_usage is None  # never polled: unknown, not 0
+
+
+@contextlib.asynccontextmanager
+async def metrics_page(body: bytes) -> AsyncIterator[str]:
+    """A replica whose ``/metrics`` always answers ``body`` (one request a connection)."""
+    handlers: set[asyncio.Task[None]] = set()
+
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        task = asyncio.current_task()
+        assert task is not None
+        handlers.add(task)  # type: ignore[arg-type]
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            head = b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+            writer.write(head % len(body) + body)
+            await writer.drain()
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(handle, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+        await asyncio.gather(*handlers, return_exceptions=True)
+        await server.wait_closed()
+
+
+async def test_the_polled_kv_usage_maps_onto_the_replica_row() -> None:
+    gauges = EngineGauges(running=2, waiting=0, waiting_deferred=0, kv_usage=0.625)
+    info = {"block_size": "16", "num_gpu_blocks": "500", "num_cpu_blocks": "None"}
+    page = render_metrics(EngineStats(4096), gauges, model_name="m", cache_info=info)
+    async with metrics_page(page.encode()) as url:
+        gateway = Gateway(RoutingTable([Target("r1", "m", url)]), GatewayConfig(engine_poll_s=0))
+        try:
+            [unpolled] = router_stats(gateway, now_ms=0).replicas
+            await gateway.engines.poll_once()
+            [row] = router_stats(gateway, now_ms=0).replicas
+        finally:
+            await gateway.stop()
+    assert unpolled.kv_usage is None
+    assert row.kv_usage == pytest.approx(0.625)
+    assert row.kv_capacity_tokens == 500 * 16
 
 
 def test_recorded_figures_map_onto_every_field() -> None:

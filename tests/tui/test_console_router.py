@@ -9,10 +9,18 @@ from typing import Any
 import pytest
 from textual.widgets import Sparkline
 
-from llmgw.api.llmgw.v1 import ReplicaRouterStats, RouterStats
+from llmgw.api.llmgw.v1 import (
+    Cluster,
+    Replica,
+    ReplicaRouterStats,
+    RouterStats,
+    ShardState,
+    WatchEvent,
+)
 from llmgw.tui.app import ConsoleApp
 from llmgw.tui.model import ClusterModel, RouterStatus, RouterView
 from llmgw.tui.stream import LinkPhase, LinkStatus
+from llmgw.tui.views.table import TableView
 
 T0 = 1_700_000_000_000
 
@@ -202,3 +210,106 @@ async def test_the_router_view_shows_tiers_reuse_replicas_and_sparklines() -> No
         await pilot.press("colon", *"overview", "enter")
         await pilot.pause()
         assert "1.5/s over 20s, 40% prefix hits; 40 decisions" in screen_text(app)
+
+
+# --- the replicas view's INFL / KV / HIT -------------------------------------------------
+
+
+def figures(rid: str, in_flight: int, kv: float | None, hit: float | None) -> ReplicaRouterStats:
+    return ReplicaRouterStats(
+        replica_id=rid, in_flight=in_flight, requests=1, delivered_hit_ratio=hit, kv_usage=kv
+    )
+
+
+def replicas_cluster() -> Cluster:
+    replicas = [
+        Replica(
+            replica_id=rid, deployment="chat", profile="p", model="chat", state=ShardState.READY
+        )
+        for rid in ("chat-1", "chat-2", "chat-3")
+    ]
+    return Cluster(replicas=replicas)
+
+
+def test_the_snapshot_joins_the_gateways_figures_into_replica_rows() -> None:
+    model = ClusterModel()
+    model.apply(WatchEvent(revision=1, snapshot=replicas_cluster()), T0)
+    assert model.snapshot(T0).replicas["chat-1"].in_flight is None  # no router stats yet
+    answer = stats({}, {}, (0, 0, 0), (0, 0), [figures("chat-1", 3, 0.42, 0.3)])
+    model.add_router_stats(answer, 0.0)
+    rows = model.snapshot(T0 + 1).replicas
+    chat1 = rows["chat-1"]
+    assert (chat1.in_flight, chat1.kv_usage, chat1.prefix_hit) == (3, 0.42, 0.3)
+    assert (rows["chat-2"].in_flight, rows["chat-2"].kv_usage) == (None, None)  # no row
+    model.router_unavailable("the server runs no gateway")
+    assert model.snapshot(T0 + 2).replicas["chat-1"].in_flight is None
+
+
+class ReplicaFeed:
+    """Replicas from a Watch snapshot, then router stats the test pushes."""
+
+    def __init__(self) -> None:
+        self.sink: Any = None
+        self.model = ClusterModel()
+        self.now = T0
+
+    async def run(self, sink: Any) -> None:
+        self.sink = sink
+        self.model.apply(WatchEvent(revision=1, snapshot=replicas_cluster()), T0)
+        sink.snapshot_ready(self.model.snapshot(T0))
+        sink.status_changed(LinkStatus().to(LinkPhase.LIVE, live_at=100.0))
+        await asyncio.Event().wait()
+
+    def push(self, replicas: list[ReplicaRouterStats]) -> None:
+        self.model.add_router_stats(stats({}, {}, (0, 0, 0), (0, 0), replicas), None)
+        self.now += 1000
+        self.sink.snapshot_ready(self.model.snapshot(self.now))
+
+
+def replica_cells(app: ConsoleApp) -> dict[str, list[str]]:
+    """INFL, KV and HIT of each replica on screen."""
+    return {rid: words[-3:] for rid, words in rows(screen_text(app)).items() if "READY" in words}
+
+
+async def test_the_replicas_view_shows_in_flight_kv_and_hit_by_keyed_updates(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    feed = ReplicaFeed()
+    app = ConsoleApp(feed, view="replicas", clock=lambda: 100.0)
+    async with app.run_test(size=(120, 30)) as pilot:
+        for _ in range(100):
+            if len(replica_cells(app)) == 3:
+                break
+            await pilot.pause(0.05)
+        assert replica_cells(app) == dict.fromkeys(("chat-1", "chat-2", "chat-3"), ["–"] * 3)
+        view = app.view()
+        assert isinstance(view, TableView)
+        calls: dict[str, list[Any]] = {}
+        for name in ("append_rows", "remove_rows", "update_cells", "clear", "update_cell"):
+            method = getattr(view.table, name)
+
+            def counted(*args: Any, _name: str = name, _method: Any = method) -> Any:
+                batch = list(args[0]) if args else []
+                calls.setdefault(_name, []).append(batch)
+                return _method(batch, *args[1:]) if args else _method()
+
+            monkeypatch.setattr(view.table, name, counted)
+        feed.push([figures("chat-1", 3, 0.42, 0.3), figures("chat-2", 0, None, None)])
+        await pilot.pause()
+        assert replica_cells(app) == {
+            "chat-1": ["3", "42%", "30%"],
+            "chat-2": ["0", "–", "–"],  # polled nothing yet: unknown, not 0%
+            "chat-3": ["–", "–", "–"],  # the gateway has no row for it
+        }
+        assert set(calls) == {"append_rows", "remove_rows", "update_cells"}  # no rebuild
+        assert calls["append_rows"] == [[]] and calls["remove_rows"] == [[]]
+        changed = {(row, column) for row, column, _ in calls["update_cells"][0]}
+        assert changed == {("chat-1", "in_flight"), ("chat-1", "kv"), ("chat-1", "hit")} | {
+            ("chat-2", "in_flight")
+        }
+        feed.push([figures("chat-1", 1, 0.875, 0.3)])  # chat-2 left the gateway
+        await pilot.pause()
+        assert replica_cells(app)["chat-1"] == ["1", "88%", "30%"]
+        assert replica_cells(app)["chat-2"] == ["–", "–", "–"]
+        changed = {(row, column) for row, column, _ in calls["update_cells"][1]}
+        assert changed == {("chat-1", "in_flight"), ("chat-1", "kv"), ("chat-2", "in_flight")}

@@ -53,7 +53,8 @@ __all__ = [
 QUERIES: Final = "vllm:prefix_cache_queries_total"
 HITS: Final = "vllm:prefix_cache_hits_total"
 CACHE_INFO: Final = "vllm:cache_config_info"
-_WANTED: Final = (QUERIES, HITS, CACHE_INFO)
+KV_USAGE: Final = "vllm:kv_cache_usage_perc"
+_WANTED: Final = (QUERIES, HITS, CACHE_INFO, KV_USAGE)
 _SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
 _MAX_INCREMENT = float(2**53)  # a larger sum of increments is no real engine's
 
@@ -83,6 +84,7 @@ class EngineSample:
     hits: dict[str, float]
     block_size: int  # 0: not said
     kv_tokens: int  # num_gpu_blocks × block_size over the engines; 0: not said
+    kv_usage: float | None = None  # share of the KV cache in use (0..1); None: not said
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,13 +99,16 @@ class EngineFacts:
     hit_ratio: float | None  # Δhits / Δqueries over the window; None: no queries in it
     resets: int  # counter resets seen (engine restarts)
     polled_at: float  # time.monotonic()
+    kv_usage: float | None = None  # share of its KV cache in use (0..1); None: not said
 
 
 def parse_engine_metrics(text: str) -> EngineSample:
-    """The prefix-cache counters and cache config of a vLLM ``/metrics`` page.
+    """The prefix-cache counters, cache config and KV-cache usage of a vLLM ``/metrics``
+    page (usage: the mean over the engine's DP ranks, whose caches are the same size).
     ValueError for a sample of those families that cannot be read."""
     queries: dict[str, float] = {}
     hits: dict[str, float] = {}
+    usage: dict[str, float] = {}
     block_size = kv_tokens = 0
     for line in text.splitlines():
         if not line.startswith(_WANTED):
@@ -118,7 +123,10 @@ def parse_engine_metrics(text: str) -> EngineSample:
             size, blocks = _int_label(labels, "block_size"), _int_label(labels, "num_gpu_blocks")
             block_size = block_size or size
             kv_tokens += size * blocks
-    return EngineSample(queries, hits, block_size, kv_tokens)
+        elif name == KV_USAGE and math.isfinite(value):
+            usage[series] = min(max(value, 0.0), 1.0)
+    kv_usage = sum(usage.values()) / len(usage) if usage else None
+    return EngineSample(queries, hits, block_size, kv_tokens, kv_usage)
 
 
 def _sample(line: str) -> tuple[str, dict[str, str], float]:
@@ -290,6 +298,7 @@ class EnginePoller:
             window.ratio(),
             window.resets,
             now,
+            sample.kv_usage,
         )
         if sample.kv_tokens:  # every poll: what it means in characters is learned meanwhile
             self._capacity[replica_id] = sample.kv_tokens

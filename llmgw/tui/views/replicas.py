@@ -1,7 +1,8 @@
 """Replicas and shards: state as glyph + word + colour, where each runs, for how long.
 
-Per-replica in-flight requests, KV-cache usage and prefix-hit rate are columns already, shown
-as – while the server does not report them (the gateway's metrics are not on the API yet).
+Per-replica in-flight requests, KV-cache usage and its engine's prefix-hit ratio come from the
+gateway's figures (GetRouterStats, joined by replica id in the snapshot); – while the server does
+not report them for a replica (no gateway, not polled yet).
 """
 
 from __future__ import annotations

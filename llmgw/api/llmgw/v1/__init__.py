@@ -1196,6 +1196,12 @@ class ReplicaRouterStats(betterproto2.Message):
     num_gpu_blocks x block_size as polled; 0: unknown
     """
 
+    kv_usage: "float | None" = betterproto2.field(6, betterproto2.TYPE_DOUBLE, optional=True)
+    """
+    Share (0..1) of its engine's KV cache in use as last polled (vllm:kv_cache_usage_perc;
+    the mean over its DP ranks); absent when not polled yet or not said.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "ReplicaRouterStats", ReplicaRouterStats)
 
