@@ -4,15 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
+from simserve import NO_TIME, sim_engine
 
-from llmgw.cli.main import build_parser
-from llmgw.cli.simengine import config_from_args
 from llmgw.server.router.engines import (
     EnginePoller,
     EngineSample,
@@ -25,7 +23,6 @@ from llmgw.server.router.metrics import GatewayMetrics
 from llmgw.server.router.policy import PrefixPolicy
 from llmgw.server.router.table import RoutingTable, Target
 from llmgw.server.router.upstream import UpstreamPool
-from llmgw.sim.engine import serve
 from llmgw.sim.engine.metrics import EngineGauges, EngineStats, render_metrics
 
 SAMPLE = Path("/work/shared/spec/vllm-0.32-metrics-sample.txt")
@@ -215,49 +212,23 @@ async def test_a_replica_that_leaves_is_forgotten() -> None:
     assert told == {"r1": None} and engines.facts("r1") is None
 
 
-async def wait_listening(port: int) -> None:
-    for _ in range(250):
-        with contextlib.suppress(OSError):
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            await writer.wait_closed()
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"nothing listens on {port}")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 async def test_the_simulated_engine_is_polled_and_bounds_the_approximate_tree() -> None:
-    port = free_port()
-    args = build_parser().parse_args(
-        ["sim-engine", "serve", "sim-model", "--port", str(port), "--block-size", "16"]
-        + ["--sim-kv-blocks", "500", "--sim-load-seconds", "0"]
-        + ["--sim-prefill-ms-per-token", "0", "--sim-decode-ms-per-token", "0"]
-    )
-    stop = asyncio.Event()
-    engine = asyncio.create_task(serve(config_from_args(args, {}), stop))
-    url = f"http://127.0.0.1:{port}"
-    table = RoutingTable([Target("r1", "sim-model", url)])
-    gateway = Gateway(table, GatewayConfig(port=0, engine_poll_s=0))
-    try:
-        await wait_listening(port)
-        await gateway.engines.poll_once()  # the baseline
-        prompt = " ".join(f"word{i}" for i in range(300))
-        async with httpx.AsyncClient(base_url=url) as client:
-            for _ in range(2):
-                request = {"model": "sim-model", "prompt": prompt, "max_tokens": 1}
-                assert (await client.post("/v1/completions", json=request)).status_code == 200
-            counters = parse_engine_metrics((await client.get("/metrics")).text)
-        await gateway.engines.poll_once()
-    finally:
-        await gateway.stop()
-        stop.set()
-        assert await engine == 0
+    flags = ("--block-size", "16", "--sim-kv-blocks", "500", *NO_TIME)
+    async with sim_engine("sim-model", *flags) as url:
+        table = RoutingTable([Target("r1", "sim-model", url)])
+        gateway = Gateway(table, GatewayConfig(port=0, engine_poll_s=0))
+        try:
+            await gateway.engines.poll_once()  # the baseline
+            prompt = " ".join(f"word{i}" for i in range(300))
+            async with httpx.AsyncClient(base_url=url) as client:
+                for _ in range(2):
+                    request = {"model": "sim-model", "prompt": prompt, "max_tokens": 1}
+                    reply = await client.post("/v1/completions", json=request)
+                    assert reply.status_code == 200
+                counters = parse_engine_metrics((await client.get("/metrics")).text)
+            await gateway.engines.poll_once()
+        finally:
+            await gateway.stop()
     facts = gateway.engines.facts("r1")
     assert facts is not None and facts.block_size == 16 and facts.kv_tokens == 500 * 16
     assert facts.kv_usage is not None and facts.kv_usage == counters.kv_usage

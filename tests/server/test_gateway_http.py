@@ -16,13 +16,11 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
+from simserve import sim_engine
 
-from llmgw.cli.main import build_parser
-from llmgw.cli.simengine import config_from_args
 from llmgw.server.router.gateway import Gateway, GatewayConfig
 from llmgw.server.router.policy import make_policy
 from llmgw.server.router.table import RoutingTable, Target
-from llmgw.sim.engine import serve
 
 COMPLETION = {"model": "m", "prompt": "The capital of France is", "max_tokens": 4}
 CHAT = {"model": "m", "messages": [{"role": "user", "content": "hi"}], "stream": True}
@@ -506,16 +504,8 @@ async def test_a_pooled_connection_closed_by_the_replica_is_replaced() -> None:
 
 
 async def test_streams_from_the_simulated_engine_with_its_api_key() -> None:
-    port = closed_port()
-    args = build_parser().parse_args(
-        ["sim-engine", "serve", "sim-model", "--port", str(port), "--api-key", "sk-sim"]
-        + ["--sim-load-seconds", "0", "--sim-decode-ms-per-token", "1"]
-    )
-    stop = asyncio.Event()
-    engine = asyncio.create_task(serve(config_from_args(args, {}), stop))
-    try:
-        await _wait_listening(port)
-        url = f"http://127.0.0.1:{port}"
+    flags = ("--api-key", "sk-sim", "--sim-decode-ms-per-token", "1")
+    async with sim_engine("sim-model", *flags) as url:
         targets = [Target("r1", "sim-model", url, api_key="sk-sim")]
         async with running(targets) as (_, gw), httpx.AsyncClient(base_url=gw) as client:
             request = {**CHAT, "model": "sim-model", "max_tokens": 5}
@@ -530,20 +520,6 @@ async def test_streams_from_the_simulated_engine_with_its_api_key() -> None:
         async with running(wrong) as (_, gw), httpx.AsyncClient(base_url=gw) as client:
             reply = await client.post("/v1/completions", json={**COMPLETION, "model": "sim-model"})
             assert reply.status_code == 401  # the engine's answer, forwarded as is
-    finally:
-        stop.set()
-        assert await engine == 0
-
-
-async def _wait_listening(port: int) -> None:
-    for _ in range(200):
-        with contextlib.suppress(OSError):
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            await writer.wait_closed()
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"nothing listens on {port}")
 
 
 async def test_a_slow_client_pauses_the_upstream_and_the_connection_is_reused() -> None:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -14,16 +13,14 @@ import pytest
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 from grpclib.testing import ChannelFor
+from simserve import NO_TIME, sim_engine
 
 from llmgw.api.llmgw.v1 import ControlServiceStub, GetRouterStatsRequest, RouterStats
-from llmgw.cli.main import build_parser
-from llmgw.cli.simengine import config_from_args
 from llmgw.server.controlsvc import NO_GATEWAY, ControlService, router_stats
 from llmgw.server.plane import ControlPlane
 from llmgw.server.router.gateway import Gateway, GatewayConfig
 from llmgw.server.router.table import RoutingTable, Target
 from llmgw.server.store import Store
-from llmgw.sim.engine import serve
 from llmgw.sim.engine.metrics import EngineGauges, EngineStats, render_metrics
 
 
@@ -38,40 +35,11 @@ async def control(tmp_path: Path, gateway: Gateway | None) -> AsyncIterator[Cont
             yield ControlServiceStub(channel)
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def wait_listening(port: int) -> None:
-    for _ in range(250):
-        with contextlib.suppress(OSError):
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            await writer.wait_closed()
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"nothing listens on {port}")
-
-
-@contextlib.asynccontextmanager
-async def sim_engine(model: str, blocks: int) -> AsyncIterator[str]:
-    """A simulated vLLM on loopback (block size 16, ``blocks`` KV blocks); its URL."""
-    port = free_port()
-    args = build_parser().parse_args(
-        ["sim-engine", "serve", model, "--port", str(port), "--block-size", "16"]
-        + ["--sim-kv-blocks", str(blocks), "--sim-load-seconds", "0"]
-        + ["--sim-prefill-ms-per-token", "0", "--sim-decode-ms-per-token", "0"]
-    )
-    stop = asyncio.Event()
-    engine = asyncio.create_task(serve(config_from_args(args, {}), stop))
-    try:
-        await wait_listening(port)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop.set()
-        assert await engine == 0
+def small_engine(model: str, blocks: int) -> contextlib.AbstractAsyncContextManager[str]:
+    """A simulated vLLM with block size 16 and ``blocks`` KV blocks, no prefill or decode
+    time; its URL."""
+    flags = ("--block-size", "16", "--sim-kv-blocks", str(blocks))
+    return sim_engine(model, *flags, *NO_TIME)
 
 
 async def test_no_gateway_answers_failed_precondition(tmp_path: Path) -> None:
@@ -83,7 +51,7 @@ async def test_no_gateway_answers_failed_precondition(tmp_path: Path) -> None:
 
 
 async def test_requests_through_a_gateway_reach_get_router_stats(tmp_path: Path) -> None:
-    async with sim_engine("sim-model", 500) as url:
+    async with small_engine("sim-model", 500) as url:
         table = RoutingTable(
             [
                 Target("r1", "sim-model", url),

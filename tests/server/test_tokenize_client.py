@@ -5,16 +5,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 import httpx
 import pytest
+from simserve import free_port, sim_engine
 
-from llmgw.cli.main import build_parser
-from llmgw.cli.simengine import config_from_args
 from llmgw.server.router.gateway import Gateway, GatewayConfig
 from llmgw.server.router.kvindex import KvIndex
 from llmgw.server.router.load import LoadTracker
@@ -29,46 +27,16 @@ from llmgw.server.router.tokenize import (
     tokenize_input,
 )
 from llmgw.server.router.upstream import UpstreamPool
-from llmgw.sim.engine import SimTokenizer, render_chat, serve
+from llmgw.sim.engine import SimTokenizer, render_chat
 
 KEY = "sk-tok"
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-async def wait_listening(port: int) -> None:
-    for _ in range(250):
-        with contextlib.suppress(OSError):
-            _, writer = await asyncio.open_connection("127.0.0.1", port)
-            writer.close()
-            await writer.wait_closed()
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"nothing listens on {port}")
-
-
-@contextlib.asynccontextmanager
-async def sim_engine(*flags: str) -> AsyncIterator[str]:
-    """``llmgw sim-engine serve sim-model`` on a free port, in this loop; its URL."""
-    port = free_port()
-    args = build_parser().parse_args(
-        ["sim-engine", "serve", "sim-model", "--port", str(port), "--api-key", KEY]
-        + ["--sim-load-seconds", "0", *flags]
-    )
-    stop = asyncio.Event()
-    engine = asyncio.create_task(serve(config_from_args(args, {}), stop))
-    try:
-        await wait_listening(port)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        stop.set()
-        assert await engine == 0
+def key_engine(*flags: str) -> contextlib.AbstractAsyncContextManager[str]:
+    """``llmgw sim-engine serve sim-model`` with this file's API key; its URL."""
+    return sim_engine("sim-model", "--api-key", KEY, *flags)
 
 
 Answer = Callable[[bytes], Awaitable[bytes | None]]  # request head+body → bytes to send
@@ -152,7 +120,7 @@ async def test_tokens_from_the_simulated_engine_are_those_it_prefills() -> None:
         {"role": "system", "content": "You are terse."},
         {"role": "user", "content": "What is the capital of France?"},
     ]
-    async with sim_engine() as url, client(TokenizeConfig(timeout_s=2.0)) as tokenizer:
+    async with key_engine() as url, client(TokenizeConfig(timeout_s=2.0)) as tokenizer:
         prompt = "The capital of France is Paris, 42 times."
         completion = body_of(COMPLETIONS, {"model": "sim-model", "prompt": prompt})
         done = await tokenizer.tokenize(url, KEY, completion)
@@ -189,7 +157,7 @@ async def test_the_generation_prompt_and_template_fields_follow_the_request() ->
         "add_generation_prompt": False,
         "continue_final_message": True,
     }
-    async with sim_engine() as url, client(TokenizeConfig(timeout_s=2.0)) as tokenizer:
+    async with key_engine() as url, client(TokenizeConfig(timeout_s=2.0)) as tokenizer:
         done = await tokenizer.tokenize(url, KEY, body_of(CHAT, document))
         rendered = render_chat(messages, add_generation_prompt=False, continue_final_message=True)
         assert done.tokens is not None and list(done.tokens) == SimTokenizer().encode(rendered)
