@@ -21,7 +21,6 @@ import contextlib
 import logging
 import os
 import random
-import re
 import signal
 import socket
 import subprocess
@@ -45,6 +44,7 @@ from llmgw.cli.main import DEFAULT_WEB_URL, CliError
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
 from llmgw.server.errors import ProfileError
 from llmgw.server.profiles import parse_document
+from llmgw.server.router.engines import metric_samples
 from llmgw.signals import stop_on_signals
 
 __all__ = [
@@ -55,7 +55,6 @@ __all__ = [
     "WorkloadConfig",
     "WorkloadCounts",
     "decisions_by_tier",
-    "metric_samples",
     "render_summary",
     "run_demo",
 ]
@@ -308,22 +307,6 @@ class Workload:
 
 
 # --- the summary (pure) --------------------------------------------------------------------
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
-_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
-
-
-def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """The samples of ``name`` in a Prometheus text exposition, with their labels."""
-    out = []
-    for line in text.splitlines():
-        match = _SAMPLE.match(line)
-        if match is None or match.group(1) != name:
-            continue
-        labels = dict(_LABEL.findall(match.group(2) or ""))
-        with contextlib.suppress(ValueError):
-            out.append((labels, float(match.group(3))))
-    return out
 
 
 def decisions_by_tier(gateway_metrics: str) -> tuple[tuple[str, int, int], ...]:

@@ -31,10 +31,10 @@ from llmgw.cli.demo import (
     WorkloadConfig,
     WorkloadCounts,
     decisions_by_tier,
-    metric_samples,
     render_summary,
 )
 from llmgw.server.profiles import parse_document
+from llmgw.server.router.engines import metric_samples
 
 # --- the demo as a user runs it ------------------------------------------------------------
 

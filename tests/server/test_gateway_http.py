@@ -10,13 +10,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from simserve import sim_engine
+from simserve import free_port, sim_engine
 
 from llmgw.server.router.gateway import Gateway, GatewayConfig
 from llmgw.server.router.policy import make_policy
@@ -201,13 +200,6 @@ async def engines(
             await engine.close()
 
 
-def closed_port() -> int:
-    """A port on 127.0.0.1 where nothing listens (connection refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_routes_by_model_to_ready_replicas_only() -> None:
     async with engines("a1", "a2-draining", "b1") as (a1, a2, b1):
         targets = [
@@ -308,7 +300,7 @@ async def test_client_going_away_closes_the_upstream_connection() -> None:
 
 async def test_retries_another_replica_when_one_refuses_connections() -> None:
     async with engines("ok") as (ok,):
-        dead = Target("r0-dead", "m", f"http://127.0.0.1:{closed_port()}")
+        dead = Target("r0-dead", "m", f"http://127.0.0.1:{free_port()}")
         async with running([dead, Target("r1-ok", "m", ok.url)]) as (gateway, url):
             async with httpx.AsyncClient(base_url=url) as client:
                 for _ in range(3):  # round robin starts on the dead one at least once
@@ -359,7 +351,7 @@ async def test_no_retry_after_the_first_byte() -> None:
 
 
 async def test_503_when_every_replica_fails() -> None:
-    dead = [Target(f"r{i}", "m", f"http://127.0.0.1:{closed_port()}") for i in range(2)]
+    dead = [Target(f"r{i}", "m", f"http://127.0.0.1:{free_port()}") for i in range(2)]
     async with running(dead) as (gateway, url), httpx.AsyncClient(base_url=url) as client:
         reply = await client.post("/v1/completions", json=COMPLETION)
         assert reply.status_code == 503

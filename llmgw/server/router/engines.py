@@ -24,6 +24,7 @@ A replica that leaves the table is forgotten (``on_capacity(replica_id, None)``)
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import math
 import re
@@ -127,6 +128,20 @@ def parse_engine_metrics(text: str) -> EngineSample:
             usage[series] = min(max(value, 0.0), 1.0)
     kv_usage = sum(usage.values()) / len(usage) if usage else None
     return EngineSample(queries, hits, block_size, kv_tokens, kv_usage)
+
+
+def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
+    """The samples of ``name`` in a Prometheus text exposition, with their labels; lines
+    that cannot be read are skipped (for figures shown to a person, not routed on)."""
+    out = []
+    for line in text.splitlines():
+        if not line.startswith(name):
+            continue
+        with contextlib.suppress(ValueError):
+            sample, labels, value = _sample(line)
+            if sample == name:
+                out.append((labels, value))
+    return out
 
 
 def _sample(line: str) -> tuple[str, dict[str, str], float]:
