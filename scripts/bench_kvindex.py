@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: KV blocks from an engine's ZMQ frames to the gateway's index; lookups; memory.
 
-Three figures (issue #6), each beside a baseline measured in the same run:
+Four figures (issue #6), each beside a baseline measured in the same run:
 
 * **Blocks per second, frame to index.** An engine's event stream in vLLM's own format
   (``encode_batch`` map encoding + ``encode_frames``; steps of several ``BlockStored``
@@ -22,6 +22,10 @@ Three figures (issue #6), each beside a baseline measured in the same run:
   memory figure, where one replica holds the request's whole chain and every replica its
   first 32 blocks (a shared system prompt). Baseline: the same match over one Python
   ``set`` per replica (stop at each one's first miss).
+* **Block keys.** ``block_keys`` (one blake2b pass per block, as the agent's mirror and the
+  gateway compute our keys) over a 6k-token prompt in 16- and 128-token blocks. Baseline:
+  the previous definition's code (three blake2b calls per block and an int round trip per
+  parent, before issue #6's rework), which gives the same keys (checked).
 * **Bytes per indexed block** at ``--replicas`` × ``--blocks`` (100 × 100,000), measured
   with ``tracemalloc`` while the index is built: every replica holding its own blocks (the
   worst case: no sharing), and the control server's store (``KvBlocks``: one ``KeySet`` per
@@ -37,12 +41,14 @@ from __future__ import annotations
 
 import argparse
 import gc
+import hashlib
 import json
 import os
 import random
 import sys
 import time
 import tracemalloc
+from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from functools import partial
@@ -59,7 +65,7 @@ from llmgw.kvcache import (
     encode_batch,
     encode_frames,
 )
-from llmgw.kvcache.mirror import BlockMirror, MirrorDelta, pack_hashes
+from llmgw.kvcache.mirror import ROOT_KEY, BlockMirror, MirrorDelta, block_keys, pack_hashes
 from llmgw.server.codec import decode_message
 from llmgw.server.kvblocks import KvBlocks, KvWatcher, decode_kv_delta
 from llmgw.server.router.feed import apply_kv_blocks
@@ -324,6 +330,55 @@ def lookups(index: KvIndex, keys: list[list[int]], seed: int) -> list[dict[str, 
     return rows
 
 
+# --- block keys ------------------------------------------------------------------------------
+
+
+def _previous_block_keys(tokens: Sequence[int], block_size: int) -> list[int]:
+    """Baseline: `block_keys` as llmgw computed them before issue #6's rework (same values):
+    per block, blake2b constructed with the parent's key, then two updates, an int back."""
+    full = len(tokens) // block_size * block_size
+    packed = array("Q", tokens[:full])
+    if sys.byteorder == "big":
+        packed.byteswap()
+    data, step = packed.tobytes(), block_size * 8
+    keys: list[int] = []
+    parent = ROOT_KEY
+    for offset in range(full // block_size):
+        digest = hashlib.blake2b(parent.to_bytes(8, "big"), digest_size=8, person=b"llmgw-block-v1")
+        digest.update(b"\x00")
+        digest.update(data[offset * step : (offset + 1) * step])
+        parent = int.from_bytes(digest.digest(), "big") or 1
+        keys.append(parent)
+    return keys
+
+
+def _cpu_per_call_us(call: Callable[[], object], calls: int = 200) -> float:
+    """The best of 7 loops of ``calls`` calls, in CPU µs per call (``time.process_time``, as
+    for the frame-to-index stages: time another process holds the core is not counted)."""
+    samples = []
+    for _ in range(7):
+        start = time.process_time()
+        for _ in range(calls):
+            call()
+        samples.append((time.process_time() - start) / calls * 1e6)
+    return min(samples)
+
+
+def key_costs(seed: int, prompt_tokens: int = 6_144) -> list[dict[str, float]]:
+    """µs per block of `block_keys` and of the previous code, over one long prompt."""
+    rng = random.Random(seed)
+    tokens = [rng.randrange(128_000) for _ in range(prompt_tokens)]
+    rows: list[dict[str, float]] = []
+    for size in (16, 128):
+        if block_keys(tokens, size) != _previous_block_keys(tokens, size):
+            raise SystemExit("block_keys no longer gives the previous definition's keys")
+        blocks = prompt_tokens // size
+        now = _cpu_per_call_us(partial(block_keys, tokens, size)) / blocks
+        previous = _cpu_per_call_us(partial(_previous_block_keys, tokens, size)) / blocks
+        rows.append({"block_size": size, "now_us": now, "previous_us": previous})
+    return rows
+
+
 # --- report ----------------------------------------------------------------------------------
 
 
@@ -345,6 +400,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     _, dict_bytes = _traced(lambda: _build_bitmask_dict(one))
     assert isinstance(index, KvIndex)
     rows = lookups(index, keys, args.seed + 2)
+    key_rows = key_costs(args.seed + 3)
     seconds = asdict(stages)
     per_process = {name: sum(seconds[s] for s in group) / total * 1e6
                    for name, group in PROCESSES.items()}  # fmt: skip
@@ -361,6 +417,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                    "bitmask_dict_bytes_per_block": dict_bytes / args.blocks,
                    "index_mib": index_bytes / 2**20, "store_mib": store_bytes / 2**20},
         "lookups": rows,
+        "block_keys": key_rows,
     }  # fmt: skip
 
 
@@ -423,6 +480,20 @@ def _lookup_lines(rows: list[dict[str, Any]]) -> list[str]:
     return lines
 
 
+def _key_lines(rows: list[dict[str, Any]]) -> list[str]:
+    lines = ["Block keys: `block_keys` over a 6,144-token prompt (the agent's mirror computes the "
+             "same keys per event); baseline: the previous code, same keys; CPU time, best of 7 "
+             "runs of 200 calls:", "",
+             "| block tokens | previous µs/block | now µs/block | previous ÷ now |",
+             "|---:|---:|---:|---:|"]  # fmt: skip
+    lines += [
+        f"| {row['block_size']} | {row['previous_us']:.2f} | {row['now_us']:.2f} | "
+        f"{row['previous_us'] / row['now_us']:.2f}× |"
+        for row in rows
+    ]
+    return lines
+
+
 def render(result: dict[str, Any], markdown: bool) -> str:
     lines = ["## KV blocks: frame to index, lookups, memory (scripts/bench_kvindex.py)", ""]
     if markdown:
@@ -431,7 +502,8 @@ def render(result: dict[str, Any], markdown: bool) -> str:
         lines += [f"- load average at start: {result['load_at_start']}", ""]
     lines += _stream_lines(result["stream"]) + [""]
     lines += _memory_lines(result["memory"]) + [""]
-    lines += _lookup_lines(result["lookups"])
+    lines += _lookup_lines(result["lookups"]) + [""]
+    lines += _key_lines(result["block_keys"])
     return "\n".join(lines)
 
 

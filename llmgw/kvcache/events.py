@@ -12,7 +12,7 @@ what vLLM's msgspec encoder writes, byte for byte; `decode_batch` reads every va
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, Literal
 
 import msgpack
@@ -53,6 +53,9 @@ _MAX_NESTING: Final = 32  # extra keys are tuples of scalars or pairs; refuse ab
 _V0_9_1: Final = (0, 9, 1)
 _V0_24: Final = (0, 24, 0)
 _V0_26: Final = (0, 26, 0)
+_HASH_TYPES: Final = frozenset((int, bytes))  # exact types: a bool is no block hash
+_INT_TYPE: Final = frozenset((int,))
+_ABSENT: Final = object()  # a map without the field
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,7 +114,7 @@ _Decode = Callable[[object, str], object]
 
 def _describe(value: object) -> str:
     # Never repr a container: msgpack nests up to ~1000 deep, past repr's recursion limit.
-    if type(value) is list:
+    if type(value) is tuple or type(value) is list:  # decoded arrays are tuples
         return f"an array of {len(value)}"
     if type(value) is dict:
         return f"a map of {len(value)}"
@@ -141,26 +144,30 @@ def _hash(value: object, where: str) -> ExternalBlockHash:
     return value
 
 
-def _list(value: object, where: str) -> list[object]:
-    if type(value) is not list:
+def _array(value: object, where: str) -> tuple[object, ...]:
+    if type(value) is not tuple:  # msgpack arrays decode as tuples (use_list=False)
         raise _bad(where, "an array", value)
     return value
 
 
 def _hash_list(value: object, where: str) -> tuple[ExternalBlockHash, ...]:
-    return tuple(_hash(item, f"{where}[{i}]") for i, item in enumerate(_list(value, where)))
+    items = _array(value, where)
+    if _HASH_TYPES.issuperset(map(type, items)):  # every item checked, in C
+        return items  # type: ignore[return-value]
+    return tuple(_hash(item, f"{where}[{i}]") for i, item in enumerate(items))  # says which
 
 
 def _int_list(value: object, where: str) -> tuple[int, ...]:
-    items = _list(value, where)
-    for i, item in enumerate(items):
-        if type(item) is not int:
-            raise _bad(f"{where}[{i}]", "an int", item)
-    return tuple(items)  # type: ignore[arg-type]  # every item checked above
+    items = _array(value, where)
+    if not _INT_TYPE.issuperset(map(type, items)):  # every item checked, in C
+        for i, item in enumerate(items):
+            if type(item) is not int:
+                raise _bad(f"{where}[{i}]", "an int", item)
+    return items  # type: ignore[return-value]  # every item checked above
 
 
 def _frozen(value: object, where: str, depth: int) -> object:
-    if type(value) is list:
+    if type(value) is tuple:
         if depth >= _MAX_NESTING:
             raise KvEventDecodeError(f"{where}: nested deeper than {_MAX_NESTING} arrays")
         return tuple(_frozen(item, f"{where}[{i}]", depth + 1) for i, item in enumerate(value))
@@ -171,16 +178,16 @@ def _frozen(value: object, where: str, depth: int) -> object:
 
 def _extra_keys(value: object, where: str) -> tuple[tuple[object, ...] | None, ...]:
     out: list[tuple[object, ...] | None] = []
-    for i, entry in enumerate(_list(value, where)):
+    for i, entry in enumerate(_array(value, where)):
         if entry is None:
             out.append(None)
         else:
-            out.append(_frozen(_list(entry, f"{where}[{i}]"), f"{where}[{i}]", 1))  # type: ignore[arg-type]
+            out.append(_frozen(_array(entry, f"{where}[{i}]"), f"{where}[{i}]", 1))  # type: ignore[arg-type]
     return tuple(out)
 
 
 def _lookahead(value: object, where: str) -> tuple[tuple[int, ...], ...]:
-    items = _list(value, where)
+    items = _array(value, where)
     return tuple(_int_list(item, f"{where}[{i}]") for i, item in enumerate(items))
 
 
@@ -203,11 +210,19 @@ class _Field:
     required: bool = False  # the decoder refuses an event without it
 
 
+_Step = tuple[str, str, _Decode, bool]  # name, its path in errors, decode, required
+
+
 @dataclass(frozen=True, slots=True)
 class _Schema:
     tag: str
     make: Callable[..., Event]
     fields: tuple[_Field, ...]
+    steps: tuple[_Step, ...] = field(init=False)  # what decoding needs, in fields' order
+
+    def __post_init__(self) -> None:
+        steps = tuple((f.name, "." + f.name, f.decode, f.required) for f in self.fields)
+        object.__setattr__(self, "steps", steps)
 
     def fields_of(self, version: tuple[int, ...]) -> tuple[_Field, ...]:
         return tuple(f for f in self.fields if f.since <= version)
@@ -263,7 +278,7 @@ _SCHEMAS_BY_TYPE: Final[dict[type, _Schema]] = {
 
 def _unpack(payload: bytes) -> object:
     try:
-        return msgpack.unpackb(payload, raw=False, use_list=True, strict_map_key=True)
+        return msgpack.unpackb(payload, raw=False, use_list=False, strict_map_key=True)
     except (ValueError, TypeError, msgpack.UnpackException) as exc:
         raise KvEventDecodeError(f"payload is not a msgpack value: {exc}") from exc
 
@@ -282,39 +297,54 @@ def _missing(where: str, name: str) -> KvEventDecodeError:
     return KvEventDecodeError(f"{where}: missing required field {name!r}")
 
 
-def _event_from_array(items: list[object], where: str) -> Event:
+# Events are decoded with paths relative to the event (``.token_ids[5]``, ``: missing ...``):
+# `_decode_events` puts the event's name in front of an error, so none is made otherwise.
+
+
+def _event_from_array(items: tuple[object, ...]) -> Event:
     if not items:
-        raise KvEventDecodeError(f"{where}: empty event array (no type tag)")
-    schema = _schema_for(items[0], where)
-    values = items[1:]
+        raise KvEventDecodeError(": empty event array (no type tag)")
+    schema = _schema_for(items[0], "")
     kwargs: dict[str, object] = {}
-    for i, spec in enumerate(schema.fields):
-        if i < len(values):
-            kwargs[spec.name] = spec.decode(values[i], f"{where}.{spec.name}")
-        elif spec.required:
-            raise _missing(where, spec.name)
+    for (name, path, decode, _), value in zip(schema.steps, items[1:], strict=False):
+        kwargs[name] = decode(value, path)
+    for name, _, _, required in schema.steps[len(items) - 1 :]:  # fields not sent
+        if required:
+            raise _missing("", name)
     return schema.make(**kwargs)
 
 
-def _event_from_map(items: dict[object, object], where: str) -> Event:
+def _event_from_map(items: dict[object, object]) -> Event:
     if "type" not in items:
-        raise _missing(where, "type")
-    schema = _schema_for(items["type"], where)
+        raise _missing("", "type")
+    schema = _schema_for(items["type"], "")
     kwargs: dict[str, object] = {}
-    for spec in schema.fields:
-        if spec.name in items:
-            kwargs[spec.name] = spec.decode(items[spec.name], f"{where}.{spec.name}")
-        elif spec.required:
-            raise _missing(where, spec.name)
+    for name, path, decode, required in schema.steps:
+        value = items.get(name, _ABSENT)
+        if value is not _ABSENT:
+            kwargs[name] = decode(value, path)
+        elif required:
+            raise _missing("", name)
     return schema.make(**kwargs)
 
 
-def _decode_event(raw: object, where: str) -> Event:
-    if type(raw) is list:
-        return _event_from_array(raw, where)
+def _decode_event(raw: object) -> Event:
+    if type(raw) is tuple:
+        return _event_from_array(raw)
     if type(raw) is dict:
-        return _event_from_map(raw, where)
-    raise _bad(where, "an event (array or map)", raw)
+        return _event_from_map(raw)
+    raise _bad("", "an event (array or map)", raw)
+
+
+def _decode_events(raws: tuple[object, ...]) -> tuple[Event, ...]:
+    """Each event in order; an error names the event (``events[3].token_ids[5]: ...``)."""
+    events: list[Event] = []
+    try:
+        for raw in raws:
+            events.append(_decode_event(raw))  # noqa: PERF401  # its length names a bad one
+    except KvEventDecodeError as exc:
+        raise KvEventDecodeError(f"events[{len(events)}]{exc}") from None
+    return tuple(events)
 
 
 def decode_batch(payload: bytes) -> EventBatch:
@@ -324,16 +354,16 @@ def decode_batch(payload: bytes) -> EventBatch:
     a version does not have are None. Anything malformed raises `KvEventDecodeError`.
     """
     raw = _unpack(payload)
-    if type(raw) is not list or len(raw) < 2:
+    if type(raw) is not tuple or len(raw) < 2:
         raise _bad("batch", "an array [ts, events, data_parallel_rank]", raw)
     ts = raw[0]
     if type(ts) is not float and type(ts) is not int:
         raise _bad("batch.ts", "a float", ts)
-    events = _list(raw[1], "batch.events")
+    events = _array(raw[1], "batch.events")
     rank = _OPT_INT(raw[2], "batch.data_parallel_rank") if len(raw) > 2 else None
     return EventBatch(
         ts=float(ts),
-        events=tuple(_decode_event(ev, f"events[{i}]") for i, ev in enumerate(events)),
+        events=_decode_events(events),
         data_parallel_rank=rank,  # type: ignore[arg-type]  # checked by _OPT_INT
     )
 

@@ -15,7 +15,12 @@ a bytes digest through `external_hash` (its last 8 bytes, big-endian).
 
 **Where a block lives.** A hash may be held in several places at once: KV-cache groups of a
 hybrid model (``group_idx``) and KV-connector tiers (``medium`` CPU/STORAGE, ``locality``,
-``ownership``). A block leaves the mirror only when the last place holding it removes it.
+``ownership``). Within one place vLLM may cache a hash in several blocks (requests that
+compute the same prefix side by side) and then removes it once per block, so the mirror
+counts the copies. A block leaves the mirror only when the last copy in the last place
+holding it is removed. (A request with ``kv_cache_report_mode="full"`` makes vLLM store its
+reused prefix again without a new block; counted as copies, those blocks outlive their
+eviction in the mirror until the engine restarts or clears, a cost only that opt-in pays.)
 
 **Our own keys.** Beside each vLLM hash the mirror keeps a *block key*: `block_key` of the
 parent block's key, the block's token ids and its extra keys as the event publishes them
@@ -72,8 +77,12 @@ UNKNOWN_KEY: Final = 0
 _MASK: Final = (1 << 64) - 1
 _ABSENT: Final = -1  # in the window: the block was not in the mirror when the window began
 _MAX_LOCATIONS: Final = 64  # distinct places; more share one bit that removals never clear
+_OVERFLOW_BIT: Final = 1 << _MAX_LOCATIONS
 _PERSON: Final = b"llmgw-block-v1"  # blake2b personalization: keys of other schemes differ
 _BIG_ENDIAN: Final = sys.byteorder == "big"
+_KEY_HASH: Final = hashlib.blake2b(digest_size=8, person=_PERSON)  # copied for every key
+_KEY_ONE: Final = (1).to_bytes(8, "big")
+_NO_EXTRA_KEYS: Final = b"\x00"
 
 Location = tuple[str | None, int | None, str | None, str | None]  # medium, group, locality, owner
 ExtraKeysFn = Callable[[int, int], tuple[object, ...] | None]
@@ -96,32 +105,69 @@ def _token_bytes(token_ids: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
+def _extra_bytes(extra_keys: tuple[object, ...] | None) -> bytes:
+    """The extra-keys field of a key's message: ``00``, or ``01``, a 4-byte length and CBOR.
+
+    Raises what ``cbor2.dumps`` raises for a value CBOR cannot carry."""
+    if not extra_keys:
+        return _NO_EXTRA_KEYS
+    blob = cbor2.dumps(extra_keys, canonical=True)
+    return b"\x01" + len(blob).to_bytes(4, "big") + blob
+
+
 def block_key(
     parent_key: int, token_ids: Sequence[int], extra_keys: tuple[object, ...] | None = None
 ) -> int:
-    """Our key of one block: blake2b-64 of the parent's key, the extra keys and the tokens.
+    """Our key of one block: one blake2b-64 over the parent's key, extra keys and tokens.
 
-    ``extra_keys`` is the block's entry in the event's ``extra_keys`` (None or a tuple of
-    scalars and tuples, as `llmgw.kvcache.event_extra_keys` gives it); an empty tuple counts as
-    None. Never returns `UNKNOWN_KEY`. Raises ValueError for a token id outside 0..2**64-1.
+    The key is ``int.from_bytes(d, "big") or 1`` where ``d`` is the 8-byte BLAKE2b digest,
+    personalized ``llmgw-block-v1``, of ONE message, hashed in one pass::
+
+        parent_key as 8 bytes big-endian
+        + 00                                              no extra keys
+          | 01 + len(cbor) as 4 bytes big-endian + cbor   cbor = canonical CBOR of extra_keys
+        + every token id as 8 bytes little-endian (uint64)
+
+    The fields are fixed-size or length-prefixed, so two different blocks never share a
+    message. These are the values llmgw computed when it fed the same bytes to blake2b in
+    three calls (a hash is a stream: the split never changed a key), so agents and gateways
+    of either version agree. It is a pure function of its three arguments, the same in
+    every process and on every machine; the agent (`BlockMirror`) and the gateway
+    (`block_keys`) both compute it here. ``extra_keys`` is the block's entry in the event's
+    ``extra_keys`` (None or a tuple of scalars and tuples, as `llmgw.kvcache.event_extra_keys`
+    gives it); an empty tuple counts as None. Never returns `UNKNOWN_KEY` (a zero digest
+    reads as 1). Raises ValueError for a token id outside 0..2**64-1, and what
+    ``cbor2.dumps`` raises for extra keys CBOR cannot encode.
     """
     try:
         tokens = _token_bytes(token_ids)
     except OverflowError as exc:
         raise ValueError(f"a token id does not fit in 64 unsigned bits: {exc}") from exc
-    return _key(parent_key, tokens, extra_keys)
+    return _chain(parent_key, tokens, 1, (_extra_bytes(extra_keys),))[0]
 
 
-def _key(parent_key: int, tokens: bytes, extra_keys: tuple[object, ...] | None) -> int:
-    """`block_key` of tokens already packed by `_token_bytes`."""
-    digest = hashlib.blake2b(parent_key.to_bytes(8, "big"), digest_size=8, person=_PERSON)
-    if extra_keys:
-        blob = cbor2.dumps(extra_keys, canonical=True)
-        digest.update(b"\x01" + len(blob).to_bytes(4, "big") + blob)
-    else:
-        digest.update(b"\x00")
-    digest.update(tokens)
-    return int.from_bytes(digest.digest(), "big") or 1
+def _chain(
+    parent_key: int, packed: bytes, blocks: int, extras: Sequence[bytes] | None
+) -> list[int]:
+    """The keys of ``blocks`` consecutive blocks, each the parent of the next: block ``i``
+    has the ``i``-th of ``blocks`` equal slices of ``packed`` (tokens from `_token_bytes`)
+    and the extra-keys field ``extras[i]`` (`_extra_bytes`; None: no block has any)."""
+    keys: list[int] = []
+    append, new_hash, from_bytes = keys.append, _KEY_HASH.copy, int.from_bytes
+    parent = parent_key.to_bytes(8, "big")
+    step = len(packed) // blocks if blocks else 0
+    end = 0
+    for i in range(blocks):
+        start, end = end, end + step
+        digest = new_hash()  # a copy of the personalized template: no argument parsing
+        extra = _NO_EXTRA_KEYS if extras is None else extras[i]
+        digest.update(parent + extra + packed[start:end])
+        parent = digest.digest()  # the next block's parent bytes, without an int round trip
+        key = from_bytes(parent, "big")
+        if key <= 1:  # a zero digest is key 1, never UNKNOWN_KEY
+            key, parent = 1, _KEY_ONE
+        append(key)
+    return keys
 
 
 def block_keys(
@@ -132,7 +178,7 @@ def block_keys(
     parent: int = ROOT_KEY,
     first_block: int = 0,
 ) -> list[int]:
-    """The keys of the full blocks of ``token_ids`` from block ``first_block`` on.
+    """The keys (`block_key`) of the full blocks of ``token_ids`` from block ``first_block`` on.
 
     ``parent`` is the key of block ``first_block - 1`` (`ROOT_KEY` for block 0), so the keys
     of a longer prompt extend those of an earlier one: ``block_keys(tokens, bs,
@@ -147,13 +193,11 @@ def block_keys(
         packed = _token_bytes(token_ids[first:full])  # once: packing costs ~1/4 of a key
     except OverflowError as exc:
         raise ValueError(f"a token id does not fit in 64 unsigned bits: {exc}") from exc
-    keys: list[int] = []
-    step = block_size * 8
-    for offset, start in enumerate(range(first, full, block_size)):
-        extra = extra_keys_fn(start, start + block_size) if extra_keys_fn is not None else None
-        parent = _key(parent, packed[offset * step : (offset + 1) * step], extra)
-        keys.append(parent)
-    return keys
+    extras = None
+    if extra_keys_fn is not None:
+        starts = range(first, full, block_size)
+        extras = [_extra_bytes(extra_keys_fn(start, start + block_size)) for start in starts]
+    return _chain(parent, packed, (full - first) // block_size, extras)
 
 
 # -- deltas and the wire packing ------------------------------------------------------------
@@ -218,6 +262,7 @@ class BlockMirror:
         self.clears = 0  # AllBlocksCleared applied, ever
         self._blocks: dict[int, int] = {}  # hash → our key
         self._where: dict[int, int] = {}  # hash → location bits, only when not exactly bit 1
+        self._copies: dict[tuple[int, int], int] = {}  # (hash, place bit) → blocks beyond one
         self._locations: dict[Location, int] = {}  # place → its bit
         self._before: dict[int, int] = {}  # window: hash → key at its start, or _ABSENT
         self._reset_pending = True  # the next delta is a full copy
@@ -266,22 +311,22 @@ class BlockMirror:
         """Forget every block; the next delta tells the receiver to do the same."""
         self._blocks.clear()
         self._where.clear()
+        self._copies.clear()
         self._before.clear()
         self._reset_pending = True
 
     def _stored(self, event: BlockStored) -> None:
         if event.group_idx in (None, 0):
             self.block_size = event.block_size
-        bit = self._bit(_location(event.medium, event.group_idx, event.locality, event.ownership))
-        hashes = [normalize_hash(h) for h in event.block_hashes]
+        bit = self._bit(_location(event))
+        hashes = _normalized(event.block_hashes)
         keys = self._event_keys(event, hashes) if self.compute_keys else None
-        for i, block in enumerate(hashes):
-            self._store(block, keys[i] if keys is not None else UNKNOWN_KEY, bit)
+        self._store_all(hashes, [UNKNOWN_KEY] * len(hashes) if keys is None else keys, bit)
 
     def _removed(self, event: BlockRemoved) -> None:
-        bit = self._bit(_location(event.medium, event.group_idx, event.locality, event.ownership))
-        for value in event.block_hashes:
-            self._remove(normalize_hash(value), bit)
+        bit = self._bit(_location(event))
+        for value in event.block_hashes:  # usually one
+            self._remove(value & _MASK if type(value) is int else normalize_hash(value), bit)
 
     def _event_keys(self, event: BlockStored, hashes: list[int]) -> list[int] | None:
         size, tokens = event.block_size, event.token_ids
@@ -295,30 +340,40 @@ class BlockMirror:
                 return None
         try:
             packed = _token_bytes(tokens)
+            extras = _event_extras(event, len(hashes))
         except OverflowError:  # a token id beyond 64 bits
             return None
-        step = size * 8
-        keys: list[int] = []
-        for i in range(len(hashes)):
-            try:
-                parent = _key(parent, packed[i * step : (i + 1) * step], _extra(event, i))
-            except (ValueError, TypeError, cbor2.CBOREncodeError):  # keys cbor2 cannot encode
-                return None
-            keys.append(parent)
-        return keys
+        except (ValueError, TypeError, cbor2.CBOREncodeError):  # keys cbor2 cannot encode
+            return None
+        return _chain(parent, packed, len(hashes), extras)
 
-    def _store(self, block: int, key: int, bit: int) -> None:
-        old = self._blocks.get(block)
-        if old is None:
-            self._note(block, _ABSENT)
-            self._blocks[block] = key
+    def _store_all(self, hashes: list[int], keys: list[int], bit: int) -> None:
+        """Store each block with its key at ``bit``; the loop of every stored block, so the
+        usual case (a block not held yet) is inline."""
+        blocks, before, where = self._blocks, self._before, self._where
+        window = not self._reset_pending  # else a full copy is due: nothing to remember
+        for block, key in zip(hashes, keys, strict=True):
+            old = blocks.get(block)
+            if old is not None:
+                self._store_again(block, key, bit, old)
+                continue
+            if window and block not in before:  # `_note` inline
+                before[block] = _ABSENT
+            blocks[block] = key
             if bit != 1:
-                self._where[block] = bit
-            return
+                where[block] = bit
+
+    def _store_again(self, block: int, key: int, bit: int, old: int) -> None:
+        """Store a block already held (with key ``old``): one more place, or one more copy
+        in a place that holds it (vLLM caches a hash in several blocks when requests compute
+        the same prefix side by side, and removes it once per block); maybe its key."""
         if key != UNKNOWN_KEY and key != old:
             self._note(block, old)
             self._blocks[block] = key
-        mask = self._where.get(block, 1) | bit
+        held = self._where.get(block, 1)
+        if held & bit and bit != _OVERFLOW_BIT:
+            self._copies[(block, bit)] = self._copies.get((block, bit), 0) + 1
+        mask = held | bit
         if mask != 1:
             self._where[block] = mask
 
@@ -326,8 +381,15 @@ class BlockMirror:
         old = self._blocks.get(block)
         if old is None:
             return
+        copies = self._copies.get((block, bit))
+        if copies:  # another block of this place still holds the hash
+            if copies == 1:
+                del self._copies[(block, bit)]
+            else:
+                self._copies[(block, bit)] = copies - 1
+            return
         mask = self._where.get(block, 1)
-        if bit != self._overflow_bit():
+        if bit != _OVERFLOW_BIT:
             mask &= ~bit
         if mask:
             if mask == 1:
@@ -350,14 +412,10 @@ class BlockMirror:
         bit = self._locations.get(where)
         if bit is None:
             if len(self._locations) >= _MAX_LOCATIONS:
-                return self._overflow_bit()
+                return _OVERFLOW_BIT
             bit = 1 << len(self._locations)
             self._locations[where] = bit
         return bit
-
-    @staticmethod
-    def _overflow_bit() -> int:
-        return 1 << _MAX_LOCATIONS
 
     # -- deltas -----------------------------------------------------------------------------
 
@@ -369,17 +427,15 @@ class BlockMirror:
         stored_keys: list[int] = []
         removed: list[int] = []
         removed_keys: list[int] = []
+        blocks = self._blocks
         for block, old in self._before.items():
-            new = self._blocks.get(block)
-            if new is not None and old == _ABSENT:
-                stored.append(block)
-                stored_keys.append(new)
-            elif new is None and old != _ABSENT:
+            new = blocks.get(block)
+            if new == old:
+                continue  # held before and now with the same key
+            if old != _ABSENT:  # gone, or its key became known (or changed): out with the old
                 removed.append(block)
                 removed_keys.append(old)
-            elif new is not None and new != old:  # its key became known (or changed)
-                removed.append(block)
-                removed_keys.append(old)
+            if new is not None:
                 stored.append(block)
                 stored_keys.append(new)
         self._before.clear()
@@ -410,10 +466,20 @@ class BlockMirror:
         return ts or 0.0
 
 
-def _location(
-    medium: str | None, group: int | None, locality: str | None, owner: str | None
-) -> Location:
-    return (medium, group or 0, locality, owner)
+def _location(event: BlockStored | BlockRemoved) -> Location:
+    return (event.medium, event.group_idx or 0, event.locality, event.ownership)
+
+
+def _normalized(values: Sequence[ExternalBlockHash]) -> list[int]:
+    """`normalize_hash` of each value; an int (the usual case) without the function call."""
+    return [v & _MASK if type(v) is int else normalize_hash(v) for v in values]
+
+
+def _event_extras(event: BlockStored, blocks: int) -> list[bytes] | None:
+    """The extra-keys fields (`_extra_bytes`) of an event's blocks; None when none has any."""
+    if event.extra_keys is None and event.lora_name is None:
+        return None
+    return [_extra_bytes(_extra(event, i)) for i in range(blocks)]
 
 
 def _extra(event: BlockStored, i: int) -> tuple[object, ...] | None:

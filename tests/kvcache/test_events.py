@@ -361,12 +361,36 @@ def test_missing_optional_fields_read_as_none() -> None:
         ([1.0, [], "0"], "batch.data_parallel_rank"),
         ({"ts": 1.0}, "batch: expected an array"),
         ([1.0, [{"type": "AllBlocksCleared"}, {"type": 3}], 0], "events[1].type"),
+        ([1.0, [["BlockRemoved", [7, False]]], 0], "events[0].block_hashes[1]"),  # bool
     ],
 )
 def test_malformed_batches_say_what_is_wrong(value: Any, message: str) -> None:
     with pytest.raises(KvEventDecodeError) as info:
         decode_batch(_pack(value))
     assert message in str(info.value)
+
+
+def test_an_error_names_the_event_field_and_item_exactly() -> None:
+    stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None}
+    stored |= {"token_ids": [1, 2, True], "block_size": 3}  # a bool is no token id
+    fine = {"type": "BlockRemoved", "block_hashes": [1]}
+    cases = [
+        ([1.0, [fine, fine, stored], 0], "events[2].token_ids[2]: expected an int, got bool True"),
+        ([1.0, [fine, {"type": "BlockRemoved"}], 0],
+         "events[1]: missing required field 'block_hashes'"),
+        ([1.0, [["BlockStored", [1], None]], 0], "events[0]: missing required field 'token_ids'"),
+        ([1.0, [fine, "x"], 0], "events[1]: expected an event (array or map), got str 'x'"),
+        ([1.0, [[]], 0], "events[0]: empty event array (no type tag)"),
+        ([1.0, [{"type": "BlockStored", "block_hashes": [1], "parent_block_hash": [2]}], 0],
+         "events[0].parent_block_hash: expected a block hash (int or bytes), got an array of 1"),
+        ([1.0, [["BlockStored", [1], None, [1], 1, None, "GPU", None, [None, ["s", {}]]]], 0],
+         "events[0].extra_keys[1][1]: expected nil, a scalar, a string, bytes or an array, "
+         "got a map of 0"),
+    ]  # fmt: skip
+    for value, message in cases:
+        with pytest.raises(KvEventDecodeError) as info:
+            decode_batch(_pack(value))
+        assert str(info.value) == message
 
 
 def test_bad_msgpack_is_a_decode_error() -> None:

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
+import cbor2
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -21,6 +23,7 @@ from llmgw.kvcache import (
     external_hash,
     extra_keys_for_block,
 )
+from llmgw.kvcache import mirror as mirror_module
 from llmgw.kvcache.mirror import (
     ROOT_KEY,
     UNKNOWN_KEY,
@@ -166,6 +169,110 @@ def test_block_keys_extend_a_shorter_prompts_keys() -> None:
         block_keys(tokens, 0)
     with pytest.raises(ValueError, match="64 unsigned bits"):
         block_key(ROOT_KEY, [-1])
+
+
+# -- the key itself, recomputed by hand ------------------------------------------------------
+
+
+def _key_by_hand(parent: int, tokens: list[int], extra_keys: tuple[object, ...] | None) -> int:
+    """`block_key` as its docstring defines it, with nothing but hashlib and cbor2."""
+    message = parent.to_bytes(8, "big")
+    if extra_keys:
+        blob = cbor2.dumps(extra_keys, canonical=True)
+        message += b"\x01" + len(blob).to_bytes(4, "big") + blob
+    else:
+        message += b"\x00"
+    message += b"".join(token.to_bytes(8, "little") for token in tokens)
+    digest = hashlib.blake2b(message, digest_size=8, person=b"llmgw-block-v1").digest()
+    return int.from_bytes(digest, "big") or 1
+
+
+def _chain_by_hand(
+    tokens: list[int], size: int, extra: list[tuple[object, ...] | None], parent: int = ROOT_KEY
+) -> list[int]:
+    keys = []
+    for i in range(len(tokens) // size):
+        parent = _key_by_hand(parent, tokens[i * size : (i + 1) * size], extra[i])
+        keys.append(parent)
+    return keys
+
+
+def test_a_block_key_is_one_blake2b_of_parent_extra_keys_and_tokens() -> None:
+    # Pinned: blake2b(00*8 ‖ 00 ‖ 100..103 as uint64 LE, 8 bytes, person "llmgw-block-v1").
+    assert block_key(ROOT_KEY, [100, 101, 102, 103]) == 0x935551D3845423A8
+    cases: list[tuple[int, list[int], tuple[object, ...] | None]] = [
+        (ROOT_KEY, [100, 101, 102, 103], None),
+        (0x935551D3845423A8, [7, 0, (1 << 64) - 1, 128_000], None),
+        (ROOT_KEY, [100, 101, 102, 103], ("tenant-a",)),
+        (12345, [1, 2], ("sql-lora", ("mm-hash", 3), b"\x00\x01", 2.5, None, True)),
+        ((1 << 64) - 1, [], None),
+    ]
+    for parent, tokens, extra in cases:
+        assert block_key(parent, tokens, extra) == _key_by_hand(parent, tokens, extra)
+    assert block_key(5, [1], ()) == block_key(5, [1]) == _key_by_hand(5, [1], None)
+    # Each input counts: parent, token order, extra keys (and their type: 1 is not True).
+    keys = {block_key(p, t, e) for p, t, e in cases[:4]}
+    keys |= {block_key(1, [100, 101, 102, 103]), block_key(ROOT_KEY, [101, 100, 102, 103])}
+    keys |= {block_key(ROOT_KEY, [1, 2], (1,)), block_key(ROOT_KEY, [1, 2], (True,))}
+    assert len(keys) == 8
+
+
+_EXTRA = st.one_of(
+    st.none(),
+    st.tuples(st.text(max_size=8)),
+    st.tuples(st.text(max_size=4), st.tuples(st.binary(max_size=4), st.integers(0, 99))),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    tokens=st.lists(st.integers(0, (1 << 64) - 1), max_size=40),
+    size=st.integers(1, 8),
+    extra=st.lists(_EXTRA, min_size=40, max_size=40),
+    parent=st.integers(0, (1 << 64) - 1),
+)
+def test_block_keys_and_the_mirror_chain_keys_exactly_as_by_hand(
+    tokens: list[int], size: int, extra: list[tuple[object, ...] | None], parent: int
+) -> None:
+    want = _chain_by_hand(tokens, size, extra, parent)
+    by_fn = block_keys(tokens, size, extra_keys_fn=lambda s, _: extra[s // size], parent=parent)
+    assert by_fn == want
+    assert block_keys(tokens, size, parent=parent) == _chain_by_hand(
+        tokens, size, [None] * 40, parent
+    )
+    blocks = len(want)
+    mirror = BlockMirror()  # the agent's side: a stored event with its extra keys
+    event = BlockStored(
+        tuple(range(1, blocks + 1)), None, tuple(tokens[: blocks * size]), size,
+        extra_keys=tuple(extra[:blocks]),
+    )  # fmt: skip
+    mirror.apply(_batch(event))
+    assert [mirror.key_of(h) for h in event.block_hashes] == _chain_by_hand(tokens, size, extra)
+
+
+class _ZeroDigest:
+    """A blake2b stand-in whose digest is all zeros, recording what it was fed."""
+
+    def __init__(self, fed: list[bytes]) -> None:
+        self.fed = fed
+
+    def copy(self) -> _ZeroDigest:
+        return self
+
+    def update(self, data: bytes) -> None:
+        self.fed.append(bytes(data))
+
+    def digest(self) -> bytes:
+        return bytes(8)
+
+
+def test_a_zero_digest_is_key_1_and_the_next_block_chains_from_key_1(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    fed: list[bytes] = []
+    monkeypatch.setattr(mirror_module, "_KEY_HASH", _ZeroDigest(fed))
+    assert block_keys([5, 6, 7, 8], 2) == [1, 1]  # never UNKNOWN_KEY
+    assert fed[1][:9] == (1).to_bytes(8, "big") + b"\x00"  # the parent's bytes are key 1's
 
 
 def test_hashes_normalize_to_the_events_uint64() -> None:
@@ -326,3 +433,20 @@ def test_net_deltas_applied_to_an_index_reproduce_the_mirror(ops: list[tuple[Any
     apply_delta(index, mirror.take_delta())
     assert index == mirror.blocks()
     assert not mirror.pending and mirror.take_delta().empty
+
+
+def test_a_hash_cached_in_two_blocks_of_one_place_leaves_with_its_last_copy() -> None:
+    """vLLM stores one hash in two blocks (requests computed it side by side) and removes
+    it once per block: the mirror holds it until both are gone, in each place apart."""
+    mirror = BlockMirror()
+    stored = BlockStored((7,), None, (1, 2, 3, 4), 4, medium="GPU")
+    cpu = BlockStored((7,), None, (1, 2, 3, 4), 4, medium="CPU")
+    removed = BlockRemoved(block_hashes=(7,), medium="GPU")
+    mirror.apply(EventBatch(ts=0.0, events=(stored, stored, cpu)))
+    mirror.apply(EventBatch(ts=0.0, events=(removed,)))
+    assert 7 in mirror  # one GPU block and the CPU copy still hold it
+    mirror.apply(EventBatch(ts=0.0, events=(removed, BlockRemoved((7,), medium="CPU"))))
+    assert 7 not in mirror
+    mirror.apply(EventBatch(ts=0.0, events=(stored, stored, AllBlocksCleared())))
+    mirror.apply(EventBatch(ts=0.0, events=(stored, removed)))
+    assert 7 not in mirror  # a clear forgets the copies too
