@@ -12,6 +12,7 @@ import asyncio
 import logging
 import os
 import socket
+import ssl
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ from llmgw.agent.supervisor import Supervisor, SupervisorConfig
 from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo
 from llmgw.protocol import NODE_ID_RULE, valid_node_id
 from llmgw.signals import stop_on_signals
+from llmgw.tls import ALPN_GRPC, TlsFileError, client_context
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +65,7 @@ class AgentConfig:
     drain_settle_s: float = 2.0  # --drain-settle
     kv_events: KvFollowConfig = field(default_factory=KvFollowConfig)
     token: str | None = field(default=None, repr=False)  # --token-file; never logged
+    ca_file: Path | None = None  # --ca-file: TLS to the server, verified against this CA
 
 
 def parse_server(text: str) -> tuple[str, int]:
@@ -119,6 +122,16 @@ def discover(config: AgentConfig, node_id: str) -> NodeInfo:
     return node
 
 
+def _server_tls(ca_file: Path | None) -> ssl.SSLContext | None:
+    """The TLS context for the server's stream: none without a CA file."""
+    if ca_file is None:
+        return None
+    try:
+        return client_context(ca_file, ALPN_GRPC)
+    except TlsFileError as exc:
+        raise AgentConfigError(str(exc)) from exc
+
+
 def _storage_paths(config: AgentConfig) -> list[Path]:
     """The storage paths and model directories (each once), else the state directory."""
     paths = list(dict.fromkeys([*config.storage_paths, *config.model_dirs]))
@@ -129,6 +142,7 @@ class Agent:
     """The agent process: discovery plus the link to the server."""
 
     def __init__(self, config: AgentConfig) -> None:
+        tls = _server_tls(config.ca_file)  # a bad CA file stops the agent before anything runs
         self.config = config
         self.node_id = resolve_node_id(config.state_dir, config.node_id)
         self.node = discover(config, self.node_id)
@@ -151,6 +165,7 @@ class Agent:
                 config.server_port,
                 backoff=config.backoff,
                 token=config.token,
+                tls=tls,
             ),
             node=lambda: self.node,
             telemetry=self.telemetry,

@@ -12,29 +12,36 @@ ends the session. Sessions repeat with jittered, capped backoff for as long as t
 runs; a refused registration (an unsupported protocol version, say) is retried the same
 way, because the server may be upgraded meanwhile. With a ``token`` every session presents
 it (``authorization: Bearer``); a refusal (UNAUTHENTICATED) is logged and retried the same way.
+With a ``tls`` context (``llmgw.tls.client_context``, from ``--ca-file``) the stream runs over
+TLS and the server's certificate is verified, its name against ``host``; a certificate that
+does not verify is logged and retried the same way (it may be replaced meanwhile).
 
 KV deltas do not go through the outbound queue: with a ``kv`` source (the agent's
 `~llmgw.agent.kvevents.KvEventHub`), every session sends a full copy of every engine's
 blocks right after registering, then the net changes as the source batches them. While no
 session runs nothing is taken from the source, so nothing piles up: the next full copy
-covers whatever changed meanwhile.
+covers whatever changed meanwhile. Heartbeats also carry the source's KV event counters
+(``Heartbeat.kv_follow``, `llmgw.agent.kvstats`): each engine's when they changed, every
+engine's on the first heartbeat of a session.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import grpclib.client
 from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from llmgw.agent.backoff import Backoff, BackoffPolicy
+from llmgw.agent.kvstats import follow_stats, follow_stats_delta
 from llmgw.agent.telemetry import telemetry_delta
 from llmgw.api.llmgw.v1 import (
     AgentMessage,
@@ -42,11 +49,16 @@ from llmgw.api.llmgw.v1 import (
     GpuTelemetry,
     Heartbeat,
     KvDelta,
+    KvFollowStats,
     NodeInfo,
     Register,
     ShardStatus,
 )
 from llmgw.protocol import PROTOCOL_VERSION
+from llmgw.tls import describe_tls_error
+
+if TYPE_CHECKING:
+    from llmgw.agent.kvevents import KvEventCounters
 
 log = logging.getLogger(__name__)
 
@@ -66,6 +78,7 @@ class LinkConfig:
     idle_timeout_s: float = 15.0
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
     token: str | None = field(default=None, repr=False)  # sent as a bearer token; never logged
+    tls: ssl.SSLContext | None = field(default=None, repr=False, compare=False)  # None: plaintext
 
 
 class KvSource(Protocol):
@@ -77,6 +90,10 @@ class KvSource(Protocol):
 
     async def next_deltas(self) -> list[KvDelta]:
         """The next batch of net changes (waits until there are some)."""
+        ...
+
+    def counters(self) -> Mapping[str, KvEventCounters]:
+        """Each followed engine's KV event counters, by shard id (for heartbeats)."""
         ...
 
 
@@ -145,12 +162,20 @@ class AgentLink:
                 OSError,
                 TimeoutError,
             ) as exc:
-                self.backoff.failed(_describe(exc))
+                self.backoff.failed(self._why(exc))
             finally:
                 self.stats.connected = False
 
+    def _why(self, exc: BaseException) -> str:
+        """Why a session ended; a plaintext stream cut before registering may be a TLS port."""
+        why = _describe(exc)
+        cut = isinstance(exc, StreamTerminatedError | ConnectionResetError)
+        if cut and self.config.tls is None and not self.stats.connected:
+            why += " before registering (if the server serves TLS, give the agent --ca-file)"
+        return why
+
     async def _session(self) -> None:
-        channel = grpclib.client.Channel(self.config.host, self.config.port)
+        channel = grpclib.client.Channel(self.config.host, self.config.port, ssl=self.config.tls)
         try:
             async with channel.request(
                 CONNECT_PATH,
@@ -192,15 +217,17 @@ class AgentLink:
             raise SessionEnded("the server did not acknowledge the registration")
         interval_ms = reply.registered.heartbeat_interval_ms or 1000
         log.info(
-            "registered with %s:%d (heartbeat every %d ms)",
+            "registered with %s:%d over %s (heartbeat every %d ms)",
             self.config.host,
             self.config.port,
+            "plaintext" if self.config.tls is None else "TLS",
             interval_ms,
         )
         return interval_ms / 1000
 
     async def _heartbeats(self, stream: _Stream, interval_s: float) -> None:
         previous: dict[str, GpuTelemetry] = {}
+        kv_seen: dict[str, KvFollowStats] = {}  # this stream's baseline: new streams get all
         seq = 0
         while True:
             seq += 1
@@ -208,9 +235,19 @@ class AgentLink:
             changed = telemetry_delta(previous, current)
             previous.update((gpu.uuid, gpu) for gpu in changed)
             beat = Heartbeat(seq=seq, sent_at_ms=_mono_ms(), gpus=changed)
+            beat.kv_follow, kv_seen = self._kv_follow(kv_seen)
             await self._send(stream, AgentMessage(heartbeat=beat))
             self.stats.heartbeats += 1
             await asyncio.sleep(interval_s)
+
+    def _kv_follow(
+        self, seen: Mapping[str, KvFollowStats]
+    ) -> tuple[list[KvFollowStats], dict[str, KvFollowStats]]:
+        """The engines' KV event counters that changed since ``seen``, and the new baseline."""
+        if self._kv is None:
+            return [], {}
+        current = follow_stats(self._kv.counters())
+        return follow_stats_delta(seen, current), {s.shard_id: s for s in current}
 
     async def _send_queued(self, stream: _Stream) -> None:
         while True:
@@ -277,4 +314,4 @@ def _describe(exc: BaseException) -> str:
         return f"refused: {exc.status.name}: {exc.message}"
     if isinstance(exc, TimeoutError):
         return "timed out"
-    return str(exc) or type(exc).__name__
+    return describe_tls_error(exc) or str(exc) or type(exc).__name__

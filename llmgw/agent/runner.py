@@ -21,6 +21,7 @@ import enum
 import logging
 import os
 import shlex
+import socket
 import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -84,7 +85,7 @@ class Command:
     """The engine command a shard runs, and its fingerprint."""
 
     launch: LaunchSpec
-    env: Mapping[str, str]  # added to the agent's environment
+    env: Mapping[str, str] = field(repr=False)  # added to the agent's env; holds secrets
     fingerprint: str
 
 
@@ -244,8 +245,26 @@ class ShardRunner:
                 failures += 1
                 delay = policy.delay(failures)
                 await self._failed(failure, delay)
+                if ready_at is None and self._lost_port():
+                    return
                 await asyncio.sleep(delay)
                 self.restarts += 1
+
+    def _lost_port(self) -> bool:
+        """After the engine failed before serving (and is gone): whether another process
+        took its port meanwhile, as happens between the check at StartShard and an engine
+        that binds late. Then the shard gives up (``port_in_use``): restarting would fail
+        the same way, and the server places it on another port at once."""
+        port = self.command.launch.port if self.command is not None else 0
+        taken = port_taken(self.ctx.config.host, port)
+        if not taken:
+            return False
+        self.ctx.records.delete(self.shard_id)
+        self._record = None
+        self.command = self.target = None
+        self.port_in_use = port
+        self.note(f"{taken}; the engine could not listen: not restarted")
+        return True
 
     def adopt(self, process: EngineProcess, record: EngineRecord) -> None:
         """Take over a running engine of a previous agent: LOADING until its probe passes."""
@@ -467,3 +486,21 @@ class ShardRunner:
 def _masked(argv: tuple[str, ...]) -> list[str]:
     """``argv`` with the value of ``--api-key`` hidden, for the log."""
     return ["***" if i and argv[i - 1] == "--api-key" else word for i, word in enumerate(argv)]
+
+
+def port_taken(host: str, port: int) -> str:
+    """Why the engine could not listen on ``port`` (another process holds it), or "".
+
+    Checked before a new shard starts, and after its engine failed before it served: its
+    engine would only fail and be restarted until the server gives up on it; refused
+    (``gave_up`` with ``port_in_use``), the server places it again at once on another
+    port."""
+    if not port:
+        return ""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as engines bind
+        try:
+            s.bind((host, port))
+        except OSError as exc:
+            return f"port {port} on {host} is in use by another process ({exc.strerror})"
+    return ""

@@ -45,6 +45,7 @@ from llmgw.agent.runner import (
     ShardRunner,
     StatusSink,
     SupervisorConfig,
+    port_taken,
 )
 from llmgw.agent.shards import NEW_STATE, engine_env, launch_fingerprint
 from llmgw.api.llmgw.v1 import ControlMessage, ShardState, ShardStatus, StartShard
@@ -162,7 +163,7 @@ class Supervisor:
         except EngineError as exc:
             self._refuse(ctx, message, existing, str(exc))
             return
-        if existing is None and (taken := _port_taken(ctx.config.host, command.launch.port)):
+        if existing is None and (taken := port_taken(ctx.config.host, command.launch.port)):
             log.warning("shard %s: StartShard refused: %s", message.shard_id, taken)
             runner = self._add(ShardRunner(ctx, message, None))
             runner.port_in_use = command.launch.port
@@ -368,22 +369,6 @@ def _refused(message: StartShard, reason: str) -> ShardStatus:
 
 def _unknown(shard_id: str) -> ShardStatus:
     return _status_of(StartShard(shard_id=shard_id), ShardState.STOPPED, "not running on this node")
-
-
-def _port_taken(host: str, port: int) -> str:
-    """Why the engine could not listen on ``port`` (another process holds it), or "".
-
-    Checked before a new shard starts: its engine would only fail and be restarted until
-    the server gives up on it; refused, the server places it again at once."""
-    if not port:
-        return ""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as engines bind
-        try:
-            s.bind((host, port))
-        except OSError as exc:
-            return f"port {port} on {host} is in use by another process ({exc.strerror})"
-    return ""
 
 
 def _free_port() -> int:

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from llmgw.cli.get import render_table
 from llmgw.cli.main import DEFAULT_WEB_URL, CliError
+from llmgw.cli.tls import add_client_ca_flag
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel, RpcError, ServerUnreachable
 
 VIEW_NAMES = ("overview", "nodes", "replicas", "shards", "router", "events")
@@ -44,6 +45,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         help=f"the control server's gRPC-web URL (default: {DEFAULT_WEB_URL})",
     )
     p.add_argument("--token", default=None, help="an operator token, sent as a Bearer token")
+    add_client_ca_flag(p)
     p.add_argument(
         "--read-only", action="store_true", help="hide every action; send no mutating call"
     )

@@ -1,7 +1,10 @@
 """``llmgw demo``: the whole system on loopback, with traffic, ending in the console.
 
 Real processes, logs under ``STATE_DIR/logs``: ``llmgw server`` with its gateway on free
-loopback ports (50051, 8080 and 8000 when free, so ``llmgw get …`` needs no ``--server``);
+loopback ports (50051, 8080 and 8000 when free, so ``llmgw get …`` needs no ``--server``),
+its engines on ``--engine-ports`` or else 20000-29999 when the bottom of that range is free
+and a random free window otherwise (``llmgw.engineports.default_or_window``: a cluster
+started with the defaults may be running beside the demo);
 an ``llmgw agent --simulate FIXTURE`` per node of ``DEMO_NODES``, running the simulated
 vLLM as its ``sim`` engine; ``DEMO_DOCUMENT``'s deployments (KV events on), applied through
 the API; a light ``Workload`` of chat completions through the gateway sharing long system
@@ -42,6 +45,7 @@ from llmgw.cli.console import _logging_to  # the console's own: records off the 
 from llmgw.cli.get import run_get
 from llmgw.cli.main import DEFAULT_WEB_URL, CliError
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
+from llmgw.engineports import NoFreeWindow, PortRange, default_or_window, format_port_range
 from llmgw.server.errors import ProfileError
 from llmgw.server.profiles import parse_document
 from llmgw.server.router.engines import metric_samples
@@ -99,6 +103,7 @@ class DemoOptions:
     duration_s: float | None = None  # None: until the console quits, or Ctrl-C
     state_dir: Path | None = None  # None: a temporary directory, removed afterwards
     rate: float = 3.0  # workload requests per second
+    engine_ports: PortRange | None = None  # None: the default range if free, else a window
 
 
 # --- the processes -------------------------------------------------------------------------
@@ -117,8 +122,12 @@ def free_port(preferred: int = 0) -> int:
 class _Fleet:
     """The server and the agents as child processes, each in a session of its own."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, engine_ports: PortRange | None = None) -> None:
         self.root, self.logs = root, root / "logs"
+        try:
+            self.engine_ports = engine_ports or default_or_window()
+        except NoFreeWindow as exc:
+            raise CliError(f"no engine ports for the demo: {exc}; try --engine-ports") from exc
         self.grpc = f"127.0.0.1:{free_port(DEFAULT_GRPC_PORT)}"
         self.url = f"http://127.0.0.1:{free_port(DEFAULT_HTTP_PORT)}"
         self.gateway = f"http://127.0.0.1:{free_port(DEFAULT_GATEWAY_PORT)}"
@@ -129,7 +138,8 @@ class _Fleet:
         self._spawn("server", "server", "--grpc-listen", self.grpc,
                     "--http-listen", self.url.removeprefix("http://"),
                     "--gateway-listen", self.gateway.removeprefix("http://"),
-                    "--db", str(self.root / "server.db"))  # fmt: skip
+                    "--db", str(self.root / "server.db"),
+                    "--engine-ports", format_port_range(self.engine_ports))  # fmt: skip
         for node_id, fixture in DEMO_NODES:
             self._spawn(node_id, "agent", "--server", self.grpc, "--node-id", node_id,
                         "--simulate", fixture, "--state-dir", str(self.root / node_id),
@@ -377,7 +387,7 @@ def _hit_rate(summary: DemoSummary) -> str:
 def run_demo(options: DemoOptions) -> int:
     """``llmgw demo``: 0 after a clean stop; CliError when it could not come up."""
     with _state_dir(options.state_dir) as root:
-        fleet = _Fleet(root)
+        fleet = _Fleet(root, options.engine_ports)
         try:
             fleet.start()
             return asyncio.run(_run(fleet, options))
@@ -393,7 +403,8 @@ async def _run(fleet: _Fleet, options: DemoOptions) -> int:
     console = not options.headless and sys.stdout.isatty()
     nodes = ", ".join(f"{n} ({f})" for n, f in DEMO_NODES)
     _say(f"control server at {fleet.url} (gRPC-web), state and logs in {fleet.root}",
-         f"OpenAI-compatible gateway at {fleet.gateway}/v1", f"starting nodes {nodes}")  # fmt: skip
+         f"OpenAI-compatible gateway at {fleet.gateway}/v1", f"starting nodes {nodes}, "
+         f"engines on ports {format_port_range(fleet.engine_ports)}")  # fmt: skip
     with stop_on_signals(stop):
         async with GrpcWebChannel(fleet.url) as channel:
             client = ControlClient(channel)

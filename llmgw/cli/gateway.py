@@ -5,7 +5,9 @@ the replicas from the control server's router feed (``llmgw.server.router.feed``
 gateways scale out beside one control server. While the control server is away it keeps
 routing with the last replicas it knew and reconnects by itself. SIGINT and SIGTERM stop
 it: the listener closes, requests in flight are cancelled, the feed's channel is closed.
-With ``--token-file`` the feed presents a gateway-role token. The event loop is uvloop's.
+With ``--token-file`` the feed presents a gateway-role token; with ``--ca-file`` the feed
+runs over TLS, verifying the control server's certificate; with ``--tls-cert`` and
+``--tls-key`` the OpenAI port serves TLS. The event loop is uvloop's.
 This module imports only the standard library at import time; the gateway is imported when
 the command runs.
 """
@@ -18,10 +20,14 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmgw.cli.apikeys import add_key_file_flag, gateway_api_keys
 from llmgw.cli.main import GATEWAY_POLICIES, CliError
+from llmgw.cli.tls import add_ca_flag, add_listen_flags, connect_context, listen_files
 from llmgw.signals import stop_on_signals
 
 if TYPE_CHECKING:
+    import ssl
+
     import grpclib.client
     import grpclib.events
 
@@ -69,6 +75,15 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="FILE",
         help="a gateway-role token to present to the control server's router feed",
     )
+    add_ca_flag(p, "the control server's router feed")
+    add_listen_flags(p, "the OpenAI port")
+    p.add_argument(
+        "--debug-kv-index",
+        action="store_true",
+        help="serve GET /debug/kv_index: every replica's indexed KV block keys, for tests "
+        "and scripts/chaos.py; unauthenticated, never on a reachable address",
+    )
+    add_key_file_flag(p, "--api-key-file")
     p.set_defaults(command=run_gateway_command)
 
 
@@ -84,29 +99,53 @@ def host_port(text: str, flag: str) -> tuple[str, int]:
 def run_gateway_command(args: argparse.Namespace) -> int:
     from llmgw.server.router.gateway import GatewayConfig
     from llmgw.server.router.policy import POLICIES
+    from llmgw.tls import ALPN_GRPC
 
     server = host_port(args.server, "--server")
     host, port = host_port(args.listen, "--listen")
     if args.policy not in POLICIES:
         raise CliError(f"--policy {args.policy!r} is not one of {', '.join(POLICIES)}")
-    config = GatewayConfig(host=host, port=port, policy=args.policy)
+    config = GatewayConfig(
+        host=host,
+        port=port,
+        policy=args.policy,
+        api_keys=gateway_api_keys(args.api_key_file, "--api-key-file"),
+        debug_kv_index=args.debug_kv_index,
+        tls=_listen_context(args),
+    )
+    feed_tls = connect_context(args.ca_file, ALPN_GRPC)
     token = None
     if args.token_file is not None:
         from llmgw.cli.token import read_token_file
 
         token = read_token_file(args.token_file, "--token-file")
     try:
-        _run_on_uvloop(server, config, token)
+        _run_on_uvloop(server, config, token, feed_tls)
     except OSError as exc:
         raise CliError(f"cannot serve: {exc}") from exc
     return 0
 
 
-def _run_on_uvloop(server: tuple[str, int], config: GatewayConfig, token: str | None) -> None:
+def _listen_context(args: argparse.Namespace) -> ssl.SSLContext | None:
+    from llmgw.tls import ALPN_HTTP1, TlsFileError, server_context
+
+    files = listen_files(args)
+    try:
+        return None if files is None else server_context(files, ALPN_HTTP1)
+    except TlsFileError as exc:
+        raise CliError(str(exc)) from exc
+
+
+def _run_on_uvloop(
+    server: tuple[str, int],
+    config: GatewayConfig,
+    token: str | None,
+    feed_tls: ssl.SSLContext | None,
+) -> None:
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(run_gateway(server, config, token=token))
+        runner.run(run_gateway(server, config, token=token, feed_tls=feed_tls))
 
 
 def with_bearer(channel: grpclib.client.Channel, token: str | None) -> grpclib.client.Channel:
@@ -129,8 +168,10 @@ async def run_gateway(
     stop: asyncio.Event | None = None,
     *,
     token: str | None = None,
+    feed_tls: ssl.SSLContext | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (or ``stop`` is set), following ``server``'s feed."""
+    """Serve until SIGINT/SIGTERM (or ``stop`` is set), following ``server``'s feed (over
+    TLS with ``feed_tls``, a client context)."""
     from llmgw.server.router.feed import feed_channel, follow
     from llmgw.server.router.gateway import Gateway
     from llmgw.server.router.table import RoutingTable
@@ -141,14 +182,16 @@ async def run_gateway(
     host, port = await gateway.start()
     try:
         log.info(
-            "llmgw gateway: OpenAI API on http://%s:%d (policy %s), following %s:%d",
+            "llmgw gateway: OpenAI API on %s://%s:%d (policy %s), following %s:%d over %s",
+            "http" if config.tls is None else "https",
             host,
             port,
             config.policy,
             *server,
+            "plaintext" if feed_tls is None else "TLS",
         )
         with stop_on_signals(stop):
-            channel = lambda: with_bearer(feed_channel(*server), token)  # noqa: E731
+            channel = lambda: with_bearer(feed_channel(*server, ssl=feed_tls), token)  # noqa: E731
             await follow(channel, table, stop=stop, index=gateway.kv_index)
     finally:
         await gateway.stop()

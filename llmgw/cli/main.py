@@ -30,6 +30,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     command: Command = args.command
     try:
         _use_client_token(args)
+        _use_client_tls(args)
         return command(args)
     except KeyboardInterrupt:
         return 130
@@ -77,8 +78,9 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "server",
         help="run the control server",
         description="Run the control server: native gRPC for agents and "
-        "operators, gRPC-web and /healthz for the console and browsers, and the "
-        "OpenAI-compatible gateway (`llmgw gateway` runs more of them beside it).",
+        "operators, gRPC-web, /healthz and /metrics for the console, browsers and "
+        "Prometheus, and the OpenAI-compatible gateway (`llmgw gateway` runs more of "
+        "them beside it).",
     )
     p.add_argument(
         "--grpc-listen",
@@ -90,7 +92,7 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         "--http-listen",
         default="127.0.0.1:8080",
         metavar="HOST:PORT",
-        help="gRPC-web and health (HTTP/1.1) address (default: 127.0.0.1:8080)",
+        help="gRPC-web, /healthz and /metrics (HTTP/1.1) address (default: 127.0.0.1:8080)",
     )
     p.add_argument(
         "--gateway-listen",
@@ -104,6 +106,7 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="NAME",
         help=f"the gateway's routing policy: {GATEWAY_POLICIES} (default: prefix)",
     )
+    _add_gateway_keys(p)
     p.add_argument(
         "--db",
         type=Path,
@@ -146,6 +149,14 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="FILE",
         help="agents must present the token in FILE to join (turns authentication on)",
     )
+    p.add_argument(
+        "--engine-ports",
+        default="20000-29999",
+        metavar="LO-HI",
+        help="the ports new engines are given, the lowest free first (default: "
+        "20000-29999); running replicas keep theirs when it changes",
+    )
+    _add_listen_tls(p, "the gRPC, gRPC-web and gateway ports")
     p.set_defaults(command=_run_server)
 
 
@@ -256,6 +267,7 @@ def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="FILE",
         help="the join token (or an agent token) to present to the control server",
     )
+    _add_ca(p, "the control server")
     p.set_defaults(command=_run_agent)
 
 
@@ -362,6 +374,13 @@ def _add_demo(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="DIR",
         help="keep the demo's database and agent state here (default: a temp dir)",
     )
+    p.add_argument(
+        "--engine-ports",
+        default=None,
+        metavar="LO-HI",
+        help="the engines' ports (default: 20000-29999 when its bottom is free, "
+        "else a free window of 200 ports)",
+    )
     p.set_defaults(command=_run_demo)
 
 
@@ -369,6 +388,12 @@ def _add_sim_engine(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     from llmgw.cli.simengine import add_parser
 
     add_parser(sub)
+
+
+def _add_gateway_keys(p: argparse.ArgumentParser) -> None:
+    from llmgw.cli.apikeys import add_key_file_flag
+
+    add_key_file_flag(p, "--gateway-api-key-file")
 
 
 def _add_gateway(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -390,6 +415,7 @@ def _add_token(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def _add_server_url(p: argparse.ArgumentParser) -> None:
+    from llmgw.cli.tls import add_client_ca_flag
     from llmgw.cli.token import add_client_flags
 
     p.add_argument(
@@ -399,6 +425,19 @@ def _add_server_url(p: argparse.ArgumentParser) -> None:
         help=f"the control server's gRPC-web URL (default: {DEFAULT_WEB_URL})",
     )
     add_client_flags(p)
+    add_client_ca_flag(p)
+
+
+def _add_listen_tls(p: argparse.ArgumentParser, ports: str) -> None:
+    from llmgw.cli.tls import add_listen_flags
+
+    add_listen_flags(p, ports)
+
+
+def _add_ca(p: argparse.ArgumentParser, what: str) -> None:
+    from llmgw.cli.tls import add_ca_flag
+
+    add_ca_flag(p, what)
 
 
 def _use_client_token(args: argparse.Namespace) -> None:
@@ -409,6 +448,16 @@ def _use_client_token(args: argparse.Namespace) -> None:
     from llmgw.client.channel import bearer_token
 
     bearer_token.set(client_token(args))
+
+
+def _use_client_tls(args: argparse.Namespace) -> None:
+    """Give every gRPC-web channel this command opens the CA it was told (if any)."""
+    if not hasattr(args, "client_ca_file"):  # only gRPC-web clients have it
+        return
+    from llmgw.cli.tls import client_ca
+    from llmgw.client.channel import trusted_ca
+
+    trusted_ca.set(client_ca(args))
 
 
 def _setup_logging(level: str) -> None:
@@ -474,5 +523,16 @@ def _run_demo(args: argparse.Namespace) -> int:
 
     if args.rate <= 0:
         raise CliError(f"--rate must be positive, got {args.rate:g}")
-    options = DemoOptions(args.headless, args.duration, args.state_dir, args.rate)
+    ports = engine_ports_flag(args.engine_ports)
+    options = DemoOptions(args.headless, args.duration, args.state_dir, args.rate, ports)
     return run_demo(options)
+
+
+def engine_ports_flag(text: str | None) -> tuple[int, int] | None:
+    """``--engine-ports LO-HI`` (``llmgw server``, ``llmgw demo``); None when not given."""
+    from llmgw.engineports import PortRangeError, parse_port_range
+
+    try:
+        return None if text is None else parse_port_range(text)
+    except PortRangeError as exc:
+        raise CliError(f"--engine-ports {exc}") from exc

@@ -21,7 +21,10 @@ from llmgw.agent.daemon import (
 from llmgw.agent.discovery import DiscoveryError
 from llmgw.agent.engines import EngineError, engine_binaries
 from llmgw.agent.shards import RestartPolicy
-from llmgw.cli.main import CliError
+from llmgw.cli.apikeys import gateway_api_keys
+from llmgw.cli.main import CliError, engine_ports_flag
+from llmgw.cli.tls import listen_files
+from llmgw.engineports import DEFAULT_ENGINE_PORTS
 from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
 from llmgw.server.errors import ServerError
 
@@ -40,7 +43,10 @@ def run_server_command(args: argparse.Namespace) -> int:
             test_hooks=args.test_hooks,
             gateway_listen=_gateway_listen(args.gateway_listen),
             gateway_policy=_gateway_policy(args.gateway_policy),
+            gateway_api_keys=gateway_api_keys(args.gateway_api_key_file, "--gateway-api-key-file"),
             join_token=_token_file(args.join_token_file, "--join-token-file"),
+            tls=listen_files(args),
+            engine_ports=engine_ports_flag(args.engine_ports) or DEFAULT_ENGINE_PORTS,
         )
         asyncio.run(run_server(config))
     except ServerError as exc:
@@ -71,6 +77,7 @@ def run_agent_command(args: argparse.Namespace) -> int:
             startup_timeout_s=_positive(args.startup_timeout, "--startup-timeout"),
             drain_settle_s=_not_negative(args.drain_settle, "--drain-settle"),
             token=_token_file(args.token_file, "--token-file"),
+            ca_file=args.ca_file,
             **({"hostname": args.hostname} if args.hostname else {}),
         )
         if args.discover:

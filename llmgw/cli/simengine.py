@@ -181,6 +181,12 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
         help="exit 1 at the end of the load, as a failed engine start",
     )
     p.add_argument(
+        "--sim-test-hooks",
+        action="store_true",
+        help="serve the test hooks under /sim/ (drop KV event batches on demand); "
+        "never on an engine others can reach",
+    )
+    p.add_argument(
         "--sim-kv-event-encoding",
         choices=("map", "array"),
         default=None,
@@ -243,6 +249,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Si
             load_s=args.sim_load_seconds,
             crash_after=args.sim_crash_after,
             fail_start=args.sim_fail_start,
+            test_hooks=args.sim_test_hooks,
         ),
     ).validate()
 

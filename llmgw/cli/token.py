@@ -51,7 +51,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     listing = verbs.add_parser("list", help="list tokens (ids, roles, created; never a token)")
     _add_db(listing)
     listing.set_defaults(command=run_list)
-    revoke = verbs.add_parser("revoke", help="revoke a token by id")
+    revoke = verbs.add_parser(
+        "revoke",
+        help="revoke a token by id; a running server also ends the streams open with it",
+    )
     revoke.add_argument("token_id", type=int, metavar="ID")
     _add_db(revoke)
     revoke.set_defaults(command=run_revoke)

@@ -6,6 +6,12 @@ Requests are ``application/grpc-web+proto`` POSTs carrying one frame
 as HTTP headers instead. Frames are parsed as the bytes arrive, so a server stream yields
 each message as soon as it is complete.
 
+TLS: an ``https://`` URL means TLS, the server's certificate verified against the channel's
+``ca_file`` (else ``trusted_ca``, which the CLI sets from ``--ca-file`` or
+``$LLMGW_CA_FILE``, else the system's trust store) and its name against the URL's host.
+A certificate that does not verify, a plaintext URL for a TLS port and the reverse are
+``ServerUnreachable`` saying so.
+
 Timeouts: a unary call has ``Timeouts.call`` in all (sent to the server as ``grpc-timeout``
 too); a server stream has only the connect timeout and no read timeout, since a quiet watch
 is healthy.
@@ -15,10 +21,12 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import ssl
 import warnings
 from collections.abc import AsyncIterator, Iterator, Mapping
 from contextlib import asynccontextmanager, contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 from typing import Final, Generic, Self, TypeVar
 
@@ -28,8 +36,9 @@ from grpclib.const import Status
 from grpclib.metadata import decode_grpc_message, encode_timeout
 
 from llmgw.client.errors import ClientError, ProtocolViolation, RpcError, ServerUnreachable
+from llmgw.tls import TlsFileError, client_context, describe_tls_error, find_tls_error
 
-__all__ = ["GrpcWebChannel", "Timeouts"]
+__all__ = ["GrpcWebChannel", "Timeouts", "bearer_token", "trusted_ca"]
 
 T = TypeVar("T", bound=betterproto2.Message)
 
@@ -66,6 +75,13 @@ bearer_token: contextvars.ContextVar[str | None] = contextvars.ContextVar(
 CLI sets it from ``--token``, ``--token-file`` or ``$LLMGW_TOKEN``)."""
 
 
+trusted_ca: contextvars.ContextVar[Path | None] = contextvars.ContextVar(
+    "llmgw_trusted_ca", default=None
+)
+"""The CA file a channel to an ``https://`` URL verifies the server against when it is given
+none itself (the CLI sets it from ``--ca-file`` or ``$LLMGW_CA_FILE``)."""
+
+
 def _with_token(headers: Mapping[str, str] | None) -> dict[str, str]:
     merged = dict(headers or {})
     token = bearer_token.get()
@@ -85,10 +101,12 @@ class GrpcWebChannel:
         headers: Mapping[str, str] | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
         max_message_bytes: int = _DEFAULT_MAX_MESSAGE_BYTES,
+        ca_file: Path | None = None,
     ) -> None:
         self.base_url = base_url.rstrip("/")
         self._timeouts = timeouts
         self._max_message_bytes = max_message_bytes
+        verify = _verify(self.base_url, ca_file or trusted_ca.get())  # may raise: not open yet
         self._closed = False
         with _translate_transport_errors(self.base_url, None):
             self._http = httpx.AsyncClient(
@@ -103,6 +121,7 @@ class GrpcWebChannel:
                 timeout=httpx.Timeout(None, connect=timeouts.connect, pool=timeouts.connect),
                 transport=transport,
                 trust_env=True,  # operators behind an HTTP proxy set HTTPS_PROXY
+                verify=verify,
             )
 
     async def __aenter__(self) -> Self:
@@ -182,24 +201,54 @@ class GrpcWebChannel:
             yield response, _ReplyDecoder(reply_type, self._max_message_bytes, header_status)
 
 
+def _verify(url: str, ca_file: Path | None) -> ssl.SSLContext | bool:
+    """How to verify an ``https://`` server (``True``: unused, the URL is plaintext)."""
+    if not url.lower().startswith("https://"):
+        return True
+    try:
+        return client_context(ca_file)
+    except TlsFileError as exc:
+        raise ClientError(str(exc)) from exc
+
+
 @contextmanager
 def _translate_transport_errors(url: str, call_timeout: float | None) -> Iterator[None]:
     """The one place where httpx's (and asyncio's timeout) exceptions become ours."""
     try:
         yield
     except (httpx.ConnectError, httpx.ConnectTimeout) as exc:
-        raise ServerUnreachable(url, f"cannot connect ({_describe(exc)})") from exc
+        raise ServerUnreachable(url, _connect_failure(exc)) from exc
     except (httpx.UnsupportedProtocol, httpx.InvalidURL) as exc:
         raise ClientError(f"{url}: not a usable server URL ({exc})") from exc
     except (httpx.TimeoutException, TimeoutError) as exc:
         within = "" if call_timeout is None else f" within {call_timeout:g} s"
         raise RpcError(Status.DEADLINE_EXCEEDED, f"no reply{within}") from exc
+    except httpx.RemoteProtocolError as exc:
+        raise ServerUnreachable(url, _lost(url, exc)) from exc
     except httpx.TransportError as exc:
         raise ServerUnreachable(url, f"connection lost ({_describe(exc)})") from exc
 
 
 def _describe(exc: Exception) -> str:
     return str(exc) or type(exc).__name__
+
+
+def _connect_failure(exc: Exception) -> str:
+    words = describe_tls_error(exc)
+    if words is None:
+        return f"cannot connect ({_describe(exc)})"
+    if isinstance(find_tls_error(exc), ssl.SSLCertVerificationError):
+        return f"{words}; give the CA that signed it (--ca-file or $LLMGW_CA_FILE)"
+    return f"{words}; does this port serve TLS? (an http:// URL is plaintext)"
+
+
+def _lost(url: str, exc: Exception) -> str:
+    """A TLS port hangs up on a plaintext request without a word (httpx's text for that
+    case, not for a reply cut short): say that TLS may be why."""
+    text = _describe(exc)
+    plaintext = url.lower().startswith("http://")
+    hint = "; if the server uses TLS, use an https:// URL" if plaintext else ""
+    return f"connection lost ({text}){hint if 'without sending a response' in text else ''}"
 
 
 def _frame(flag: int, payload: bytes) -> bytes:

@@ -7,10 +7,15 @@ API keys) is on the native port only. Unless turned off, the OpenAI gateway
 (``llmgw.server.router``) serves on a third port, fed in process from the plane. SIGINT and
 SIGTERM stop every port, flush heartbeat times and close the database. The reconciler
 (``llmgw.server.reconcile_loop``) runs in the same loop, unless turned off or test hooks are
-on.
+on. The gRPC-web port also serves the server's own Prometheus metrics on ``/metrics``
+(``llmgw.server.metrics``: agents' KV event counters, the KV block store).
 
 Every call on the native and the gRPC-web port is checked by one
 ``llmgw.server.auth.Authenticator`` (off, and said so loudly, while there are no tokens).
+
+With a certificate and its key (``ServerConfig.tls``, ``--tls-cert``/``--tls-key``) every
+port serves TLS only (``llmgw.tls``: ALPN h2 on the native port, http/1.1 on the others);
+a file that cannot be read or used is a ``ConfigError`` naming it, before anything binds.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +32,7 @@ from pathlib import Path
 import grpclib.server
 import uvicorn
 
+from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.server.agentsvc import AgentService
 from llmgw.server.auth import Authenticator, install
 from llmgw.server.codec import CheckedProtoCodec, install_message_limit
@@ -33,13 +40,16 @@ from llmgw.server.controlsvc import ControlService
 from llmgw.server.errors import ConfigError
 from llmgw.server.grpcweb import GrpcWebApp
 from llmgw.server.inventory import InventoryConfig
+from llmgw.server.metrics import server_metrics
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
+from llmgw.server.router.apikeys import ApiKeys
 from llmgw.server.router.gateway import Gateway, GatewayConfig
 from llmgw.server.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.store import Store
 from llmgw.server.testhooks import AgentCommandHook
 from llmgw.signals import stop_on_signals
+from llmgw.tls import ALPN_GRPC, ALPN_HTTP1, TlsFileError, TlsFiles, server_context
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +100,32 @@ class ServerConfig:
     reconcile_every_s: float = 1.0  # a round at least this often, and after every change
     gateway_listen: Listen | None = None  # the in-server OpenAI gateway; None: none
     gateway_policy: str = "prefix"  # llmgw.server.router.policy.POLICIES
+    gateway_api_keys: ApiKeys = ApiKeys()  # clients' keys for the gateway's /v1; none: open
     join_token: str | None = field(default=None, repr=False)  # agents' token; never logged
+    tls: TlsFiles | None = None  # --tls-cert/--tls-key: TLS on every port; None: plaintext
+    engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports: the engines' port range
+
+
+@dataclass(frozen=True, slots=True)
+class _PortTls:
+    """One server context per kind of port (they differ in ALPN); all None: plaintext."""
+
+    grpc: ssl.SSLContext | None = None
+    http: ssl.SSLContext | None = None
+
+    @classmethod
+    def load(cls, files: TlsFiles | None) -> _PortTls:
+        """Read the certificate and key; a ConfigError naming a file that will not do."""
+        if files is None:
+            return cls()
+        try:
+            return cls(server_context(files, ALPN_GRPC), server_context(files, ALPN_HTTP1))
+        except TlsFileError as exc:
+            raise ConfigError(str(exc)) from exc
+
+    @property
+    def scheme(self) -> str:
+        return "http" if self.http is None else "https"
 
 
 class _GatewaySlot:
@@ -114,6 +149,7 @@ class _EmbeddedUvicorn(uvicorn.Server):
 async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set)."""
     stop = stop or asyncio.Event()
+    tls = _PortTls.load(config.tls)  # before anything binds or opens
     install_message_limit()
     async with Store(config.db_path) as store:
         plane = ControlPlane(store, InventoryConfig(grace_s=config.node_grace_s))
@@ -128,10 +164,10 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
         )
         auth = Authenticator(store, join_token=config.join_token)
         install(grpc, auth)
-        await grpc.start(config.grpc_listen.host, config.grpc_listen.port)
-        web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents, auth))
+        await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
+        web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents, auth, tls.http))
         try:
-            async with _gateway(config, plane) as served, asyncio.TaskGroup() as tasks:
+            async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
                 slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
                 web_task = tasks.create_task(web.serve(), name="grpc-web")
                 tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
@@ -141,7 +177,7 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
                     if loop is not None
                     else None
                 )
-                await _serving_message(config, auth)
+                await _serving_message(config, auth, tls)
                 with stop_on_signals(stop):
                     await _first_of(stop, web_task)
                 web.should_exit = True
@@ -160,13 +196,19 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
 
 
 def _gateway(
-    config: ServerConfig, plane: ControlPlane
+    config: ServerConfig, plane: ControlPlane, tls: ssl.SSLContext | None
 ) -> contextlib.AbstractAsyncContextManager[object]:
     if config.gateway_listen is None:
         log.info("the in-server gateway is off")
         return contextlib.nullcontext()
     listen = config.gateway_listen
-    gateway = GatewayConfig(host=listen.host, port=listen.port, policy=config.gateway_policy)
+    gateway = GatewayConfig(
+        host=listen.host,
+        port=listen.port,
+        policy=config.gateway_policy,
+        tls=tls,
+        api_keys=config.gateway_api_keys,
+    )
     return serve_gateway(plane, gateway)
 
 
@@ -179,15 +221,23 @@ def _reconcile_loop(
     if config.test_hooks:
         log.warning("test hooks on: the reconciler is off (it would stop the hooks' shards)")
         return None
-    return ReconcileLoop(plane, agents.send)
+    return ReconcileLoop(plane, agents.send, port_range=config.engine_ports)
 
 
 def _uvicorn_config(
-    config: ServerConfig, control: ControlService, agents: AgentService, auth: Authenticator
+    config: ServerConfig,
+    control: ControlService,
+    agents: AgentService,
+    auth: Authenticator,
+    tls: ssl.SSLContext | None,
 ) -> uvicorn.Config:
     app: GrpcWebApp | AgentCommandHook
     app = GrpcWebApp(
-        services=[control], max_message_bytes=config.max_message_bytes, authorize=auth.check
+        services=[control],
+        max_message_bytes=config.max_message_bytes,
+        authorize=auth.check,
+        guard=auth.guard,  # a revoked token's open calls end (llmgw.server.auth)
+        metrics=lambda: server_metrics(agents.plane, len(agents.connections)),
     )
     if config.test_hooks:
         log.warning("test hooks on: POST /debug/agents/NODE/command sends commands to agents")
@@ -200,6 +250,7 @@ def _uvicorn_config(
         access_log=False,
         log_level="warning",
         timeout_graceful_shutdown=2,
+        ssl_context_factory=None if tls is None else (lambda _config, _default: tls),
     )
 
 
@@ -219,7 +270,7 @@ async def _first_of(stop: asyncio.Event, web_task: asyncio.Task[None]) -> None:
         raise ConfigError("the gRPC-web port stopped serving (is the address in use?)")
 
 
-async def _serving_message(config: ServerConfig, auth: Authenticator) -> None:
+async def _serving_message(config: ServerConfig, auth: Authenticator, tls: _PortTls) -> None:
     if not await auth.enabled():
         log.warning(
             "authentication is off: no tokens (anyone who reaches these ports may act); "
@@ -227,8 +278,10 @@ async def _serving_message(config: ServerConfig, auth: Authenticator) -> None:
             config.db_path,
         )
     log.info(
-        "llmgw server: gRPC on %s, gRPC-web on http://%s, state in %s",
+        "llmgw server: gRPC on %s (%s), gRPC-web on %s://%s, state in %s",
         config.grpc_listen,
+        "plaintext" if tls.grpc is None else "TLS",
+        tls.scheme,
         config.http_listen,
         config.db_path,
     )

@@ -17,8 +17,21 @@ re-read at most every ``refresh_s`` and, on an unknown token, at most every
 once, the first one turns authentication on within ``refresh_s``, and a revoked token stops
 working within ``refresh_s``.
 
-The native port calls :meth:`Authenticator.check` from a grpclib ``RecvRequest`` event
-(:func:`install`); the gRPC-web port calls it before dispatching. A missing or unknown
+**Revocation ends calls already open.** A call let in with a stored token runs its handler
+through :meth:`Authenticator.guard`, which keeps the handler's task under the token's
+:class:`Principal` while it runs: a Watch (console), a router Feed (gateway), an agent's
+Connect made with an ``agent`` token, and unary calls alike. While any such call is open, one
+task re-reads the tokens every ``revoke_check_s`` (one small query per interval, never per
+message; it stops when the last call ends), and every re-read, whoever triggers it, cancels
+the calls of tokens no longer stored: each ends with UNAUTHENTICATED "the bearer token was
+revoked", and new calls with that token are refused. ``llmgw token revoke`` writes the
+server's file, so an open stream ends within about ``revoke_check_s`` of it. The join token
+(``--join-token-file``) lives in the server's configuration, not the store: it cannot be
+revoked while the server runs, so calls made with it are not kept.
+
+The native port calls :meth:`Authenticator.check` from a grpclib ``RecvRequest`` event and
+wraps the handler in :meth:`Authenticator.guard` there (:func:`install`); the gRPC-web port
+calls ``check`` before dispatching and runs the handler through ``guard``. A missing or unknown
 token answers UNAUTHENTICATED, a known token of a role that may not call the method
 PERMISSION_DENIED naming the role needed. The caller of an authorized call is kept in a
 context variable (:func:`current_actor`) for the audit log. Tokens never reach a log.
@@ -26,6 +39,7 @@ context variable (:func:`current_actor`) for the audit log. Tokens never reach a
 
 from __future__ import annotations
 
+import asyncio
 import contextvars
 import enum
 import hashlib
@@ -33,9 +47,9 @@ import hmac
 import logging
 import secrets
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar, cast
 
 import grpclib.events
 import grpclib.server
@@ -47,6 +61,12 @@ log = logging.getLogger(__name__)
 TOKEN_PREFIX = "llmgw_"
 ANONYMOUS_ACTOR = "operator"
 """The audit actor when authentication is off."""
+REVOKED = "the bearer token was revoked"
+"""The message of UNAUTHENTICATED for a call cut because its token was revoked."""
+
+HandlerFunc = Callable[[Any], Coroutine[Any, Any, None]]
+"""A grpclib handler function (``Handler.func``): it serves one call on its stream."""
+_F = TypeVar("_F", bound=HandlerFunc)
 
 
 class Role(enum.Enum):
@@ -130,6 +150,7 @@ class Principal:
     token_id: int | None  # None: the join token
     role: Role
     note: str = ""
+    token_hash: str = field(default="", repr=False)  # the stored hash; "" for the join token
 
     @property
     def actor(self) -> str:
@@ -165,13 +186,18 @@ class Authenticator:
         join_token: str | None = None,
         refresh_s: float = 2.0,
         miss_refresh_s: float = 0.25,
+        revoke_check_s: float = 0.5,
     ) -> None:
         self._source = tokens
         self._join_hash = hash_token(join_token) if join_token else None
         self._refresh_s = refresh_s
         self._miss_refresh_s = miss_refresh_s
+        self._revoke_check_s = revoke_check_s
         self._by_hash: dict[str, StoredToken] = {}
         self._loaded_at: float | None = None
+        self._open: dict[Principal, set[asyncio.Task[Any]]] = {}  # calls by their caller
+        self._cut: set[asyncio.Task[Any]] = set()  # open calls cancelled for a revoked token
+        self._watcher: asyncio.Task[None] | None = None  # re-reads tokens while calls are open
 
     async def enabled(self) -> bool:
         """Whether calls need a token: a join token is set, or the store holds tokens."""
@@ -204,21 +230,102 @@ class Authenticator:
             stored = self._by_hash.get(digest)
         if stored is None or not hmac.compare_digest(stored.hash, digest):
             raise GRPCError(Status.UNAUTHENTICATED, "the bearer token is not valid")
-        return Principal(stored.token_id, stored.role, stored.note)
+        return Principal(stored.token_id, stored.role, stored.note, stored.hash)
 
     async def _refresh(self, max_age_s: float) -> None:
         now = time.monotonic()
         if self._loaded_at is not None and now - self._loaded_at < max_age_s:
             return
         self._loaded_at = now
+        await self._reload()
+
+    async def _reload(self) -> None:
+        """Read the tokens again; cut the open calls of every token no longer stored."""
         tokens = await self._source.load_tokens()
         self._by_hash = {t.hash: t for t in tokens}
+        for principal, tasks in self._open.items():
+            if principal.token_hash not in self._by_hash:
+                self._cut_calls(principal, tasks)
+
+    def _cut_calls(self, principal: Principal, tasks: set[asyncio.Task[Any]]) -> None:
+        fresh = [task for task in tasks if task not in self._cut]
+        for task in fresh:
+            self._cut.add(task)
+            task.cancel(REVOKED)
+        if fresh:
+            log.info("%s was revoked: %d open call(s) ended", principal.actor, len(fresh))
 
     async def on_native_request(self, event: grpclib.events.RecvRequest) -> None:
-        """The grpclib ``RecvRequest`` hook: check the call before its handler runs."""
+        """The grpclib ``RecvRequest`` hook: check the call, then run it through :meth:`guard`."""
         values = event.metadata.getall("authorization", [])
         value = values[-1] if values else None
         await self.check(event.method_name, value if isinstance(value, str) else None)
+        event.method_func = self.guard(event.method_func)
+
+    # --- calls open with a token that may be revoked ----------------------------------------
+
+    def guard(self, func: _F) -> _F:
+        """``func``, ended with UNAUTHENTICATED once the token that opened its call is revoked.
+
+        Reads the caller that :meth:`check` recorded in this context; a call without a
+        stored token (authentication off, the join token) runs untouched.
+        """
+
+        async def guarded(stream: Any) -> None:
+            principal = _principal.get()
+            if principal is None or not principal.token_hash:
+                await func(stream)
+            else:
+                await self._run_revocable(func, stream, principal)
+
+        return cast(_F, guarded)
+
+    async def _run_revocable(self, func: HandlerFunc, stream: Any, principal: Principal) -> None:
+        task = asyncio.current_task()
+        if task is None:  # pragma: no cover - grpclib and the bridge always run handlers in tasks
+            raise RuntimeError("a handler must run in a task")
+        self._hold(principal, task)
+        try:
+            await func(stream)
+        except asyncio.CancelledError:
+            if task not in self._cut:
+                raise
+        finally:
+            cut = self._release(principal, task)
+        if cut:  # the handler ended (or swallowed the cancellation) because of the revocation
+            if task.uncancel() > 0:  # cancelled for another reason too: let that win
+                raise asyncio.CancelledError
+            raise GRPCError(Status.UNAUTHENTICATED, REVOKED)
+
+    def _hold(self, principal: Principal, task: asyncio.Task[Any]) -> None:
+        self._open.setdefault(principal, set()).add(task)
+        if self._watcher is None:
+            self._watcher = asyncio.create_task(self._watch(), name="auth-revocations")
+
+    def _release(self, principal: Principal, task: asyncio.Task[Any]) -> bool:
+        """Forget ``task``; whether it was cut. The watcher stops with the last open call."""
+        tasks = self._open.get(principal, set())
+        tasks.discard(task)
+        if not tasks:
+            self._open.pop(principal, None)
+        if not self._open and self._watcher is not None:
+            self._watcher.cancel()
+            self._watcher = None
+        cut = task in self._cut
+        self._cut.discard(task)
+        return cut
+
+    async def _watch(self) -> None:
+        """Re-read the tokens every ``revoke_check_s`` while calls are open."""
+        while True:
+            await asyncio.sleep(self._revoke_check_s)
+            try:
+                await self._reload()
+                self._loaded_at = time.monotonic()
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the store is unreadable now: keep the calls, try again
+                log.warning("re-reading the tokens failed: %s", exc)
 
 
 def install(server: grpclib.server.Server, auth: Authenticator) -> None:

@@ -13,7 +13,12 @@ in base64; each reply frame is encoded on its own as it is sent. gRPC-web carrie
 server-streaming calls only.
 
 With ``authorize`` (``llmgw.server.auth.Authenticator.check``), every call is checked with
-its ``authorization`` header before its body is read; a refusal answers its status.
+its ``authorization`` header before its body is read; a refusal answers its status. With
+``guard`` (``Authenticator.guard``) every handler runs wrapped in it (it ends a call whose
+token is revoked, with the status the wrapper raises).
+
+With ``metrics`` (``llmgw.server.metrics.server_metrics``), ``GET /metrics`` answers what it
+returns as Prometheus text; like ``/healthz`` it needs no token (it carries no secrets).
 
 A call ends with its handler, with the client going away (the handler is cancelled), or with
 its ``grpc-timeout`` (the handler is cancelled and the call answers DEADLINE_EXCEEDED).
@@ -56,6 +61,9 @@ Send = Callable[[AsgiMessage], Awaitable[None]]
 Headers = list[tuple[bytes, bytes]]
 Authorize = Callable[[str, str | None], Awaitable[object]]
 """Checks a call (method path, ``authorization`` header); raises GRPCError to refuse it."""
+HandlerFunc = Callable[[Any], Coroutine[Any, Any, None]]
+Guard = Callable[[HandlerFunc], HandlerFunc]
+"""Wraps a call's handler function (runs in the context ``authorize`` ran in)."""
 
 _BINARY_TYPES: Final = frozenset({"application/grpc-web", "application/grpc-web+proto"})
 _TEXT_TYPES: Final = frozenset({"application/grpc-web-text", "application/grpc-web-text+proto"})
@@ -107,6 +115,8 @@ class GrpcWebApp:
         cors_allow_origins: Sequence[str] = ("*",),
         health: Callable[[], Awaitable[bool]] | None = None,
         authorize: Authorize | None = None,
+        guard: Guard | None = None,
+        metrics: Callable[[], bytes] | None = None,
     ) -> None:
         self._handlers: dict[str, Handler] = {}
         for service in services:
@@ -118,6 +128,8 @@ class GrpcWebApp:
         self._origins = frozenset(cors_allow_origins)
         self._health = health
         self._authorize = authorize
+        self._guard = guard
+        self._metrics = metrics
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "lifespan":
@@ -134,6 +146,8 @@ class GrpcWebApp:
         elif path == "/healthz" and method == "GET":
             healthy = await self._is_healthy()
             await _plain(send, 200 if healthy else 503, "ok" if healthy else "unhealthy", cors)
+        elif path == "/metrics" and method == "GET" and self._metrics is not None:
+            await _prometheus(send, self._metrics(), cors)
         elif method != "POST":
             await _plain(send, 405, "method not allowed", [*cors, (b"allow", b"POST, OPTIONS")])
         else:
@@ -209,6 +223,8 @@ class GrpcWebApp:
         if self._authorize is not None:
             await self._authorize(scope["path"], headers.get("authorization"))
         handler = self._handler(scope["path"])
+        if self._guard is not None:
+            handler = handler._replace(func=self._guard(handler.func))
         deadline = _deadline(headers)
         raw = await _read_body(receive, headers, reply.text, self._max_message_bytes)
         body = _decode_base64(raw) if reply.text else raw
@@ -518,6 +534,16 @@ async def _plain(send: Send, status: int, text: str, headers: Headers) -> None:
         *headers,
     ]
     await send({"type": "http.response.start", "status": status, "headers": start_headers})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _prometheus(send: Send, body: bytes, headers: Headers) -> None:
+    start_headers = [
+        (b"content-type", b"text/plain; version=0.0.4; charset=utf-8"),
+        (b"content-length", str(len(body)).encode("ascii")),
+        *headers,
+    ]
+    await send({"type": "http.response.start", "status": 200, "headers": start_headers})
     await send({"type": "http.response.body", "body": body})
 
 

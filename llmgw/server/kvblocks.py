@@ -15,9 +15,10 @@ its engine's blocks are the replica's, and only from the node the plan puts it o
 reported STOPPED or FAILED, or from a stream that no longer owns its node is ignored and
 counted. A replica's blocks are dropped when its leader is reported STOPPED, FAILED,
 PENDING or STARTING (a stopped or freshly started engine holds nothing we know of), when it
-is RETIRED, and when its node goes NOT_READY or registers again (its new stream starts with
-a full copy of every engine). Every rank of a replica counts as the replica: a gateway sees
-the union.
+is RETIRED, and when its node's stream ends or it registers again (its new stream starts
+with a full copy of every engine); a node NOT_READY only for want of heartbeats keeps them,
+as its stream carries every change since, in order, once it speaks again. Every rank of a
+replica counts as the replica: a gateway sees the union.
 
 **Feed.** Each gateway's feed holds a :class:`KvWatcher`. A change marks, per watcher and
 replica, the keys it touched (8 bytes each); a reset or a drop marks the replica for a full

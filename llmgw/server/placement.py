@@ -27,8 +27,10 @@ Rules:
   (preferred) or an InfiniBand fabric; for InfiniBand each shard records the nearest HCA
   on that fabric of each of its GPUs (PIX, else PXB, else NODE) in ``ShardPlan.hcas``, or
   every HCA of the node on that fabric when none of its GPUs has one that near.
-- **Ports**: each shard gets the lowest engine port of ``port_range`` not in use on its
-  node; a multi-node leader also gets a rendezvous ``master_port``.
+- **Ports**: each shard gets the lowest engine port of ``port_range`` (``llmgw server
+  --engine-ports``, ``llmgw.engineports``) not in use on its node; a multi-node leader also
+  gets a rendezvous ``master_port``. Ports of placed replicas are taken wherever they are:
+  a replica placed under another range keeps its port.
 
 Shard ids are ``REPLICA_ID.RANK``.
 """
@@ -40,12 +42,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile
+from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.server.capacity import Device, NodeCapacity, choose_group
 from llmgw.server.plan import ReplicaPlan, ShardPlan, Unplaceable
 
 __all__ = ["FleetPlacer", "Requirement", "place_deployment", "place_replica", "requirement"]
 
-PortRange = tuple[int, int]
 Placed = ReplicaPlan | Unplaceable
 SortKey = tuple[object, ...]
 # a node that could take one shard: its sort key, the node, the devices it would give
@@ -124,7 +126,7 @@ def place_replica(
     used_ports: Mapping[str, frozenset[int]],
     replicas_per_node: Mapping[str, int],
     used_threads: Mapping[str, int] | None = None,
-    port_range: PortRange = (20000, 29999),
+    port_range: PortRange = DEFAULT_ENGINE_PORTS,
 ) -> Placed:
     """Place one replica of ``deployment`` (see the module docstring for the rules)."""
     return place_deployment(
@@ -152,7 +154,7 @@ def place_deployment(
     used_ports: Mapping[str, frozenset[int]] | None = None,
     used_threads: Mapping[str, int] | None = None,
     replicas_per_node: Mapping[str, int] | None = None,
-    port_range: PortRange = (20000, 29999),
+    port_range: PortRange = DEFAULT_ENGINE_PORTS,
 ) -> list[Placed]:
     """Place one replica per id, in order, each seeing what the ones before it took.
 
@@ -189,7 +191,7 @@ class FleetPlacer:
         nodes: Sequence[NodeCapacity],
         fingerprint: Callable[[EngineProfile], str],
         *,
-        port_range: PortRange = (20000, 29999),
+        port_range: PortRange = DEFAULT_ENGINE_PORTS,
     ) -> None:
         self.nodes = tuple(nodes)
         self.fingerprint = fingerprint

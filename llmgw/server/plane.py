@@ -4,7 +4,15 @@ The services call this; it keeps the inventory and the desired state (``desired`
 and deployments), writes what must survive a kill to the store before answering, and
 publishes every change to watchers. Snapshots carry the deployments and the audit log's
 most recent records. A periodic ``tick`` marks
-silent nodes NOT_READY and flushes heartbeat times to the store in one batch.
+silent nodes NOT_READY and flushes heartbeat times to the store in one batch. Time the
+server itself did not run (stopped, starved: a tick at least ``STALL_S`` later than the
+shortest gap between ticks seen) does not count toward a heartbeat's age: the heartbeats of
+that time sit unread in its sockets, they are not missing.
+
+After a start, :meth:`ControlPlane.agents_back` waits (at most ``WARMUP_S``) until every
+node the store remembers has registered again: until then the replicas on the others look
+not READY although their engines serve, and a router feed's first snapshot waits for it
+(scripts/chaos.py saw gateways answer 503 for a model whose agents were not back yet).
 
 It also holds the replica records the reconciler decided on (``llmgw.server.reconcile_loop``
 writes them through :meth:`ControlPlane.save_replicas`) and shows each one that is not
@@ -16,12 +24,19 @@ or cordoned, an apply or delete) calls :attr:`ControlPlane.reconcile_soon`.
 
 ``kv_blocks`` holds the KV cache blocks of each replica as its leader's agent reports them
 (``llmgw.server.kvblocks``); the plane drops a replica's blocks when it is RETIRED, when
-its leader stops, fails or starts afresh, and when its node goes NOT_READY or registers
-again.
+its leader stops, fails or starts afresh, and when its node's stream ends or it registers
+again. A node that only missed heartbeats keeps them: its stream, once it speaks again,
+carries every change since, in order, while nothing would ever send back blocks dropped
+then (scripts/chaos.py found such replicas missing blocks for good).
+
+``kv_follow`` holds each engine's KV event subscriber counters as its agent's heartbeats
+last reported them (``llmgw.server.kvfollow``), for the server's ``/metrics``.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 from collections import deque
@@ -44,6 +59,7 @@ from llmgw.server.desired import DesiredState
 from llmgw.server.encoded import freeze_node_info
 from llmgw.server.inventory import Inventory, InventoryConfig, NodeRecord
 from llmgw.server.kvblocks import DecodedKvDelta, KvBlocks, leader_replica
+from llmgw.server.kvfollow import KvFollowBoard
 from llmgw.server.plan import ShardPlan
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.store import AuditRecord, Store, StoredNode, now_ms
@@ -53,6 +69,10 @@ log = logging.getLogger(__name__)
 
 RECENT_AUDIT = 100
 """How many of the newest audit records snapshots carry (``Cluster.events``)."""
+STALL_S = 1.0
+"""A tick this much later than usual means the server did not run meanwhile."""
+WARMUP_S = 10.0
+"""After a start, how long `ControlPlane.agents_back` waits at most for remembered nodes."""
 
 
 class ControlPlane:
@@ -68,6 +88,12 @@ class ControlPlane:
         self.replicas: dict[str, ReplicaRecord] = {}  # every record, RETIRED ones too
         self.reconcile_soon: Callable[[], None] = _nothing  # set by the reconcile loop
         self.kv_blocks = KvBlocks()
+        self.kv_follow = KvFollowBoard()  # agents' KV event counters, per (node, shard)
+        self._last_tick: float | None = None
+        self._tick_gap = float("inf")  # the shortest time between two ticks seen
+        self._started = time.monotonic()
+        self._agents_back = asyncio.Event()  # every remembered node registered since start
+        self._agents_back.set()  # none remembered until `load`
 
     async def load(self) -> None:
         """Restore the desired state, the audit log's tail and every node the store
@@ -85,6 +111,22 @@ class ControlPlane:
                 stored.node_id, info, cordoned=stored.cordoned, first_seen_ms=stored.first_seen_ms
             )
         log.info("restored %d nodes from the store", len(self.inventory.nodes))
+        self._started = time.monotonic()
+        self._agents_back.clear()
+        self._note_agents_back()
+
+    def _note_agents_back(self) -> None:
+        if all(record.connected for record in self.inventory.nodes.values()):
+            self._agents_back.set()
+
+    async def agents_back(self, timeout_s: float = WARMUP_S) -> None:
+        """Return once every node remembered at the start has registered again, or
+        ``timeout_s`` after the start (a node that never comes back must not hold anyone)."""
+        left = self._started + timeout_s - time.monotonic()
+        if left > 0 and not self._agents_back.is_set():
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(left):
+                    await self._agents_back.wait()
 
     def snapshot(self, revision: int | None = None) -> Cluster:
         rev = self.hub.revision if revision is None else revision
@@ -160,6 +202,7 @@ class ControlPlane:
         for shard_id in gone:
             del self.inventory.shards[shard_id]
         self.kv_blocks.drop_node(node.node_id, "its agent registered again (a full copy follows)")
+        self.kv_follow.drop_node(node.node_id)  # its first heartbeat reports every engine
         shards = [self.inventory.report_shard(node.node_id, s, now_ms=at) for s in message.shards]
         await self.store.save_node(
             StoredNode(node.node_id, bytes(record.info), record.cordoned, record.first_seen_ms, at)
@@ -170,6 +213,7 @@ class ControlPlane:
         self._publish_shards(shards)
         self.reconcile_soon()
         log.info("node %s registered from %s (%d GPUs)", node.node_id, peer, len(node.gpus))
+        self._note_agents_back()
         return connection
 
     def heartbeat(self, node_id: str, connection: int, beat: Heartbeat) -> bool:
@@ -181,6 +225,8 @@ class ControlPlane:
         if delta is None:
             return False
         self._seen[node_id] = at
+        if beat.kv_follow:
+            self.kv_follow.update(node_id, beat.kv_follow)
         if changed:
             self._publish_node(self.inventory.nodes[node_id])
         else:
@@ -190,6 +236,7 @@ class ControlPlane:
     def shard_status(self, node_id: str, status: ShardStatus) -> None:
         shard = self.inventory.report_shard(node_id, status, now_ms=now_ms())
         self.kv_blocks.shard_state(shard.shard_id, read_shard_state(status.state))
+        self.kv_follow.shard_state(node_id, shard.shard_id, read_shard_state(status.state))
         self._publish_shards([shard])
         self.reconcile_soon()
 
@@ -214,6 +261,7 @@ class ControlPlane:
         if record is not None:
             log.warning("node %s is NOT_READY: %s", node_id, reason)
             self.kv_blocks.drop_node(node_id, f"its node is NOT_READY: {reason}")
+            self.kv_follow.drop_node(node_id)
             self._publish_node(record)
             self.reconcile_soon()
 
@@ -249,14 +297,29 @@ class ControlPlane:
 
     async def tick(self) -> None:
         """Mark silent nodes NOT_READY and flush heartbeat times to the store."""
-        expired = self.inventory.expire(time.monotonic())
+        now = time.monotonic()
+        self._credit_stall(now)
+        expired = self.inventory.expire(now)
         for record in expired:
             log.warning("node %s is NOT_READY: %s", record.info.node_id, record.reason)
-            self.kv_blocks.drop_node(record.info.node_id, f"its node is NOT_READY: {record.reason}")
             self._publish_node(record)
         if expired:
             self.reconcile_soon()
         await self.flush()
+
+    def _credit_stall(self, now: float) -> None:
+        """Leave out of every heartbeat's age the time since the last tick beyond the usual."""
+        last, self._last_tick = self._last_tick, now
+        if last is None:
+            return
+        self._tick_gap = min(self._tick_gap, now - last)
+        stall = now - last - self._tick_gap
+        if stall < STALL_S:
+            return
+        log.warning("the server did not run for %.1fs: not counted as node silence", stall)
+        for record in self.inventory.nodes.values():
+            if record.last_heartbeat_mono is not None:
+                record.last_heartbeat_mono += stall
 
     async def flush(self) -> None:
         seen, self._seen = self._seen, {}

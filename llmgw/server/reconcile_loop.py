@@ -31,6 +31,10 @@ replica is no longer ACTIVE or SURGE its request is forgotten. They are stored w
 action that made them, so a server killed before the round that carries one out does it
 after its restart (a drained replica, not one of its own choice, is retired).
 
+**Engine ports** come from ``port_range`` (``llmgw server --engine-ports``); it is not
+stored: a server restarted with another range places new replicas in it and leaves the
+ones it already placed on their ports.
+
 **Ports held by other processes**: an agent refuses a shard whose engine port another
 process holds (``ShardStatus.port_in_use``); for ``BUSY_PORT_S`` that port counts as taken
 on that node and the nodes sharing its address, so the replacement gets another one.
@@ -47,6 +51,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from llmgw.api.llmgw.v1 import ControlMessage, Deployment, EngineProfile, NodeState
+from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange, format_port_range
 from llmgw.server.capacity import node_capacity
 from llmgw.server.placement import FleetPlacer
 from llmgw.server.plan import ReplicaPlan, ShardPlan, Unplaceable
@@ -99,7 +104,7 @@ class ReconcileLoop:
         *,
         config: ReconcileConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
-        port_range: tuple[int, int] = (20000, 29999),
+        port_range: PortRange = DEFAULT_ENGINE_PORTS,
     ) -> None:
         self.plane = plane
         self.send = send
@@ -122,6 +127,7 @@ class ReconcileLoop:
 
     async def run(self, every_s: float) -> None:
         """Run a round every ``every_s`` seconds and whenever poked, until cancelled."""
+        log.info("reconciler: engine ports %s", format_port_range(self.port_range))
         while True:
             try:
                 async with asyncio.timeout(every_s):
@@ -272,7 +278,7 @@ class _LazyPlacer:
     def __init__(
         self,
         plane: ControlPlane,
-        port_range: tuple[int, int],
+        port_range: PortRange,
         now: float,
         busy: frozenset[tuple[str, int]] = frozenset(),
     ) -> None:

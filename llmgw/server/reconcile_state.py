@@ -79,7 +79,7 @@ class ReplicaRecord:
     profile: EngineProfile  # the profile it was placed with (its shards start with this)
     lifecycle: Lifecycle
     serial: int  # per deployment, increasing: higher is newer
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)  # a secret: kept out of logs
     replaces: str = ""  # the replica id this one replaces, if any
 
     @property

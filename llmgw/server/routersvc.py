@@ -20,8 +20,8 @@ chunks of blocks the feed looks at the watch hub again.
 
 What a target says: the endpoint and state are the operator API's view of the replica
 (``ControlPlane.replica_view``: READY only when every shard is READY, DRAINING once it
-retires); the API key and whether it publishes KV events come from the replica's record
-and the profile it was placed with.
+retires); the API key, whether it publishes KV events and its LoRA adapters come from the
+replica's record and the profile it was placed with.
 
 :func:`serve_gateway` runs the OpenAI gateway inside the server, fed from the same events
 without a gRPC hop.
@@ -72,6 +72,7 @@ def route_target(plane: ControlPlane, record: ReplicaRecord) -> RouteTarget:
         api_key=record.api_key,
         state=view.state,
         kv_events=record.profile.kv_events,
+        adapters=[adapter.name for adapter in record.profile.adapters],
     )
 
 
@@ -167,7 +168,10 @@ class _Sources:
 
 async def route_events(plane: ControlPlane) -> AsyncGenerator[RouterFeedEvent, None]:
     """A snapshot of every route target and a full copy of every replica's KV blocks,
-    then each change, forever (a fresh snapshot after falling behind)."""
+    then each change, forever (a fresh snapshot after falling behind). Right after the
+    server starts, the snapshot waits for the agents it remembers (`ControlPlane.agents_back`):
+    a gateway keeps routing with what it had rather than learn that their replicas are down."""
+    await plane.agents_back()
     view = _FeedView(plane)
     # WatchHub.subscribe is an async generator (typed as an iterator): close it with us,
     # so the hub forgets this watcher as soon as the feed ends

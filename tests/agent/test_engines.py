@@ -23,6 +23,7 @@ from llmgw.agent.engines import (
     engine_binaries,
     parse_engine_bin,
 )
+from llmgw.agent.engines.sglang import LAUNCHER as SGLANG_LAUNCHER
 from llmgw.api.llmgw.v1 import EngineProfile, LoraAdapter, MultiNode, StartShard
 from llmgw.cli.main import build_parser, main
 
@@ -41,6 +42,8 @@ KV_JSON = (
     '"replay_endpoint":"ipc:///srv/llmgw/agent/kv/r1-s0.replay","topic":"kv-events"}'
 )
 KV_ENV = {"PYTHONHASHSEED": "0", "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "1"}
+VLLM_KEY = {"VLLM_API_KEY": "sk-r1"}  # the key goes in the environment, never in argv
+SGLANG_KEY = {"LLMGW_ENGINE_API_KEY": "sk-r1"}  # read by the launcher (sglang.py)
 API_SERVER = ("/opt/vllm/bin/python", "-m", "vllm.entrypoints.openai.api_server")
 
 
@@ -93,12 +96,10 @@ def two_nodes(rank: int, **fields: Any) -> ShardSpec:
 
 def test_vllm_tp8_on_eight_gpus() -> None:
     out = launch(shard(profile()))
-    assert out.argv == (
-        *("vllm", "serve", MODEL, *LISTEN, "--served-model-name", NAME),
-        *("--api-key", "sk-r1", *TP8),
-    )
-    assert out.env == {"CUDA_VISIBLE_DEVICES": GPUS_CSV}
+    assert out.argv == (*("vllm", "serve", MODEL, *LISTEN, "--served-model-name", NAME), *TP8)
+    assert out.env == {"CUDA_VISIBLE_DEVICES": GPUS_CSV, **VLLM_KEY}
     assert (out.engine, out.port, out.api_key) == ("vllm", 8001, "sk-r1")
+    assert out.secret_env == {"VLLM_API_KEY"}
     assert (out.health_path, out.ready_path) == ("/health", "/v1/models")
     assert out.listens_http and out.kv_events is None
 
@@ -122,12 +123,12 @@ FABRIC_ENV = {
 def test_vllm_two_nodes_tp8_pp2_rank0_is_the_leader() -> None:
     out = launch(two_nodes(0))
     assert out.argv == (
-        *("vllm", "serve", MODEL, *LISTEN, "--served-model-name", NAME, "--api-key", "sk-r1"),
+        *("vllm", "serve", MODEL, *LISTEN, "--served-model-name", NAME),
         *MULTINODE_TAIL,
         "0",
         *MASTER,
     )
-    assert out.env == FABRIC_ENV
+    assert out.env == {**FABRIC_ENV, **VLLM_KEY}
     assert out.listens_http
 
 
@@ -156,11 +157,10 @@ def test_vllm_lora_adapters() -> None:
     loras = [LoraAdapter(name="sql", path="/loras/sql"), LoraAdapter(name="chat", path="/l/c")]
     out = launch(shard(profile(tp=1, adapters=loras), gpu_uuids=GPUS[:1]))
     assert out.argv == (
-        *("vllm", "serve", MODEL, *LISTEN, "--served-model-name", NAME),
-        *("--api-key", "sk-r1", *TP1),
+        *("vllm", "serve", MODEL, *LISTEN, "--served-model-name", NAME, *TP1),
         *("--enable-lora", "--lora-modules", "sql=/loras/sql", "chat=/l/c", "--max-loras", "2"),
     )
-    assert out.env == {"CUDA_VISIBLE_DEVICES": GPUS[0]}
+    assert out.env == {"CUDA_VISIBLE_DEVICES": GPUS[0], **VLLM_KEY}
 
 
 def test_vllm_kv_events_with_profile_args_and_env() -> None:
@@ -173,8 +173,7 @@ def test_vllm_kv_events_with_profile_args_and_env() -> None:
     )
     out = launch(shard(prof, gpu_uuids=(MIG,)))
     assert out.argv == (
-        *("vllm", "serve", MODEL, *LISTEN, "--served-model-name", "llama"),
-        *("--api-key", "sk-r1", *TP1),
+        *("vllm", "serve", MODEL, *LISTEN, "--served-model-name", "llama", *TP1),
         *("--kv-events-config", KV_JSON, "--enable-prefix-caching"),
         *("--prefix-caching-hash-algo", "sha256_cbor", "--max-model-len", "8192"),
     )
@@ -183,6 +182,7 @@ def test_vllm_kv_events_with_profile_args_and_env() -> None:
         "PYTHONHASHSEED": "0",
         "VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES": "0",  # the profile may ask for bytes hashes
         "VLLM_LOGGING_LEVEL": "DEBUG",
+        **VLLM_KEY,
     }
     assert out.kv_events == KvEventEndpoints(
         "ipc:///srv/llmgw/agent/kv/r1-s0.pub", "ipc:///srv/llmgw/agent/kv/r1-s0.replay"
@@ -206,12 +206,13 @@ def test_vllm_api_server_module_takes_model_flag_on_cpu() -> None:
     out = launch(shard(prof, gpu_uuids=()), {"vllm": API_SERVER})
     assert out.argv == (
         *API_SERVER,
-        *("--model", MODEL, *LISTEN, "--served-model-name", NAME, "--api-key", "sk-r1", *TP1),
+        *("--model", MODEL, *LISTEN, "--served-model-name", NAME, *TP1),
     )
     assert out.env == {
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # OpenMP then takes OMP_NUM_THREADS threads
         "OMP_NUM_THREADS": "2",
         "VLLM_CPU_KVCACHE_SPACE": "1",
+        **VLLM_KEY,
     }
 
 
@@ -297,6 +298,19 @@ REFUSALS: list[tuple[str, dict[str, Any], dict[str, Any]]] = [
     ("env", {"env": {"CUDA_VISIBLE_DEVICES": "0"}}, {}),
     ("env", {"kv_events": True, "env": {"PYTHONHASHSEED": "1"}}, {}),
     ("env", {"env": {"A=B": "1"}}, {}),
+    ("env", {"env": {"VLLM_API_KEY": "mine"}}, {}),
+    ("env", {"engine": "sglang", "tp": 1, "env": {"LLMGW_ENGINE_API_KEY": "x"}}, ONE_GPU),
+    (
+        "env",
+        {"engine": "llamacpp", "tp": 1, "model_path": "/m.gguf", "env": {"LLAMA_API_KEY": "x"}},
+        ONE_GPU,
+    ),
+    ("args", {"args": ["--api-key", "mine"]}, {}),
+    (
+        "args",
+        {"engine": "llamacpp", "tp": 1, "model_path": "/m.gguf", "args": ["--api-key-file", "/k"]},
+        ONE_GPU,
+    ),
     ("args", {"args": ["--port", "9000"]}, {}),
     ("args", {"args": ["--tensor_parallel_size=4"]}, {}),
     ("args", {"args": ["-tp", "4"]}, {}),
@@ -366,7 +380,7 @@ def test_api_server_module_cannot_run_a_headless_rank() -> None:
 
 def test_profile_env_may_set_pythonhashseed_without_kv_events() -> None:
     out = launch(shard(profile(env={"PYTHONHASHSEED": "7"})))
-    assert out.env == {"CUDA_VISIBLE_DEVICES": GPUS_CSV, "PYTHONHASHSEED": "7"}
+    assert out.env == {"CUDA_VISIBLE_DEVICES": GPUS_CSV, "PYTHONHASHSEED": "7", **VLLM_KEY}
 
 
 # --- SGLang, llama.cpp, sim ------------------------------------------------------------
@@ -376,11 +390,12 @@ def test_sglang_tp4_with_lora() -> None:
     prof = profile(engine="sglang", tp=4, adapters=[LoraAdapter(name="sql", path="/loras/sql")])
     out = launch(shard(prof, gpu_uuids=GPUS[:4]))
     assert out.argv == (
-        *("python3", "-m", "sglang.launch_server", "--model-path", MODEL, *LISTEN),
-        *("--tp-size", "4", "--served-model-name", NAME, "--api-key", "sk-r1"),
+        *("python3", "-c", SGLANG_LAUNCHER, "--model-path", MODEL, *LISTEN),
+        *("--tp-size", "4", "--served-model-name", NAME),
         *("--lora-paths", "sql=/loras/sql"),
     )
-    assert out.env == {"CUDA_VISIBLE_DEVICES": ",".join(GPUS[:4])}
+    assert out.env == {"CUDA_VISIBLE_DEVICES": ",".join(GPUS[:4]), **SGLANG_KEY}
+    assert out.secret_env == {"LLMGW_ENGINE_API_KEY"}
     assert (out.engine, out.health_path, out.ready_path) == ("sglang", "/health", "/v1/models")
     assert out.listens_http and out.kv_events is None
 
@@ -391,9 +406,9 @@ def test_sglang_two_nodes_rank1_ipv6_master() -> None:
     )
     where = MultiNode(nnodes=2, node_rank=1, master_addr="fd00::11", master_port=5000)
     out = launch(shard(prof, multinode=where), {"sglang": ("/venv/bin/python",)})
-    assert out.argv == (
+    assert out.argv == (  # rank 1 serves no HTTP: no key, so the plain module
         *("/venv/bin/python", "-m", "sglang.launch_server", "--model-path", MODEL, *LISTEN),
-        *("--tp-size", "8", "--pp-size", "2", "--served-model-name", NAME, "--api-key", "sk-r1"),
+        *("--tp-size", "8", "--pp-size", "2", "--served-model-name", NAME),
         *("--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "[fd00::11]:5000"),
         *("--mem-frac", "0.8"),
     )
@@ -416,20 +431,18 @@ def test_llamacpp_on_cpu_with_threads() -> None:
     out = launch(shard(prof, gpu_uuids=()))
     assert out.argv == (
         *("llama-server", "-m", gguf, *LISTEN, "--alias", "SmolLM2-135M-Instruct-Q8_0.gguf"),
-        *("--api-key", "sk-r1", "--threads", "8", "--metrics"),
+        *("--threads", "8", "--metrics"),
     )
-    assert out.env == {}
+    assert out.env == {"LLAMA_API_KEY": "sk-r1"}
+    assert out.secret_env == {"LLAMA_API_KEY"}
     assert (out.engine, out.health_path, out.ready_path) == ("llamacpp", "/health", "/v1/models")
 
 
 def test_llamacpp_on_one_gpu() -> None:
     prof = profile(engine="llamacpp", tp=1, model_path="/m/q.GGUF", served_model_name="q")
     out = launch(shard(prof, gpu_uuids=(MIG,)))
-    assert out.argv == (
-        *("llama-server", "-m", "/m/q.GGUF", *LISTEN, "--alias", "q", "--api-key", "sk-r1"),
-        "--metrics",
-    )
-    assert out.env == {"CUDA_VISIBLE_DEVICES": MIG}
+    assert out.argv == ("llama-server", "-m", "/m/q.GGUF", *LISTEN, "--alias", "q", "--metrics")
+    assert out.env == {"CUDA_VISIBLE_DEVICES": MIG, "LLAMA_API_KEY": "sk-r1"}
 
 
 def test_sim_runs_llmgw_sim_engine_with_the_vllm_command_line() -> None:

@@ -457,6 +457,29 @@ async def test_a_port_another_process_holds_is_refused_before_any_engine_starts(
     assert failed.reason == why
 
 
+async def test_a_port_taken_while_the_engine_loads_gives_up_instead_of_restarting(
+    harness: Harness,
+) -> None:
+    """The port was free at StartShard, but another process took it before the engine
+    bound it (real vLLM binds a minute later): restarting on it would fail forever."""
+    sup = await harness.open()
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    message = start("s1", "--load-seconds", "30", "--exit-after", "0.3")
+    message.port = port
+    await sup.start(message)
+    with socket.socket() as squatter:
+        squatter.bind(("127.0.0.1", port))
+        squatter.listen()
+        # FAILED as any failure ("restart 1 in …"), then given up once the port is seen taken
+        failed = await harness.recorder.wait("s1", S.FAILED, nth=2)
+    assert failed.state is S.FAILED and failed.gave_up and failed.restarts == 0
+    assert failed.port_in_use == port  # so the server places it on another port
+    assert f"port {port} on 127.0.0.1 is in use by another process" in failed.reason
+    assert not (harness.root / "state" / "engines" / "s1.json").exists()
+
+
 async def test_an_adapter_bug_is_reported_as_failed(harness: Harness) -> None:
     def broken(spec: ShardSpec) -> LaunchSpec:
         raise RuntimeError("adapter bug")

@@ -1,4 +1,12 @@
-"""Helpers for tests/integration: real processes on loopback, started as a user would."""
+"""Helpers for tests/integration: real processes on loopback, started as a user would.
+
+Each server a :class:`Cluster` starts gets engine ports of its own (``--engine-ports``): a
+random window of free ports (``llmgw.engineports.pick_window``) that no other live cluster
+of this process holds, so pytest runs, the demo and people's clusters on one machine
+rarely meet on an engine port, and two clusters of one run never do. A test that wants a
+particular range says so (``Cluster(root, engine_ports=(LO, HI))`` or
+``start_server("--engine-ports", "LO-HI")``).
+"""
 
 from __future__ import annotations
 
@@ -9,10 +17,23 @@ import socket
 import subprocess
 import sys
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from llmgw.engineports import PortRange, format_port_range, parse_port_range, pick_window
+
+_HELD: set[PortRange] = set()  # engine port windows of the live clusters of this process
+
+
+def hold_engine_window(holder: object) -> tuple[PortRange, weakref.finalize]:
+    """A free window of engine ports clear of every window held in this process, held
+    until ``holder`` is garbage or the returned finalizer is called, whichever is first."""
+    window = pick_window(avoid=sorted(_HELD))
+    _HELD.add(window)
+    return window, weakref.finalize(holder, _HELD.discard, window)
 
 
 def free_port() -> int:
@@ -52,6 +73,8 @@ class Cluster:
     gateway_port: int = field(default_factory=free_port)  # the in-server gateway's
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     token: str | None = None  # sent by cli() (as $LLMGW_TOKEN) once authentication is on
+    engine_ports: PortRange | None = None  # None: a window of its own at the first start
+    _window: weakref.finalize | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def url(self) -> str:
@@ -77,6 +100,13 @@ class Cluster:
         return proc
 
     def start_server(self, *extra: str) -> subprocess.Popen[bytes]:
+        """The server on this cluster's ports and engine port range (kept over restarts)."""
+        if "--engine-ports" in extra:  # the test's own range
+            self.engine_ports = parse_port_range(extra[extra.index("--engine-ports") + 1])
+        else:
+            if self.engine_ports is None:
+                self.engine_ports, self._window = hold_engine_window(self)
+            extra = ("--engine-ports", format_port_range(self.engine_ports), *extra)
         proc = self.spawn(
             "server",
             "server",
@@ -92,6 +122,11 @@ class Cluster:
         )
         wait_for(self.healthy, 20, "the server's /healthz")
         return proc
+
+    def release_engine_ports(self) -> None:
+        """Let other clusters of this process draw this one's window (after stop_all)."""
+        if self._window is not None:
+            self._window()
 
     def start_gateway(self, name: str = "gateway", *extra: str) -> str:
         """``llmgw gateway`` following this cluster's server; returns its URL once healthy."""

@@ -13,86 +13,19 @@ hits and KV capacity reach the gateway through its poller.
 
 from __future__ import annotations
 
-import json
-import re
-import sys
 import time
 from pathlib import Path
-from typing import Any
 
 import httpx
 import pytest
+from precisekit import SIM_BIN, Conversation, profile_file, ready_replicas
+from precisekit import metrics as _metrics
 from procs import Cluster, wait_for
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 
-SIM_BIN = f"sim={sys.executable} -m llmgw sim-engine"
-READY = "SHARD_STATE_READY"
 GROUPS = 3
 USERS = 3  # per group
-
-FILE = """
-[profiles.kv-sim]
-engine = "sim"
-gpu_class = "H100"
-tp = 1
-model_path = "/models/chat"
-served_model_name = "chat"
-kv_events = true
-args = ["--sim-prefill-ms-per-token", "0.02", "--sim-decode-ms-per-token", "2"]
-
-[deployments.chat]
-profile = "kv-sim"
-replicas = 3
-"""
-
-
-def _ready(cluster: Cluster, count: int) -> list[dict[str, Any]] | None:
-    out = cluster.cli("get", "replicas", "-o", "json", check=False)
-    if out.returncode != 0:
-        return None
-    replicas = list(json.loads(out.stdout)["replicas"])
-    ready = [r for r in replicas if r.get("state") == READY]
-    return replicas if len(replicas) == count == len(ready) else None
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{([^}]*)\})? (\S+)$", re.MULTILINE)
-
-
-def _metrics(base: str) -> dict[str, float]:
-    """The gateway's samples as ``name{labels}`` → value."""
-    text = httpx.get(f"{base}/metrics", timeout=5).text
-    return {f"{m[0]}{{{m[1]}}}" if m[1] else m[0]: float(m[2]) for m in _SAMPLE.findall(text)}
-
-
-def _sum(samples: dict[str, float], prefix: str) -> float:
-    return sum(v for k, v in samples.items() if k.startswith(prefix))
-
-
-def _system(group: int) -> str:
-    words = " ".join(f"rule{group}x{i}" for i in range(700))
-    return f"You are assistant {group}. Follow these rules: {words}"
-
-
-class Conversation:
-    """One user's chat, grown turn by turn with the engine's own answers."""
-
-    def __init__(self, group: int, user: int) -> None:
-        self.messages: list[dict[str, str]] = [{"role": "system", "content": _system(group)}]
-        self.user = user
-        self.turns = 0
-
-    def ask(self, client: httpx.Client) -> None:
-        self.turns += 1
-        question = f"User {self.user} asks question {self.turns}: " + "why " * 40
-        self.messages.append({"role": "user", "content": question})
-        reply = client.post(
-            "/v1/chat/completions",
-            json={"model": "chat", "messages": self.messages, "max_tokens": 24},
-        )
-        assert reply.status_code == 200, reply.text
-        answer = reply.json()["choices"][0]["message"]["content"]
-        self.messages.append({"role": "assistant", "content": answer})
 
 
 def test_after_warm_up_the_precise_tier_routes_to_the_replica_holding_the_prefix(
@@ -103,9 +36,9 @@ def test_after_warm_up_the_precise_tier_routes_to_the_replica_holding_the_prefix
     fleet.start_agent("a1", "dgx-h100", "--engine-bin", SIM_BIN)
     wait_for(lambda: fleet.node_states() == {"a1": "NODE_STATE_READY"}, 30, "agent READY")
     path = tmp_path / "kv.toml"
-    path.write_text(FILE)
+    path.write_text(profile_file(3))
     assert "deployment chat applied" in fleet.cli("apply", "-f", str(path)).stdout
-    wait_for(lambda: _ready(fleet, 3), 90, "3 READY replicas")
+    wait_for(lambda: ready_replicas(fleet, 3), 90, "3 READY replicas")
     _exercise(fleet.gateway_url)
 
 

@@ -378,6 +378,7 @@ class TestDirect:
         assert argv[-len(PROFILE_ARGS) :] == tuple(PROFILE_ARGS)
         assert "--kv-events-config" in argv and "sha256_cbor" in argv
         assert engine.launch.env["PYTHONHASHSEED"] == "0"
+        assert "--api-key" not in argv and engine.launch.env["VLLM_API_KEY"] == engine.key
         started = f"Starting vLLM server on {engine.endpoint}"
         assert started in engine.log_path.read_text(errors="replace")
 

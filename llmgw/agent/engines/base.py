@@ -4,6 +4,13 @@ An adapter is pure: from a :class:`ShardSpec` (what the control server asked for
 ``StartShard``) and the configured executable, it builds a :class:`LaunchSpec` (argv, the
 environment to add, the port and the probes). The supervisor runs it; nothing here starts
 processes, so every command line can be checked exactly in tests.
+
+**The replica's API key never goes on a command line.** ``/proc/PID/cmdline`` (``ps``) is
+readable by every user of the node; ``/proc/PID/environ`` only by the engine's owner and
+root. So each adapter hands the key over in an environment variable the engine reads itself
+(vLLM ``VLLM_API_KEY``, llama.cpp ``LLAMA_API_KEY``; SGLang, which has none, through a
+small launcher, see ``sglang.py``), names it in ``LaunchSpec.secret_env``, and refuses a
+profile that sets it. Neither ``ShardSpec`` nor ``LaunchSpec`` shows the key in its repr.
 """
 
 from __future__ import annotations
@@ -49,7 +56,7 @@ class ShardSpec:
     fingerprint: str
     gpu_uuids: tuple[str, ...]
     port: int
-    api_key: str
+    api_key: str = field(repr=False)  # a secret: never in a repr, a log or an argv
     multinode: MultiNode | None = None
 
     @classmethod
@@ -91,17 +98,33 @@ class KvEventEndpoints:
 
 @dataclass(frozen=True, slots=True)
 class LaunchSpec:
-    """A command line and how to tell that it is up."""
+    """A command line and how to tell that it is up.
+
+    ``secret_env`` names the variables of ``env`` that hold a secret (the API key): a repr
+    shows them as ``***``, and whoever logs or shows an environment should do the same.
+    """
 
     engine: str
     argv: tuple[str, ...]
     env: Mapping[str, str]  # added to the agent's environment
     port: int
-    api_key: str = ""
+    api_key: str = field(default="", repr=False)  # what probes send; never in argv
     health_path: str = "/health"  # answers 200 once the engine is alive
     ready_path: str = "/v1/models"  # answers 200 (with the API key) once it serves
     kv_events: KvEventEndpoints | None = None
     listens_http: bool = True  # False for headless ranks of a multi-node replica
+    secret_env: frozenset[str] = frozenset()  # names in ``env`` whose values are secrets
+
+    def redacted_env(self) -> dict[str, str]:
+        """``env`` with the value of every ``secret_env`` variable replaced by ``***``."""
+        return {k: "***" if k in self.secret_env else v for k, v in self.env.items()}
+
+    def __repr__(self) -> str:
+        return (
+            f"LaunchSpec(engine={self.engine!r}, argv={self.argv!r}, "
+            f"env={self.redacted_env()!r}, port={self.port!r}, "
+            f"kv_events={self.kv_events!r}, listens_http={self.listens_http!r})"
+        )
 
 
 class EngineAdapter(Protocol):
@@ -260,6 +283,16 @@ def fabric_env(spec: ShardSpec) -> dict[str, str]:
 
 # Variables the agent sets and a profile may not, with the reason given when one tries.
 AGENT_ENV: Mapping[str, str] = MappingProxyType({"CUDA_VISIBLE_DEVICES": "from the shard's GPUs"})
+KEY_REASON = "from the replica's API key"
+
+
+def api_key_env(spec: ShardSpec, variable: str, *, serves_http: bool = True) -> dict[str, str]:
+    """``{variable: key}`` for an engine that reads its API key from ``variable``.
+
+    Empty when the shard has no key, or when the process serves no HTTP (a headless rank):
+    a key it would not use stays off that node.
+    """
+    return {variable: spec.api_key} if spec.api_key and serves_http else {}
 
 
 def merge_profile_env(

@@ -2,8 +2,12 @@
 
 The command line, in order::
 
-    BIN -m MODEL.gguf --host 127.0.0.1 --port PORT --alias NAME [--api-key KEY]
+    BIN -m MODEL.gguf --host 127.0.0.1 --port PORT --alias NAME
         [--threads N] --metrics  PROFILE ARGS
+
+The API key goes in ``LLAMA_API_KEY``, never in argv: llama.cpp's ``--api-key`` option is
+declared with ``set_env("LLAMA_API_KEY")`` (``common/arg.cpp``), so llama-server reads it
+from there when the flag is absent. A profile may set neither.
 
 ``--threads`` comes from the profile's ``cpu_threads`` (left to llama.cpp when 0) and
 ``--metrics`` turns on ``/metrics``. llama-server binds its port at once and answers
@@ -15,14 +19,17 @@ them) and KV events. How many layers go to the GPU (``-ngl``) is the profile's a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from types import MappingProxyType
 
 from llmgw.agent.engines.base import (
+    AGENT_ENV,
+    KEY_REASON,
     LOOPBACK,
     LaunchSpec,
     ShardSpec,
+    api_key_env,
     check_port,
     check_profile_args,
     device_env,
@@ -33,7 +40,9 @@ from llmgw.agent.engines.base import (
     shard_layout,
 )
 
-_MANAGED = ("-m", "--model", "--host", "--port", "-a", "--alias", "--api-key")
+_MANAGED = ("-m", "--model", "--host", "--port", "-a", "--alias", "--api-key", "--api-key-file")
+API_KEY_ENV = "LLAMA_API_KEY"
+_OWNED_ENV: Mapping[str, str] = MappingProxyType({**AGENT_ENV, API_KEY_ENV: KEY_REASON})
 
 
 class LlamaCppAdapter:
@@ -53,17 +62,18 @@ class LlamaCppAdapter:
             *binary,
             *("-m", model, "--host", LOOPBACK, "--port", str(check_port(spec))),
             *("--alias", served_model_name(spec)),
-            *(("--api-key", spec.api_key) if spec.api_key else ()),
             *(("--threads", str(threads)) if threads else ()),
             "--metrics",
             *check_profile_args(spec, _MANAGED),
         )
+        env = merge_profile_env(spec, device_env(spec), _OWNED_ENV)
         return LaunchSpec(
             engine=self.name,
             argv=argv,
-            env=MappingProxyType(merge_profile_env(spec, device_env(spec))),
+            env=MappingProxyType({**env, **api_key_env(spec, API_KEY_ENV)}),
             port=spec.port,
             api_key=spec.api_key,
+            secret_env=frozenset({API_KEY_ENV}),
         )
 
 

@@ -5,7 +5,6 @@ The command line, in order::
     BIN serve MODEL                                   (or BIN --model MODEL, see below)
         --host 127.0.0.1 --port PORT                  (not on headless ranks)
         --served-model-name NAME
-        --api-key KEY                                 (when the shard has one; not headless)
         --tensor-parallel-size TP --pipeline-parallel-size PP
         --enable-lora --lora-modules N=PATH … --max-loras COUNT        (LoRA adapters)
         --nnodes N --node-rank R --master-addr A --master-port P
@@ -14,6 +13,10 @@ The command line, in order::
         --kv-events-config JSON --enable-prefix-caching
         --prefix-caching-hash-algo sha256_cbor        (KV events on)
         PROFILE ARGS
+
+**The API key** goes in ``VLLM_API_KEY`` (vLLM's ``envs.VLLM_API_KEY``, which its API
+server uses when ``--api-key`` is not given: ``entrypoints/serve/middleware/register.py``
+in 0.32), never in argv; a profile may not set ``VLLM_API_KEY`` or ``--api-key``.
 
 **Two styles of binary.** The ``vllm`` CLI (the default binary, or
 ``python -m vllm.entrypoints.cli.main``) takes ``serve MODEL``. The OpenAI server module
@@ -26,8 +29,8 @@ refused.
 **Multi-node** (vLLM >= 0.11.1, spec/vllm-kv-events.md §5): every rank gets the same
 engine flags, ``--distributed-executor-backend mp`` and the mp data-parallel backend that
 ``--nnodes > 1`` requires; ranks > 0 add ``--headless``, which in 0.33 starts no API
-server, so they get no ``--host``/``--port``/``--api-key`` (nothing would listen, and the
-key stays off that node's process list) and ``listens_http=False``. No scheduler runs
+server, so they get no ``--host``/``--port`` and no ``VLLM_API_KEY`` (nothing would
+listen, and the key stays off that node) and ``listens_http=False``. No scheduler runs
 there either, so no KV events are published: their LaunchSpec has ``kv_events=None``.
 
 **KV events** (spec §2.2): vLLM binds an ``ipc://`` PUB endpoint and a replay ROUTER in the
@@ -53,11 +56,13 @@ from types import MappingProxyType
 from llmgw.agent.engines.base import (
     AGENT_ENV,
     CPU_CLASS,
+    KEY_REASON,
     LOOPBACK,
     KvEventEndpoints,
     LaunchSpec,
     Layout,
     ShardSpec,
+    api_key_env,
     check_port,
     check_profile_args,
     device_env,
@@ -84,8 +89,10 @@ _MANAGED = (
 )
 _MANAGED_MULTINODE = ("--distributed-executor-backend", "--data-parallel-backend", "-dpb")
 _MANAGED_KV = ("--prefix-caching-hash-algo", "--no-enable-prefix-caching")
+API_KEY_ENV = "VLLM_API_KEY"
+_OWNED_ENV: Mapping[str, str] = MappingProxyType({**AGENT_ENV, API_KEY_ENV: KEY_REASON})
 _KV_OWNED_ENV: Mapping[str, str] = MappingProxyType(
-    {**AGENT_ENV, "PYTHONHASHSEED": "to 0 with kv_events on (the gateway hashes with it)"}
+    {**_OWNED_ENV, "PYTHONHASHSEED": "to 0 with kv_events on (the gateway hashes with it)"}
 )
 
 
@@ -119,21 +126,20 @@ class VllmAdapter:
         return LaunchSpec(
             engine=self.name,
             argv=argv,
-            env=MappingProxyType(_env(spec)),
+            env=MappingProxyType(_env(spec, layout)),
             port=spec.port,
             api_key=spec.api_key,
             kv_events=None if layout.headless else kv,
             listens_http=not layout.headless,
+            secret_env=frozenset({API_KEY_ENV}),
         )
 
 
 def _server_args(spec: ShardSpec, layout: Layout) -> tuple[str, ...]:
     listen = () if layout.headless else ("--host", LOOPBACK, "--port", str(check_port(spec)))
-    key = ("--api-key", spec.api_key) if spec.api_key and not layout.headless else ()
     return (
         *listen,
         *("--served-model-name", served_model_name(spec)),
-        *key,
         *("--tensor-parallel-size", str(layout.tp), "--pipeline-parallel-size", str(layout.pp)),
     )
 
@@ -193,7 +199,7 @@ def _managed(spec: ShardSpec, layout: Layout) -> tuple[str, ...]:
     )
 
 
-def _env(spec: ShardSpec) -> dict[str, str]:
+def _env(spec: ShardSpec, layout: Layout) -> dict[str, str]:
     env = {**device_env(spec), **fabric_env(spec)}
     if spec.profile.gpu_class == CPU_CLASS and spec.profile.cpu_threads:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
@@ -201,5 +207,6 @@ def _env(spec: ShardSpec) -> dict[str, str]:
     if spec.profile.kv_events:
         env["PYTHONHASHSEED"] = KV_HASH_SEED
         env["VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES"] = "1"
-        return merge_profile_env(spec, env, _KV_OWNED_ENV)
-    return merge_profile_env(spec, env)
+    owned = _KV_OWNED_ENV if spec.profile.kv_events else _OWNED_ENV
+    key = api_key_env(spec, API_KEY_ENV, serves_http=not layout.headless)
+    return {**merge_profile_env(spec, env, owned), **key}

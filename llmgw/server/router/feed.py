@@ -27,6 +27,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
+import ssl as _ssl
 import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
@@ -67,6 +68,7 @@ def target_from_route(route: RouteTarget) -> Target:
         ready=read_shard_state(route.state) is ShardState.READY,
         deployment=route.deployment,
         kv_events=route.kv_events,
+        adapters=tuple(route.adapters),
     )
 
 
@@ -138,10 +140,15 @@ class FollowConfig:
 
 
 def feed_channel(
-    host: str, port: int, config: FollowConfig = FollowConfig()
+    host: str,
+    port: int,
+    config: FollowConfig = FollowConfig(),
+    *,
+    ssl: _ssl.SSLContext | None = None,
 ) -> grpclib.client.Channel:
     """A grpclib channel to the control server's native gRPC port, with keepalive pings
-    so that a quiet feed on a dead connection is noticed."""
+    so that a quiet feed on a dead connection is noticed; over TLS with ``ssl`` (a client
+    context, ``llmgw.tls.client_context``: the certificate is checked against ``host``)."""
     options = grpclib.config.Configuration(
         _keepalive_time=config.keepalive_s,
         _keepalive_timeout=config.keepalive_timeout_s,
@@ -149,7 +156,7 @@ def feed_channel(
         _http2_max_pings_without_data=0,  # the feed is quiet for long stretches: keep pinging
         _http2_min_sent_ping_interval_without_data=config.keepalive_s,
     )
-    return grpclib.client.Channel(host, port, config=options)
+    return grpclib.client.Channel(host, port, config=options, ssl=ssl)
 
 
 class _Outage:

@@ -2,7 +2,11 @@
 
 Routes: ``GET /v1/models`` (the models of READY replicas, OpenAI list shape),
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (proxied; server-sent events go
-through as they arrive), ``GET /metrics`` (Prometheus text), ``GET /healthz``.
+through as they arrive), ``GET /metrics`` (Prometheus text), ``GET /healthz``; with
+``debug_kv_index`` (``llmgw gateway --debug-kv-index``, for tests and scripts/chaos.py) also
+``GET /debug/kv_index``: every replica's indexed block keys, ``{"replicas": {ID:
+{"block_size": N, "keys": ["<16 hex>", …]}}}``, ascending (unauthenticated: a key tells
+whether a guessed prompt is cached, so it is off by default).
 
 Per proxied request: parse what routing needs (openai.py; 400 naming the fault), look up the
 READY candidates (404 ``NotFoundError`` like vLLM when no replica of any state serves the
@@ -13,6 +17,10 @@ then release. The whole request is bounded by ``request_timeout_s`` (504 before 
 the answer; after one, the connection is closed). A client that goes away cancels the
 request: the upstream connection is closed, never pooled. ``stop`` closes the listener,
 every client connection and every upstream connection.
+
+With client keys (``GatewayConfig.api_keys``, ``--api-key-file``; apikeys.py) a request for
+``/v1`` or below without ``Authorization: Bearer`` one of them is answered 401 and counted;
+``/healthz`` and ``/metrics`` stay open, as vLLM leaves ``/health`` and ``/metrics``.
 
 Cost, measured with a quick harness while choosing the design (not kept: the benchmark of
 record is scripts/bench_gateway.py) on a 2-core AMD EPYC shared with other work, Python
@@ -46,9 +54,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import ssl
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from llmgw.server.router.apikeys import UNAUTHORIZED_BODY, ApiKeys
 from llmgw.server.router.engines import EnginePoller, PollerConfig
 from llmgw.server.router.errors import (
     GatewayTimeout,
@@ -91,6 +101,7 @@ BROKEN = 502
 
 _SESSION_HEADER = SESSION_HEADER.encode()
 _PROXIED = (COMPLETIONS_PATH, CHAT_PATH)
+_DEBUG_KV_PATH = "/debug/kv_index"
 _TEXT_TYPE = b"text/plain; charset=utf-8"
 
 
@@ -111,6 +122,9 @@ class GatewayConfig:
     precise: bool = True  # the precise tier (prefix policy only; needs replicas' KV events)
     tokenize_timeout_s: float = 0.05  # a /tokenize call for the precise tier
     engine_poll_s: float = 5.0  # how often replicas' /metrics are read (0: never)
+    api_keys: ApiKeys = ApiKeys()  # clients' keys for /v1 (apikeys.py); none: open to all
+    debug_kv_index: bool = False  # serve GET /debug/kv_index (see the module docstring)
+    tls: ssl.SSLContext | None = field(default=None, repr=False, compare=False)  # None: http
 
 
 class Gateway:
@@ -147,7 +161,9 @@ class Gateway:
             on_capacity=self._kv_capacity,
         )
         self._poller: asyncio.Task[None] | None = None
-        self.metrics.add_collector(lambda: kv_index_lines(self.kv_index.stats()))
+        self.metrics.add_collector(
+            lambda: kv_index_lines(self.kv_index.stats(), self._replica_blocks())
+        )
         self.metrics.add_collector(self.engines.lines)
 
     def _precise_tier(self) -> PreciseTier | None:
@@ -161,6 +177,11 @@ class Gateway:
             metrics=self.metrics,
             block_size_of=lambda replica_id: self.engines.block_size(replica_id),
         )
+
+    def _replica_blocks(self) -> dict[str, int]:
+        """Blocks the KV index holds for each replica of the table with KV events."""
+        index, targets = self.kv_index, self.table.targets()
+        return {t.replica_id: index.blocks_of(t.replica_id) for t in targets if t.kv_events}
 
     def _kv_capacity(self, replica_id: str, kv_tokens: int | None) -> None:
         """An engine's KV capacity (tokens) bounds what the approximate tree claims for it."""
@@ -179,10 +200,11 @@ class Gateway:
         self._server = HttpServer(
             self._handle, limits, tick=self.pool.expire, refused=self.metrics.request_done
         )
-        address = await self._server.start(self.config.host, self.config.port)
+        address = await self._server.start(self.config.host, self.config.port, ssl=self.config.tls)
         if self.config.engine_poll_s > 0:
             self._poller = asyncio.create_task(self.engines.run(), name="engine-poller")
-        log.info("gateway listening on http://%s:%d (policy %s)", *address, self.policy.name)
+        scheme = "http" if self.config.tls is None else "https"
+        log.info("gateway listening on %s://%s:%d (policy %s)", scheme, *address, self.policy.name)
         return address
 
     async def stop(self) -> None:
@@ -207,11 +229,17 @@ class Gateway:
 
     async def _handle(self, request: Request, conn: HttpConnection) -> None:
         path = request.path
-        if path in _PROXIED:
+        keys = self.config.api_keys
+        if keys.guards(path) and not keys.allows(request.header(b"authorization")):
+            conn.respond(401, UNAUTHORIZED_BODY)  # /healthz and /metrics stay open
+            self.metrics.request_done(401)
+        elif path in _PROXIED:
             if request.method != b"POST":
                 self._refuse(conn, 405, f"{path} takes POST")
             else:
                 await self._proxy(request, conn)
+        elif path == _DEBUG_KV_PATH and request.method == b"GET" and self.config.debug_kv_index:
+            conn.respond(200, self._kv_index_body())
         elif request.method != b"GET" or path not in ("/v1/models", "/metrics", "/healthz"):
             known = path in ("/v1/models", "/metrics", "/healthz")
             self._refuse(conn, 405 if known else 404, f"{'GET' if known else 'no route'} {path}")
@@ -233,6 +261,17 @@ class Gateway:
             for model in self.table.models()
         ]
         return dumps({"object": "list", "data": data})
+
+    def _kv_index_body(self) -> bytes:
+        index = self.kv_index
+        replicas = {
+            replica_id: {
+                "block_size": index.block_size(replica_id),
+                "keys": [f"{key:016x}" for key in index.keys_of(replica_id)],
+            }
+            for replica_id in index.replicas()
+        }
+        return dumps({"replicas": replicas})
 
     def _in_flight(self) -> dict[str, int]:
         counts = {target.replica_id: 0 for target in self.table.targets()}
@@ -331,7 +370,7 @@ class Gateway:
         if failures:
             tried = "; ".join(failures)
             return NoReplica(f"no replica of model `{model}` could take the request ({tried})")
-        if any(target.model == model for target in self.table.targets()):
+        if any(target.serves(model) for target in self.table.targets()):
             return NoReplica(f"no replica of model `{model}` is ready")
         return ModelNotFound(model)
 

@@ -27,6 +27,7 @@ import contextlib
 import logging
 import math
 import socket
+import ssl as _ssl
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -405,10 +406,13 @@ class HttpServer:
         self._server: asyncio.Server | None = None
         self._sweeper: asyncio.Task[None] | None = None
 
-    async def start(self, host: str, port: int) -> tuple[str, int]:
-        """Listen on ``host:port``; the bound address (port 0 → the chosen one)."""
+    async def start(
+        self, host: str, port: int, *, ssl: _ssl.SSLContext | None = None
+    ) -> tuple[str, int]:
+        """Listen on ``host:port`` (TLS only, with ``ssl``); the bound address (port 0 → the
+        chosen one). A connection reaches ``HttpConnection`` once its handshake is done."""
         self._server = await self.loop.create_server(
-            lambda: HttpConnection(self), host, port, reuse_address=True, backlog=1024
+            lambda: HttpConnection(self), host, port, reuse_address=True, backlog=1024, ssl=ssl
         )
         self._sweeper = self.loop.create_task(self._sweep(), name="gateway-sweep")
         sockname = self._server.sockets[0].getsockname()

@@ -42,6 +42,9 @@ The precise tier (issue #6; precise.py, tokenize.py, engines.py)::
     llmgw_engine_polls_total{outcome}                 /metrics polls: ok, timeout, connect,
                                                       closed, protocol, status, malformed
     llmgw_kv_index_{replicas,keys,blocks}             the KV index's size (gauges)
+    llmgw_kv_index_replica_blocks{replica}            blocks indexed per replica (those of the
+                                                      routing table with KV events; 0 after a
+                                                      reset)
     llmgw_kv_index_{resets,refused,stored,removed}_total
     llmgw_kv_index_event_lag_seconds_total            an engine's event → the index, summed,
     llmgw_kv_index_event_lags_total                   over this many (mean: the ratio of rates)
@@ -320,8 +323,11 @@ class GatewayMetrics:
         )
 
 
-def kv_index_lines(stats: KvIndexStats) -> list[str]:
-    """The KV index's families (the gateway renders them through a collector)."""
+def kv_index_lines(
+    stats: KvIndexStats, replica_blocks: Mapping[str, int] | None = None
+) -> list[str]:
+    """The KV index's families (the gateway renders them through a collector);
+    ``replica_blocks`` (replica id → blocks indexed) adds the per-replica gauge."""
     out: list[str] = []
     for name, help_, value in (
         ("llmgw_kv_index_replicas", "Replicas with at least one block indexed.", stats.replicas),
@@ -329,6 +335,15 @@ def kv_index_lines(stats: KvIndexStats) -> list[str]:
         ("llmgw_kv_index_blocks", "(replica, block) pairs indexed.", stats.blocks),
     ):
         gauge(out, name, help_, value)
+    if replica_blocks is not None:
+        labelled(
+            out,
+            "llmgw_kv_index_replica_blocks",
+            "gauge",
+            "Blocks indexed per replica with KV events in the routing table.",
+            "replica",
+            replica_blocks,
+        )
     for name, help_, value in (
         ("llmgw_kv_index_resets_total", "Replica resets that dropped blocks.", stats.resets),
         ("llmgw_kv_index_refused_total", "Malformed feed changes refused.", stats.refused),

@@ -8,9 +8,12 @@ Per request (issue #6; DESIGN.md → KV events and routing, tier 1):
 2. **Keys.** The tokens' llmgw block keys (``llmgw.kvcache.mirror.block_keys``: the keys the
    agents compute from the engines' events, independent of vLLM's hash algorithm and seed),
    one list per block size the candidates report (``KvIndex.block_size``, else the engine
-   poller's ``cache_config_info``). ``cache_salt`` is the first block's extra key, as vLLM
-   0.17+ publishes it. `BlockKeyCache` reuses the keys of token prefixes hashed before, so a
-   chat that continues an earlier turn hashes only its new blocks.
+   poller's ``cache_config_info``). Extra keys as events publish them (vLLM 0.14+, spec
+   §1): a LoRA request's adapter name on every block, then ``cache_salt`` on the first
+   (`extra_keys_fn`). A request is for a LoRA adapter when the table's candidates for its
+   ``model`` serve another model name (they serve it as an adapter: `lora_adapter`).
+   `BlockKeyCache` reuses the keys of token prefixes hashed before, so a chat that
+   continues an earlier turn hashes only its new blocks.
 3. **Score.** ``KvIndex.match`` counts each candidate's leading blocks; ``matched blocks ×
    block size`` over the prompt's tokens is its share, and `prefix_decision` (policy.py)
    combines share and load exactly as the approximate tier does (hot-replica guard,
@@ -34,8 +37,9 @@ from the engines' own counters (engines.py).
 Cost of steps 2 and 3 (``llmgw_precise_seconds``; scripts/bench_routing.py measures it on
 its replay and on 6 k-token chats continuing a 5 k-token turn, 8 replicas): on this 2-core
 machine, shared with other work, p50 190-290 µs at block size 16 (the 62 new blocks hashed
-at ~1.5-2.5 µs each by ``block_keys``, the 313 known ones found in the memo in ~30 µs, 375
-looked up in the index in ~40 µs, claims ~10 µs, scoring ~20 µs) and 80-140 µs at block
+by ``block_keys`` at ~1.5-2.5 µs each then, ~0.75 µs since; the 313 known ones found in the
+memo in ~30 µs, 375 looked up in the index in ~40 µs, claims ~10 µs, scoring ~20 µs) and
+80-140 µs at block
 size 128. ``/tokenize`` aside: reading the request body again and writing the tokenize body
 costs ~0.1 ms for such a chat, and parsing the answer's 6 k ids ~0.3 ms (``json.loads``),
 which the answer cache saves for repeated prompts only.
@@ -76,6 +80,8 @@ __all__ = [
     "PreciseConfig",
     "PreciseRequest",
     "PreciseTier",
+    "extra_keys_fn",
+    "lora_adapter",
 ]
 
 TIER_PRECISE: Final = "precise"
@@ -138,7 +144,7 @@ class BlockKeyCache:
     followed the previous one last time (``bytes.startswith``, a memcmp), else a dict
     lookup; then the shorter chunk an earlier sequence ended with; it hashes the rest with
     ``block_keys(parent=..., first_block=...)`` and remembers the new chunks. The result
-    always equals ``block_keys(tokens, block_size)`` with the salt as block 0's extra keys.
+    always equals ``block_keys(tokens, block_size, extra_keys_fn=extra_keys_fn(lora, salt))``.
     """
 
     def __init__(
@@ -156,20 +162,23 @@ class BlockKeyCache:
     def __len__(self) -> int:
         return len(self._memo)
 
-    def keys(self, tokens: array[int], salt: str | None = None) -> list[int]:
+    def keys(
+        self, tokens: array[int], salt: str | None = None, lora: str | None = None
+    ) -> list[int]:
         """The keys of the full blocks of ``tokens`` (best as ``array('Q')``: ``block_keys``
-        packs such an array with a memcpy, any other with a loop)."""
+        packs such an array with a memcpy, any other with a loop) for a request with this
+        cache salt and LoRA adapter name."""
         if tokens.typecode != "Q":
             tokens = array("Q", tokens)
         packed = tokens.tobytes()
         step = self.block_size * tokens.itemsize
         total = len(tokens) // self.block_size
-        root: object = ROOT_KEY if salt is None else ("salt", salt)
+        root: object = ROOT_KEY if salt is None and lora is None else ("extra", lora, salt)
         out, anchor = self._walk(packed, step, total, root)
         known = len(out)
         if known < total:
             parent = out[-1] if out else ROOT_KEY
-            extra = _salted(salt) if salt is not None and not known else None
+            extra = extra_keys_fn(lora, salt)
             fresh = self._hasher(
                 tokens, self.block_size, extra_keys_fn=extra, parent=parent, first_block=known
             )
@@ -316,14 +325,35 @@ def _stride(block_size: int) -> int:
     return max(1, GROUP_TOKENS // block_size)
 
 
-def _salted(salt: str) -> Callable[[int, int], tuple[object, ...] | None]:
-    """Block extra keys of a salted request as events publish them: the salt, block 0 only."""
-    first = (salt,)
+def extra_keys_fn(
+    lora: str | None, salt: str | None
+) -> Callable[[int, int], tuple[object, ...] | None] | None:
+    """Block extra keys of a request as vLLM 0.14+ events publish them (what the agents'
+    mirrors key blocks with): the LoRA adapter's name on every block, then the cache salt
+    on block 0 (``extra_keys`` from 0.17, untagged from 0.31; before 0.17 the mirror takes
+    ``(lora_name,)``). None for a plain request."""
+    if lora is None and salt is None:
+        return None
+    first = tuple(key for key in (lora, salt) if key is not None)
+    later = None if lora is None else (lora,)
 
     def extra(start: int, end: int) -> tuple[object, ...] | None:
-        return first if start == 0 else None
+        return first if start == 0 else later
 
     return extra
+
+
+def lora_adapter(model: str, candidates: Sequence[Target]) -> str | None:
+    """The LoRA adapter a request for ``model`` runs on, or None for a base model.
+
+    The routing table gives a request the replicas serving its ``model``, under their
+    served model name or as one of their LoRA adapters; candidates whose served name is
+    not ``model`` serve it as an adapter. (When some serve it under that name, it is a
+    base model: their keys stay plain.)
+    """
+    if not candidates or any(target.model == model for target in candidates):
+        return None
+    return model
 
 
 @dataclass(slots=True)
@@ -332,6 +362,7 @@ class PreciseRequest:
 
     tokens: array[int]
     salt: str | None = None
+    lora: str | None = None  # the LoRA adapter's name (`lora_adapter`)
     keys_by_size: dict[int, list[int]] = field(default_factory=dict)
     timed: bool = False  # the first decision's cost has been recorded
 
@@ -389,7 +420,7 @@ class PreciseTier:
         keys = request.keys_by_size.get(block_size)
         if keys is None:
             keys = request.keys_by_size[block_size] = self.cache(block_size).keys(
-                request.tokens, request.salt
+                request.tokens, request.salt, request.lora
             )
         return keys
 
@@ -423,13 +454,14 @@ class PreciseTier:
         wanted = tokenize_input(path, body, model)
         if wanted.unsupported:
             return self._fallback(wanted.unsupported)
+        lora = lora_adapter(model, candidates)
         if wanted.tokens is not None:
-            return PreciseRequest(wanted.tokens, wanted.cache_salt)
+            return PreciseRequest(wanted.tokens, wanted.cache_salt, lora)
         tokens = await self._tokenize(wanted, candidates, load)
         if isinstance(tokens, Fallback):
             return tokens
         self._learn(text_len, len(tokens))
-        return PreciseRequest(tokens, wanted.cache_salt)
+        return PreciseRequest(tokens, wanted.cache_salt, lora)
 
     async def _tokenize(
         self, wanted: TokenizeInput, candidates: Sequence[Target], load: LoadTracker

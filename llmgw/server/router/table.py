@@ -1,7 +1,9 @@
 """The routing table: which replicas serve which model, and where.
 
 The gateway asks `RoutingTable.candidates(model)` once per request, so every read is an
-O(1) lookup of tuples rebuilt on each change (changes are rare: a replica becomes READY,
+O(1) lookup of tuples rebuilt on each change. A request's ``model`` is a served model name
+or the name of a LoRA adapter a replica serves beside it (`Target.adapters`, vLLM's
+``--lora-modules``): both route to that replica (changes are rare: a replica becomes READY,
 drains, or goes away). Writers are the control-plane feed (in-process server or the
 `llmgw gateway` router stream); everything runs on one event loop, so no locks.
 
@@ -14,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 logger = logging.getLogger(__name__)
 
@@ -26,10 +28,16 @@ class Target:
     replica_id: str
     model: str  # served model name: the routing key (`model` in the request)
     url: str  # leader endpoint "http://HOST:PORT", no trailing slash
-    api_key: str = ""  # sent upstream as "Authorization: Bearer KEY" ("" → no header)
+    # sent upstream as "Authorization: Bearer KEY" ("" → no header); a secret, not in repr
+    api_key: str = field(default="", repr=False)
     ready: bool = True  # only READY replicas are routed to; DRAINING etc. → ready=False
     deployment: str = ""
     kv_events: bool = False
+    adapters: tuple[str, ...] = ()  # LoRA adapters' names: requests naming one route here too
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` is its served model name or one of its adapters."""
+        return model == self.model or model in self.adapters
 
 
 _NO_TARGETS: tuple[Target, ...] = ()
@@ -69,11 +77,12 @@ class RoutingTable:
         return self._by_id.get(replica_id)
 
     def candidates(self, model: str) -> tuple[Target, ...]:
-        """READY targets serving `model`, sorted by replica id."""
+        """READY targets serving `model` (by name or as a LoRA adapter), sorted by
+        replica id."""
         return self._ready_by_model.get(model, _NO_TARGETS)
 
     def models(self) -> tuple[str, ...]:
-        """Models with at least one READY target, sorted."""
+        """Models (and LoRA adapters) with at least one READY target, sorted."""
         return self._models
 
     def targets(self) -> tuple[Target, ...]:
@@ -99,7 +108,8 @@ class RoutingTable:
         ready: dict[str, list[Target]] = {}
         for target in self._all:
             if target.ready:
-                ready.setdefault(target.model, []).append(target)
+                for name in dict.fromkeys((target.model, *target.adapters)):
+                    ready.setdefault(name, []).append(target)
         self._ready_by_model = {model: tuple(group) for model, group in ready.items()}
         self._models = tuple(sorted(self._ready_by_model))
 
@@ -122,6 +132,8 @@ def _removed_ids(old: dict[str, Target], new: dict[str, Target]) -> list[str]:
         after = new.get(replica_id)
         if after is None:
             gone.append(replica_id)
-        elif before.ready and (not after.ready or after.model != before.model):
+        elif before.ready and (
+            not after.ready or (after.model, after.adapters) != (before.model, before.adapters)
+        ):
             gone.append(replica_id)
     return gone

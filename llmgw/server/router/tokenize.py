@@ -15,8 +15,10 @@ What is tokenized (`tokenize_input`, from the OpenAI request body as the client 
   cannot compute.
 
 ``cache_salt`` is read too: it changes the first block's key (the precise tier applies it).
-LoRA adapters are not routed by name yet (the routing table holds served model names), so a
-request's blocks are the base model's.
+The body names the request's ``model`` as the client did: a LoRA adapter's name for a LoRA
+request, which vLLM's ``/tokenize`` accepts (and tokenizes with the adapter's tokenizer when
+it has one); the precise tier adds the adapter's extra key to every block
+(``precise.lora_adapter``).
 
 `TokenizeClient.tokenize` POSTs the body with the replica's API key over the gateway's own
 pooled client (upstream.py) and returns the token ids as ``array('Q')``, or the reason it

@@ -4,6 +4,11 @@
 ``/detokenize``, ``/version``, ``/load``, ``/metrics``, ``/reset_prefix_cache`` and, from
 vLLM 0.31, ``/kv_event_sources``; shapes as in spec/vllm-openai-server.md. With API keys
 only ``/v1/*`` needs ``Authorization: Bearer KEY``, as in vLLM.
+
+Not in vLLM: ``GET /debug/kv_cache``, read-only, what the prefix cache holds as llmgw block
+keys (``{"kv_events": bool, "block_size": N, "cached_blocks": N, "keys": ["<16 hex>", …]}``,
+ascending; no keys unless KV events are on), so a test can compare a gateway's KV index
+with the engine's own cache (scripts/chaos.py does).
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ class SimServer:
         engine: EngineCore,
         *,
         kv_endpoints: Callable[[], Mapping[str, Any]] | None = None,
+        hooks: Mapping[str, dict[str, Handler]] | None = None,
     ) -> None:
         self.config: SimEngineConfig = engine.config
         self.engine = engine
@@ -53,7 +59,7 @@ class SimServer:
             prompt_details=self.config.http.enable_prompt_tokens_details,
             on_done=self._request_done,
         )
-        self.app = Router(self._routes(), self.config.http.api_keys)
+        self.app = Router({**self._routes(), **(hooks or {})}, self.config.http.api_keys)
 
     def set_on_crash(self, callback: Callable[[], None]) -> None:
         """What ends the process: ``--sim-crash-after``, or the engine task dying."""
@@ -77,6 +83,7 @@ class SimServer:
             "/load": {"GET": self.load},
             "/metrics": {"GET": self.metrics},
             "/reset_prefix_cache": {"POST": self.reset_prefix_cache},
+            "/debug/kv_cache": {"GET": self.debug_kv_cache},
         }
         if self.config.version >= (0, 31, 0):
             routes["/kv_event_sources"] = {"GET": self.kv_event_sources}
@@ -181,6 +188,17 @@ class SimServer:
     async def reset_prefix_cache(self, request: HttpRequest) -> Response:
         self.engine.reset_prefix_cache()
         return Response(200, b"", None)
+
+    async def debug_kv_cache(self, request: HttpRequest) -> Response:
+        pool = self.engine.pool
+        return Response.json(
+            {
+                "kv_events": pool.records_events,
+                "block_size": pool.block_size,
+                "cached_blocks": pool.num_cached_blocks,
+                "keys": [f"{key:016x}" for key in pool.cached_keys()],
+            }
+        )
 
     async def kv_event_sources(self, request: HttpRequest) -> Response:
         resolved = dict(self.config.kv_events.as_json())

@@ -7,6 +7,11 @@ free blocks queue in LRU order (a finished request's blocks go to the tail in re
 its last block is evicted first, as vLLM does) and a cached block taken from the head is
 evicted. The pool records the KV events vLLM's ``BlockPool`` would: one `BlockStored` per
 `cache_full_blocks` call, one `BlockRemoved` per evicted hash, `AllBlocksCleared` on reset.
+
+With events on, the pool also keeps each cached hash's llmgw block key
+(``llmgw.kvcache.mirror.block_key``, chained from the parent's key as a mirror of these
+events computes it), so `cached_keys` says what a gateway's KV index should hold for this
+engine, from the cache itself rather than from the events (the sim's ``/debug/kv_cache``).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from llmgw.kvcache import AllBlocksCleared, BlockRemoved, BlockStored, Event, event_hash
+from llmgw.kvcache.mirror import ROOT_KEY, block_key
 
 MEDIUM_GPU = "GPU"
 SPEC_KIND = "full_attention"
@@ -52,6 +58,7 @@ class BlockPool:
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[bytes, dict[int, None]] = {}
         self._events: list[Event] = []
+        self._keys: dict[bytes, int] = {}  # cached hash → llmgw block key (events on only)
 
     @property
     def num_free(self) -> int:
@@ -66,6 +73,14 @@ class BlockPool:
     @property
     def num_cached_blocks(self) -> int:
         return sum(len(blocks) for blocks in self._cached.values())
+
+    @property
+    def records_events(self) -> bool:
+        return self._record
+
+    def cached_keys(self) -> list[int]:
+        """The llmgw block keys of every cached hash, ascending (empty with events off)."""
+        return sorted(self._keys.values())
 
     def is_cached(self, block_hash: bytes) -> bool:
         return block_hash in self._cached
@@ -128,12 +143,14 @@ class BlockPool:
         if self._record:
             parent = hashes[num_cached - 1] if num_cached else None
             self._events.append(self._stored_event(hashes[num_cached:num_full], parent, stored))
+            self._remember_keys(hashes[num_cached:num_full], parent, stored)
 
     def reset(self) -> bool:
         """Forget every hash (vLLM's ``reset_prefix_cache``); refused while blocks are held."""
         if len(self._free) != self.num_blocks:
             return False
         self._cached.clear()
+        self._keys.clear()
         self._hashes = [None] * self.num_blocks
         if self._record:
             self._events.append(AllBlocksCleared())
@@ -153,12 +170,26 @@ class BlockPool:
         del blocks[block]
         if not blocks:
             del self._cached[block_hash]
+            self._keys.pop(block_hash, None)
         if self._record:
             self._events.append(
                 BlockRemoved(
                     block_hashes=(self._external(block_hash),), medium=MEDIUM_GPU, group_idx=0
                 )
             )
+
+    def _remember_keys(
+        self, hashes: Sequence[bytes], parent: bytes | None, stored: StoredBlocks
+    ) -> None:
+        """Each new block's key from its parent's (the parent is cached: a request holds it)."""
+        key = ROOT_KEY if parent is None else self._keys.get(parent)
+        size = self.block_size
+        for i, block_hash in enumerate(hashes):
+            if key is None:
+                return
+            extra = stored.extra_keys[i] if i < len(stored.extra_keys) else None
+            key = block_key(key, stored.token_ids[i * size : (i + 1) * size], extra)
+            self._keys[block_hash] = key
 
     def _external(self, digest: bytes) -> int | bytes:
         return event_hash(digest, use_int=self._int_hashes)

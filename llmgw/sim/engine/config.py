@@ -167,6 +167,7 @@ class SimBehaviour:
     load_s: float = 0.0
     crash_after: int | None = None
     fail_start: bool = False
+    test_hooks: bool = False  # the /sim/* fault routes (llmgw.sim.engine.testhooks)
 
 
 @dataclass(frozen=True, slots=True)

@@ -6,6 +6,11 @@ it contains ``*`` or ``::`` or is ``ipc://``/``inproc://``, and connected otherw
 on the replay endpoint (always bound) answers ``[identity, b"", start_seq]`` with every
 buffered batch from ``start_seq`` on, then the end marker, in the reply format of the
 configured vLLM version. The last ``buffer_steps`` batches are kept for replay.
+
+For tests (``--sim-test-hooks``, llmgw.sim.engine.testhooks): `KvEventPublisher.drop_next`
+makes the next batches go unsent on the PUB socket while they stay in the replay buffer, as
+messages lost on the way (a subscriber sees a seq gap that a replay can fill); `dropped` and
+`replayed_from` say what was dropped and which replays were asked for.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ from llmgw.sim.engine.errors import SimStartError
 log = logging.getLogger(__name__)
 
 _REPLAY_HWM_FROM = (0, 33, 0)  # vLLM 0.33 sizes the ROUTER's SNDHWM to the buffer
+_HOOK_HISTORY = 1000  # dropped seqs and replay requests remembered for the test hooks
 
 
 def binds(endpoint: str) -> bool:
@@ -64,6 +70,9 @@ class KvEventPublisher:
         self._topic = config.topic
         self._seq = 0
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=config.buffer_steps)
+        self._drop = 0  # batches still to leave unsent (`drop_next`)
+        self.dropped: deque[int] = deque(maxlen=_HOOK_HISTORY)  # seqs left unsent
+        self.replayed_from: deque[int] = deque(maxlen=_HOOK_HISTORY)  # replays' start seqs
         self._ctx = zmq.asyncio.Context()
         self._pub: zmq.Socket[bytes] | None = None
         self._router: zmq.asyncio.Socket | None = None
@@ -109,6 +118,22 @@ class KvEventPublisher:
         if not self._ctx.closed:
             self._ctx.term()
 
+    @property
+    def next_seq(self) -> int:
+        """The seq the next batch gets."""
+        return self._seq
+
+    @property
+    def dropping(self) -> int:
+        """Batches `drop_next` still leaves unsent."""
+        return self._drop
+
+    def drop_next(self, count: int) -> None:
+        """A test's fault: the next ``count`` batches are buffered for replay but not sent."""
+        if count < 0:
+            raise ValueError(f"cannot drop {count} batches")
+        self._drop += count
+
     def publish(self, events: Sequence[Event]) -> None:
         """Send one batch now and keep it for replay; a PUB send never blocks."""
         if self._pub is None or not events:
@@ -123,6 +148,11 @@ class KvEventPublisher:
             log.error("dropping KV event batch %d: %s", seq, exc)
             return
         self._buffer.append((seq, payload))
+        if self._drop:
+            self._drop -= 1
+            self.dropped.append(seq)
+            log.warning("KV event batch %d not sent: dropped by a test hook", seq)
+            return
         try:
             self._pub.send_multipart(encode_frames(self._topic, seq, payload), flags=zmq.NOBLOCK)
         except zmq.Again:
@@ -158,6 +188,7 @@ class KvEventPublisher:
             except KvEventDecodeError:
                 log.warning("Invalid replay request: %s", frames)
                 continue
+            self.replayed_from.append(start_seq)
             await self._replay(router, identity, start_seq)
 
     async def _replay(self, router: zmq.asyncio.Socket, identity: bytes, start_seq: int) -> None:

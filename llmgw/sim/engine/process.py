@@ -25,6 +25,7 @@ from llmgw.sim.engine.config import SimEngineConfig
 from llmgw.sim.engine.core import EngineCore
 from llmgw.sim.engine.errors import SimStartError
 from llmgw.sim.engine.kvpublisher import KvEventPublisher
+from llmgw.sim.engine.testhooks import kv_event_hooks
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +51,8 @@ async def running_engine(config: SimEngineConfig) -> AsyncIterator[SimServer]:
             engine = EngineCore(config, publish=publisher.publish if publisher else None)
         except HashAlgorithmError as exc:
             raise SimStartError(f"--prefix-caching-hash-algo: {exc}") from exc
-        server = SimServer(engine, kv_endpoints=_endpoints_of(publisher))
+        hooks = kv_event_hooks(publisher) if config.sim.test_hooks else None
+        server = SimServer(engine, kv_endpoints=_endpoints_of(publisher), hooks=hooks)
         task = asyncio.create_task(engine.run(), name="sim-engine-core")
         task.add_done_callback(lambda done: _engine_exited(done, server))
         try:

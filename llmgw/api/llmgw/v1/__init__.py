@@ -31,6 +31,7 @@ __all__ = (
     "Imex",
     "KvBlocks",
     "KvDelta",
+    "KvFollowStats",
     "ListProfilesRequest",
     "ListProfilesResponse",
     "LocalWeights",
@@ -650,6 +651,15 @@ class Heartbeat(betterproto2.Message):
     set when it changed
     """
 
+    kv_follow: "list[KvFollowStats]" = betterproto2.field(
+        5, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    Added with issue #6: the KV event subscriber's counters of each engine the agent
+    follows, only those that changed since the last heartbeat (all of them on a new
+    stream). An engine missing from a heartbeat is unchanged.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Heartbeat", Heartbeat)
 
@@ -813,6 +823,71 @@ class KvDelta(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "KvDelta", KvDelta)
+
+
+@dataclass(eq=False, repr=False)
+class KvFollowStats(betterproto2.Message):
+    """
+    Added with issue #6: what the agent's KV event subscriber has seen of one engine (a
+    shard), all its data-parallel ranks together, since the agent started following it.
+    Counters only grow while it is followed; they start again at 0 when the agent follows
+    the engine afresh (a restarted agent, a shard started again).
+    """
+
+    shard_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    batches: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+    """
+    event batches applied
+    """
+
+    events: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+    """
+    events in them
+    """
+
+    gaps: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+    """
+    seq gaps seen on the live stream
+    """
+
+    replays: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+    """
+    replays requested (start, engine restart, gap)
+    """
+
+    replay_failures: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+    """
+    holes no replay could fill (each resets the engine)
+    """
+
+    resets: "int" = betterproto2.field(7, betterproto2.TYPE_UINT64)
+    """
+    the engine's blocks reset (hole, restart, AllBlocksCleared)
+    """
+
+    restarts: "int" = betterproto2.field(8, betterproto2.TYPE_UINT64)
+    """
+    engine restarts noticed (connection dropped, seq went back)
+    """
+
+    decode_errors: "int" = betterproto2.field(9, betterproto2.TYPE_UINT64)
+    """
+    malformed frames, payloads or replay messages skipped
+    """
+
+    blocks: "int" = betterproto2.field(10, betterproto2.TYPE_UINT64)
+    """
+    blocks mirrored now, all ranks (a gauge)
+    """
+
+    last_seq: "int | None" = betterproto2.field(11, betterproto2.TYPE_UINT64, optional=True)
+    """
+    the last batch applied; unset: none since the last sync
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "KvFollowStats", KvFollowStats)
 
 
 @dataclass(eq=False, repr=False)
@@ -1392,6 +1467,13 @@ class RouteTarget(betterproto2.Message):
     kv_events: "bool" = betterproto2.field(7, betterproto2.TYPE_BOOL)
     """
     its profile publishes KV events
+    """
+
+    adapters: "list[str]" = betterproto2.field(8, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Added with issue #6: its profile's LoRA adapters (their names, as vLLM's
+    --lora-modules serves them). A request naming one routes here too, and the precise
+    tier keys its blocks with the adapter's extra key.
     """
 
 
