@@ -1,0 +1,400 @@
+#!/usr/bin/env python3
+"""Chaos: a simulated cluster under steady load, killed and hung at random, then checked.
+
+On 127.0.0.1, in a temporary directory: ``llmgw server`` (a state database, its gateway
+off), ``llmgw gateway --debug-kv-index`` following it (a separate process, so a server
+fault is not on any request's path), three ``llmgw agent --simulate dgx-h100`` nodes running
+``llmgw sim-engine`` as their engine, and two deployments applied through the API: ``chat``
+(3 replicas, KV events on) and ``code`` (2 replicas of TP 2, KV events off). A steady load of
+chat completions (shared system prompts, streamed or not) goes through the gateway while,
+for ``--duration`` seconds, a fault every few seconds SIGKILLs the server, an agent or an
+engine, or SIGSTOPs the server, an agent, an engine or the gateway for a few seconds
+(chaoskit_faults). A sampler looks at the cluster twice a second (chaoskit_observe).
+Then the faults stop and the run checks (chaoskit_checks): desired state kept, never two
+copies of a replica, every deployment back at its count within ``--bound`` seconds of the
+last fault, no failed request but those on a faulted process, and the gateway's KV index
+equal to each engine's cache (the simulated engine's ``/debug/kv_cache``). Exit status 0
+only when every check passes.
+
+    .venv/bin/python scripts/chaos.py                      # 10 minutes of faults
+    .venv/bin/python scripts/chaos.py --duration 120 --seed 7
+    .venv/bin/python scripts/chaos.py --markdown           # a BENCHMARKS.md section
+
+Progress goes to stderr; the report to stdout (``--json FILE`` writes it as JSON too). Every
+process the run started, engines included, is killed at the end, whatever happens.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+import sys
+import tempfile
+import time
+import uuid
+from collections.abc import Awaitable, Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Final
+
+import httpx
+from benchkit import command_line, interrupt_on_sigterm, progress_line
+from chaoskit_checks import (
+    Check,
+    check_convergence,
+    check_copies,
+    check_desired,
+    check_kv,
+    check_requests,
+    converged_at,
+    recovery_times,
+)
+from chaoskit_cluster import GATEWAY, RUN_ENV, SERVER, AgentOptions, ChaosCluster
+from chaoskit_faults import KINDS, FaultConfig, FaultLoop
+from chaoskit_load import Load, LoadConfig, summarize
+from chaoskit_observe import KvReading, Sampler, read_kv, ready_by_deployment
+from chaoskit_report import ChaosReport, render_json, render_markdown, render_text
+
+from llmgw.api.llmgw.v1 import (
+    ApplyDeploymentRequest,
+    Cluster,
+    Deployment,
+    EngineProfile,
+    NodeState,
+    ShardState,
+)
+from llmgw.client import ClientError, ControlClient, GrpcWebChannel
+from llmgw.client.channel import Timeouts
+from llmgw.server.profiles import parse_document
+
+log = logging.getLogger("chaos")
+
+NODES: Final = ("node-a", "node-b", "node-c")
+FRESH_GATEWAY: Final = "fresh-gateway"  # started at the end: the server's KV store as sent
+DOCUMENT: Final = """\
+[profiles.chat-sim]
+engine = "sim"
+gpu_class = "H100"
+tp = 1
+model_path = "/models/chat"
+served_model_name = "chat"
+kv_events = true
+args = ["--sim-decode-ms-per-token", "5", "--sim-kv-blocks", "{kv_blocks}"]
+
+[deployments.chat]
+profile = "chat-sim"
+replicas = 3
+
+[profiles.code-sim]
+engine = "sim"
+gpu_class = "H100"
+tp = 2
+model_path = "/models/code"
+served_model_name = "code"
+kv_events = false
+args = ["--sim-decode-ms-per-token", "5"]
+
+[deployments.code]
+profile = "code-sim"
+replicas = 2
+"""
+
+
+@dataclass(frozen=True, slots=True)
+class Options:
+    duration_s: float
+    seed: int
+    rate: float
+    bound_s: float
+    slack_s: float
+    kv_blocks: int
+    kinds: tuple[str, ...]
+    run_id: str
+
+
+# -- phases --------------------------------------------------------------------------------
+
+
+async def _until(what: str, timeout_s: float, check: Callable[[], Awaitable[bool]]) -> None:
+    """Poll ``check`` until it says True; RuntimeError after ``timeout_s``."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if await check():
+            return
+        await asyncio.sleep(0.3)
+    raise RuntimeError(f"timed out after {timeout_s:g}s waiting for {what}")
+
+
+async def _answers(url: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            return (await http.get(url)).status_code == 200
+    return False
+
+
+async def _cluster(client: ControlClient) -> Cluster | None:
+    with contextlib.suppress(ClientError, TimeoutError):
+        async with asyncio.timeout(3.0):
+            return await client.get_cluster()
+    return None
+
+
+async def _start(cluster: ChaosCluster, client: ControlClient) -> None:
+    cluster.start(SERVER)
+    await _until("the server's /healthz", 30, lambda: _answers(f"{cluster.web}/healthz"))
+    cluster.start(GATEWAY)
+    for node in cluster.nodes:
+        cluster.start(node)
+    await _until("the gateway's /healthz", 30, lambda: _answers(f"{cluster.gateway}/healthz"))
+
+    async def nodes_ready() -> bool:
+        found = await _cluster(client)
+        ready = sum(n.state == NodeState.READY for n in found.nodes) if found else 0
+        return ready == len(cluster.nodes)
+
+    await _until("every node READY", 60, nodes_ready)
+
+
+async def _apply(client: ControlClient, document_text: str) -> dict[str, int]:
+    document = parse_document(document_text, source="scripts/chaos.py")
+    for deployment in document.deployments.values():
+        profile = document.profiles[deployment.profile]
+        request = ApplyDeploymentRequest(
+            deployment=deployment, profiles=[profile], document=document_text
+        )
+        result = await client.apply_deployment(request)
+        progress_line(f"chaos: {result.message}")
+    return {name: d.replicas for name, d in document.deployments.items()}
+
+
+async def _at_count(client: ControlClient, counts: dict[str, int]) -> bool:
+    found = await _cluster(client)
+    return found is not None and ready_by_deployment(found) == counts
+
+
+async def _wait_at_count(client: ControlClient, counts: dict[str, int], give_up_s: float) -> None:
+    """Until every deployment is at its count READY, or ``give_up_s`` (the sampler's record
+    says when it was, for the check)."""
+    with contextlib.suppress(RuntimeError):
+        await _until("every deployment at its count", give_up_s, lambda: _at_count(client, counts))
+
+
+async def _kv_settled(
+    client: ControlClient, gateways: dict[str, str], kv_models: set[str]
+) -> KvReading:
+    """Both sides of the KV check, read again until they agree (at most 15 s)."""
+    reading = KvReading({}, {})
+    deadline = time.monotonic() + 15
+    async with httpx.AsyncClient(timeout=5.0) as http:
+        while time.monotonic() < deadline:
+            found = await _cluster(client)
+            replicas = [
+                (r.replica_id, r.endpoint)
+                for r in (found.replicas if found else [])
+                if r.model in kv_models and r.state == ShardState.READY and r.endpoint
+            ]
+            reading = await read_kv(http, gateways, replicas)
+            if replicas and not reading.differences():
+                return reading
+            await asyncio.sleep(1.0)
+    return reading
+
+
+# -- the run -------------------------------------------------------------------------------
+
+
+async def _run(cluster: ChaosCluster, opts: Options) -> ChaosReport:
+    rng = random.Random(opts.seed)
+    document_text = DOCUMENT.replace("{kv_blocks}", str(opts.kv_blocks))
+    timeouts = Timeouts(connect=1.0, call=3.0)
+    async with GrpcWebChannel(cluster.web, timeouts=timeouts) as channel:
+        client = ControlClient(channel)
+        progress_line(f"chaos: starting the cluster under {cluster.root}")
+        await _start(cluster, client)
+        counts = await _apply(client, document_text)
+        await _until("every deployment READY", 120, lambda: _at_count(client, counts))
+        await _until("the gateway serving", 30, lambda: _serves(cluster.gateway, counts))
+        progress_line(f"chaos: {sum(counts.values())} replicas READY; faults for "
+                      f"{opts.duration_s:g}s")  # fmt: skip
+        return await _under_faults(cluster, client, opts, rng, (document_text, counts))
+
+
+async def _serves(gateway: str, counts: dict[str, int]) -> bool:
+    with contextlib.suppress(httpx.HTTPError, ValueError):
+        async with httpx.AsyncClient(timeout=2.0) as http:
+            models = (await http.get(f"{gateway}/v1/models")).json()["data"]
+        return {m["id"] for m in models} >= set(counts)
+    return False
+
+
+async def _under_faults(
+    cluster: ChaosCluster, client: ControlClient, opts: Options, rng: random.Random,
+    desired: tuple[str, dict[str, int]],
+) -> ChaosReport:  # fmt: skip
+    document_text, counts = desired
+    load = Load(cluster.gateway, LoadConfig(rate=opts.rate), random.Random(rng.random()))
+    sampler = Sampler(cluster, client)
+    faults = FaultLoop(cluster, FaultConfig(opts.duration_s, kinds=opts.kinds), rng)
+    stop_load, stop_sampler = asyncio.Event(), asyncio.Event()
+    async with asyncio.TaskGroup() as tasks:
+        sampling = tasks.create_task(sampler.run(stop_sampler))
+        loading = tasks.create_task(load.run(stop_load))
+        try:
+            started = time.monotonic()
+            await faults.run(asyncio.Event())
+            last = max((f.ended for f in faults.records), default=started)
+            progress_line(f"chaos: {len(faults.records)} faults; waiting for the counts")
+            await _wait_at_count(client, counts, max(2 * opts.bound_s, 120.0))
+            await asyncio.sleep(3.0)  # the load goes on a little on the healed cluster
+        finally:
+            stop_load.set()
+            await loading
+            stop_sampler.set()
+            await sampling
+    progress_line("chaos: checking")
+    kv = await _kv_settled(client, await _fresh_gateway(cluster), _kv_models(document_text))
+    held = await _held(client)
+    checks = (
+        check_desired(_applied(document_text), held),
+        check_copies(sampler.samples, orphan_grace_s=15.0),
+        check_convergence(last, converged_at(sampler.samples, last, counts), opts.bound_s),
+        check_requests(load.records, faults.records, opts.slack_s),
+        check_kv(kv.differences(), {r: len(k or ()) for r, k in kv.engines.items()}),
+        _check_exits(cluster),
+    )
+    return ChaosReport(
+        command=command_line(),
+        settings=_settings(opts, len(sampler.samples), load.skipped),
+        faults=tuple(faults.records),
+        recoveries=tuple(recovery_times(faults.records, sampler.samples, counts)),
+        requests=summarize(load.records),
+        checks=checks,
+    )
+
+
+async def _fresh_gateway(cluster: ChaosCluster) -> dict[str, str]:
+    """The run's gateway and a new one: the new one's index is the server's KV store as a
+    snapshot sends it, so a difference tells the server's store from the old gateway's."""
+    url = cluster.add_gateway(FRESH_GATEWAY)
+    cluster.start(FRESH_GATEWAY)
+    await _until("a fresh gateway", 30, lambda: _answers(f"{url}/healthz"))
+    return {GATEWAY: cluster.gateway, FRESH_GATEWAY: url}
+
+
+def _kv_models(document_text: str) -> set[str]:
+    document = parse_document(document_text, source="scripts/chaos.py")
+    return {p.served_model_name for p in document.profiles.values() if p.kv_events}
+
+
+def _applied(document_text: str) -> tuple[list[Deployment], list[EngineProfile]]:
+    document = parse_document(document_text, source="scripts/chaos.py")
+    return list(document.deployments.values()), list(document.profiles.values())
+
+
+async def _held(client: ControlClient) -> tuple[list[Deployment], list[EngineProfile]] | None:
+    with contextlib.suppress(ClientError, TimeoutError):
+        async with asyncio.timeout(10.0):
+            deployments = (await client.get_cluster()).deployments
+            return list(deployments), await client.list_profiles()
+    return None
+
+
+def _check_exits(cluster: ChaosCluster) -> Check:
+    exited = cluster.exited()
+    details = tuple(f"{name} exited by itself with status {code}" for name, code in exited.items())
+    summary = (
+        f"server, gateway and {len(cluster.nodes)} agents running at the end"
+        if not exited
+        else f"{len(exited)} exited by themselves (logs: {cluster.logs})"
+    )
+    return Check("no process crashed", not exited, summary, details)
+
+
+def _settings(opts: Options, samples: int, skipped: int) -> dict[str, str]:
+    agents = AgentOptions()
+    return {
+        "cluster": f"server (gateway off) + `llmgw gateway`, {len(NODES)} simulated "
+        f"{agents.fixture} agents (engine restart backoff {agents.restart_backoff_s:g} s "
+        f"doubling to {agents.restart_backoff_max_s:g} s), all on 127.0.0.1",
+        "deployments": "chat: 3 replicas, TP 1, KV events on (sim engine, "
+        f"{opts.kv_blocks} KV blocks of 16 tokens); code: 2 replicas, TP 2, KV events off",
+        "faults": f"{opts.duration_s:g} s, one at a time every 2-6 s, kinds: "
+        f"{', '.join(opts.kinds)}; kills restart after 0.5-3 s, stops last 2-6 s",
+        "load": f"~{opts.rate:g} chat completions/s through the gateway, half streamed, "
+        f"3 shared system prompts, 4-24 tokens ({skipped} arrivals skipped at 32 in flight)",
+        "bounds": f"back at count within {opts.bound_s:g} s of the last fault; a failed request "
+        f"is explained by a fault on its path it overlapped within {opts.slack_s:g} s",
+        "sampler": f"{samples} samples of GetCluster and /proc, every 0.5 s",
+        "seed": str(opts.seed),
+    }
+
+
+# -- the command line ----------------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
+    p.add_argument("--duration", type=float, default=600.0, help="seconds of faults (600)")
+    p.add_argument("--seed", type=int, default=None, help="random seed (default: from the time)")
+    p.add_argument("--rate", type=float, default=4.0, help="requests per second (4)")
+    p.add_argument("--bound", type=float, default=60.0,
+                   help="seconds after the last fault to be back at count (60)")  # fmt: skip
+    p.add_argument("--slack", type=float, default=1.0,
+                   help="seconds a failure may trail the fault that explains it (1)")  # fmt: skip
+    p.add_argument("--kv-blocks", type=int, default=512,
+                   help="KV blocks per chat engine: few, so blocks get evicted (512)")  # fmt: skip
+    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated")
+    p.add_argument("--state-dir", type=Path, default=None,
+                   help="keep the run's database and logs here (default: a temp dir)")  # fmt: skip
+    p.add_argument("--run-id", default=None,
+                   help=f"${RUN_ENV} of every process of the run (default: random)")  # fmt: skip
+    p.add_argument("--markdown", action="store_true", help="print a BENCHMARKS.md section")
+    p.add_argument("--json", type=Path, default=None, help="also write the report as JSON")
+    return p
+
+
+def _options(args: argparse.Namespace) -> Options:
+    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in KINDS]
+    if unknown or not kinds:
+        raise SystemExit(f"chaos: unknown fault kinds {unknown}; known: {', '.join(KINDS)}")
+    seed = args.seed if args.seed is not None else int(time.time()) % 100_000
+    run_id = args.run_id or f"chaos-{uuid.uuid4().hex[:12]}"
+    return Options(args.duration, seed, args.rate, args.bound, args.slack, args.kv_blocks,
+                   kinds, run_id)  # fmt: skip
+
+
+@contextlib.contextmanager
+def _state_dir(given: Path | None) -> Iterator[Path]:
+    if given is not None:
+        given.mkdir(parents=True, exist_ok=True)
+        yield given
+        return
+    with tempfile.TemporaryDirectory(prefix="llmgw-chaos-") as tmp:
+        yield Path(tmp)
+
+
+def main() -> int:
+    args = _parser().parse_args()
+    opts = _options(args)
+    logging.basicConfig(level=logging.WARNING, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
+    logging.getLogger("chaos").setLevel(logging.INFO)
+    interrupt_on_sigterm()
+    with _state_dir(args.state_dir) as root:
+        cluster = ChaosCluster(root, NODES, opts.run_id, AgentOptions())
+        try:
+            report = asyncio.run(_run(cluster, opts))
+        finally:
+            cluster.close()
+    sys.stdout.write((render_markdown(report) if args.markdown else render_text(report)) + "\n")
+    if args.json is not None:
+        args.json.write_text(render_json(report))
+    return 0 if report.passed else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,133 @@
+"""The chaos run's faults: SIGKILL and SIGSTOP/SIGCONT on the server, agents, engines, gateway.
+
+One fault at a time, a random pause (``gap_s``) before each, for ``duration_s``:
+
+* ``kill-server``: SIGKILL, then start it again after ``restart_delay_s`` with the same
+  database and ports; ``kill-agent``: the same for one agent (its engines keep running and
+  the new agent adopts them); ``kill-engine``: SIGKILL one engine's process group (its agent
+  restarts it).
+* ``stop-server``, ``stop-agent``, ``stop-engine``, ``stop-gateway``: SIGSTOP, ``stop_s``
+  later SIGCONT: a hung process.
+
+Each fault is recorded with its target's pid and, on this process's monotonic clock, when
+it began (the signal) and ended (the restart, the SIGCONT; a kill of an engine ends when it
+begins: its agent does the rest).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import random
+import signal
+import time
+from dataclasses import dataclass
+from typing import Final
+
+from chaoskit_cluster import ChaosCluster, signal_group
+
+log = logging.getLogger("chaos.faults")
+
+KINDS: Final = (
+    "kill-server", "kill-agent", "kill-engine",
+    "stop-server", "stop-agent", "stop-engine", "stop-gateway",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class FaultConfig:
+    """How often and how hard; seconds."""
+
+    duration_s: float = 600.0
+    gap_s: tuple[float, float] = (2.0, 6.0)
+    restart_delay_s: tuple[float, float] = (0.5, 3.0)
+    stop_s: tuple[float, float] = (2.0, 6.0)
+    kinds: tuple[str, ...] = KINDS
+
+
+@dataclass(frozen=True, slots=True)
+class FaultRecord:
+    """One fault: what, on which process, from when to when (monotonic seconds)."""
+
+    kind: str
+    target: str  # "server", "gateway", a node id, or an engine's shard id
+    pid: int
+    started: float
+    ended: float
+    model: str = ""  # an engine's served model
+    node: str = ""  # an engine's or an agent's node
+
+
+class FaultLoop:
+    """Inject faults until the duration is over or ``stop`` is set; `records` says which."""
+
+    def __init__(self, cluster: ChaosCluster, config: FaultConfig, rng: random.Random) -> None:
+        self._cluster = cluster
+        self._config = config
+        self._rng = rng
+        self.records: list[FaultRecord] = []
+
+    async def run(self, stop: asyncio.Event) -> None:
+        deadline = time.monotonic() + self._config.duration_s
+        while time.monotonic() < deadline and not stop.is_set():
+            await self._pause(self._config.gap_s, deadline, stop)
+            if stop.is_set() or time.monotonic() >= deadline:
+                return
+            record = await self._one(self._rng.choice(self._config.kinds))
+            if record is not None:
+                self.records.append(record)
+                log.info(
+                    "fault %s on %s (pid %d) for %.1fs",
+                    record.kind, record.target, record.pid, record.ended - record.started,
+                )  # fmt: skip
+
+    async def _one(self, kind: str) -> FaultRecord | None:
+        action, _, role = kind.partition("-")
+        if role == "engine":
+            return await self._engine(action)
+        name = self._rng.choice(self._cluster.nodes) if role == "agent" else role
+        node = name if role == "agent" else ""
+        pid = self._cluster.pid(name)
+        if pid is None:
+            return None
+        started = time.monotonic()
+        if action == "kill":
+            self._cluster.kill(name)
+            await asyncio.sleep(self._rng.uniform(*self._config.restart_delay_s))
+            self._cluster.start(name)
+        else:
+            await self._hang(pid)
+        return FaultRecord(kind, name, pid, started, time.monotonic(), node=node)
+
+    async def _engine(self, action: str) -> FaultRecord | None:
+        engines = [e for e in self._cluster.engines() if e.shard_id and not e.stopped]
+        if not engines:
+            return None
+        engine = self._rng.choice(engines)
+        started = time.monotonic()
+        if action == "kill":
+            signal_group(engine.pid, signal.SIGKILL)
+        else:
+            await self._hang(engine.pid)
+        return FaultRecord(
+            f"{action}-engine", engine.shard_id, engine.pid, started, time.monotonic(),
+            model=engine.model, node=engine.node,
+        )  # fmt: skip
+
+    async def _hang(self, pid: int) -> None:
+        """SIGSTOP, a while, SIGCONT (always: a cancelled run leaves nothing stopped)."""
+        signal_group(pid, signal.SIGSTOP)
+        try:
+            await asyncio.sleep(self._rng.uniform(*self._config.stop_s))
+        finally:
+            signal_group(pid, signal.SIGCONT)
+
+    async def _pause(
+        self, bounds: tuple[float, float], deadline: float, stop: asyncio.Event
+    ) -> None:
+        """A random pause, cut short by ``deadline`` (monotonic) or ``stop``."""
+        seconds = min(self._rng.uniform(*bounds), deadline - time.monotonic())
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, seconds)):
+                await stop.wait()

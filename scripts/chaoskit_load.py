@@ -1,0 +1,153 @@
+"""The chaos run's steady load: chat completions through the gateway, each one recorded.
+
+Poisson arrivals at ``rate`` per second; every request picks a model by weight, one of a few
+long system prompts (shared prefixes, so the KV caches and the prefix routing move), a short
+question, a small ``max_tokens``, and streaming or not. A request is OK when it answers 200
+and, streamed, ends with ``data: [DONE]``; non-streamed, carries a choice. Anything else
+(another status, a connection error, a stream cut short, a timeout) is a failure, kept
+with its start and end on this process's monotonic clock so the checks can hold it
+against the faults of the same moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Final
+
+import httpx
+
+_POLICY: Final = (
+    "Answer in plain words and keep answers short. Quote the exact command a user should "
+    "run, never a paraphrase of it. When a question names a GPU, give its node, its index "
+    "and its memory. When you are not sure, say which log would tell, and where it lives. "
+)
+SYSTEM_PROMPTS: Final = tuple(
+    f"You are the on-call assistant of {team}. " + _POLICY * 3
+    for team in ("the storage team", "the billing team", "the GPU platform team")
+)
+QUESTIONS: Final = (
+    "Why is my job pending?", "Which node runs the chat model?", "How do I drain a replica?",
+    "What does STALE mean in the console?", "How much GPU memory is free on node-a?",
+    "Summarise the last incident in one line.", "Who cordoned node-b, and why?",
+)  # fmt: skip
+
+
+@dataclass(frozen=True, slots=True)
+class LoadConfig:
+    """The load's shape; seconds and requests per second."""
+
+    rate: float = 4.0
+    models: tuple[tuple[str, float], ...] = (("chat", 0.6), ("code", 0.4))  # (model, weight)
+    stream_share: float = 0.5
+    max_tokens: tuple[int, int] = (4, 24)
+    max_in_flight: int = 32  # beyond this, arrivals are skipped (and counted), not queued
+    connect_timeout_s: float = 5.0
+    request_timeout_s: float = 30.0
+
+
+@dataclass(frozen=True, slots=True)
+class RequestRecord:
+    """One request: when it ran (monotonic s), what it asked, how it ended."""
+
+    started: float
+    ended: float
+    model: str
+    stream: bool
+    ok: bool
+    status: int  # 0: no HTTP answer
+    error: str = ""
+
+
+class Load:
+    """Send requests until ``stop`` is set; `records` holds every finished one."""
+
+    def __init__(self, gateway: str, config: LoadConfig, rng: random.Random) -> None:
+        self._gateway = gateway
+        self._config = config
+        self._rng = rng
+        self.records: list[RequestRecord] = []
+        self.skipped = 0
+
+    def body(self) -> dict[str, Any]:
+        rng, config = self._rng, self._config
+        names, weights = zip(*config.models, strict=True)
+        return {
+            "model": rng.choices(names, weights)[0],
+            "messages": [
+                {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
+                {"role": "user", "content": rng.choice(QUESTIONS)},
+            ],
+            "max_tokens": rng.randint(*config.max_tokens),
+            "stream": rng.random() < config.stream_share,
+        }
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Send until ``stop``; then wait for the requests in flight to end."""
+        config = self._config
+        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
+        limits = httpx.Limits(max_connections=config.max_in_flight)
+        pending: set[asyncio.Task[None]] = set()
+        async with httpx.AsyncClient(base_url=self._gateway, timeout=timeout, limits=limits) as c:
+            while not stop.is_set():
+                if len(pending) < config.max_in_flight:
+                    task = asyncio.create_task(self._one(c, self.body()))
+                    pending.add(task)
+                    task.add_done_callback(pending.discard)
+                else:
+                    self.skipped += 1
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(self._rng.expovariate(config.rate)):
+                        await stop.wait()
+            if pending:
+                await asyncio.wait(pending)
+
+    async def _one(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:
+        started = time.monotonic()
+        try:
+            status, ok, error = await _exchange(client, body)
+        except asyncio.CancelledError:
+            raise
+        except (httpx.HTTPError, ValueError) as exc:  # ValueError: a body that is not JSON
+            status, ok, error = 0, False, f"{type(exc).__name__}: {exc}"[:300]
+        self.records.append(
+            RequestRecord(
+                started, time.monotonic(), body["model"], body["stream"], ok, status, error
+            )
+        )
+
+
+async def _exchange(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[int, bool, str]:
+    """(status, ok, why not) of one request, reading a stream to its end."""
+    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        if response.status_code != 200:
+            text = (await response.aread()).decode(errors="replace")
+            return response.status_code, False, f"HTTP {response.status_code}: {text[:200]}"
+        if body["stream"]:
+            lines = [line async for line in response.aiter_lines()]
+            done = "data: [DONE]" in lines
+            return 200, done, "" if done else f"stream ended without [DONE] ({len(lines)} lines)"
+        choices = json.loads(await response.aread()).get("choices")
+        return 200, bool(choices), "" if choices else "a 200 answer without choices"
+
+
+def summarize(records: Sequence[RequestRecord]) -> dict[str, int]:
+    """Sent, ok, failed, streamed; p50 and p99 latency (ms, nearest rank) of the ok ones."""
+    took = sorted(r.ended - r.started for r in records if r.ok)
+
+    def rank(q: float) -> int:
+        return round(1000 * took[min(len(took) - 1, int(q * len(took)))]) if took else 0
+
+    return {
+        "sent": len(records),
+        "ok": len(took),
+        "failed": sum(not r.ok for r in records),
+        "streamed": sum(r.stream for r in records),
+        "p50_ms": rank(0.5),
+        "p99_ms": rank(0.99),
+    }
