@@ -21,7 +21,7 @@ from pathlib import Path
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_kvevents import Engine, endpoints_in, joined, synced, until
+from test_kvevents import Engine, _restart, endpoints_in, joined, synced
 
 from llmgw.agent.kvevents import KvEventHub, KvFollowConfig
 from llmgw.api.llmgw.v1 import KvDelta
@@ -122,17 +122,6 @@ async def _step(step: str, hub: KvEventHub, chain: Chain, engine: Engine) -> Non
     if engine.rng.random() < 0.3:
         chain.apply(hub.take_deltas())
     await asyncio.sleep(0)
-
-
-async def _restart(hub: KvEventHub, chain: Chain, engine: Engine) -> None:
-    """Restart the engine once the subscriber follows it (see test_kvevents._restart)."""
-    engine.pub.publish([engine.store(1)])
-    await synced(hub, chain, SHARD, engine)
-    restarts = hub.counters()[SHARD].restarts
-    await engine.stop()
-    await until(lambda: hub.counters()[SHARD].restarts > restarts)
-    await engine.start()
-    engine.pub.publish([engine.store(1)])
 
 
 def _run(steps: list[str], seed: int, each: bool = False) -> Chain:
