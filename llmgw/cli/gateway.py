@@ -8,6 +8,12 @@ it: the listener closes, requests in flight are cancelled, the feed's channel is
 With ``--token-file`` the feed presents a gateway-role token; with ``--ca-file`` the feed
 runs over TLS, verifying the control server's certificate; with ``--tls-cert`` and
 ``--tls-key`` the OpenAI port serves TLS. The event loop is uvloop's.
+
+Every ``--report-interval`` seconds it reports its routing figures to the control server
+(``RouterService.Report``, ``llmgw.server.router.reporter``) under ``--gateway-id`` (default:
+this host's name and the port it serves on) plus a random suffix per process start, so the
+console's router figures count every gateway; a failed report never disturbs routing.
+
 This module imports only the standard library at import time; the gateway is imported when
 the command runs.
 """
@@ -16,7 +22,12 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
+import socket
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -31,12 +42,15 @@ if TYPE_CHECKING:
     import grpclib.client
     import grpclib.events
 
-    from llmgw.server.router.gateway import GatewayConfig
+    from llmgw.server.router.gateway import Gateway, GatewayConfig
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 DEFAULT_LISTEN = "127.0.0.1:8000"
+DEFAULT_REPORT_INTERVAL_S = 2.0  # llmgw.server.router.reporter.DEFAULT_INTERVAL_S
+MAX_REPORT_INTERVAL_S = 300.0  # llmgw.server.router.reporter.MAX_INTERVAL_S
+MAX_GATEWAY_ID = 200
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -47,8 +61,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         description="Serve /v1/models, /v1/completions and /v1/chat/completions (and "
         "/metrics, /healthz), routing each request by its model to the READY replicas "
         "that the control server's router feed names. While the control server is away "
-        "it keeps routing with the replicas it last knew and reconnects by itself. "
-        "SIGINT or SIGTERM stops it.",
+        "it keeps routing with the replicas it last knew and reconnects by itself. It "
+        "reports its routing figures to the control server (GetRouterStats, the console's "
+        "router view) every --report-interval. SIGINT or SIGTERM stops it.",
     )
     p.add_argument(
         "--server",
@@ -73,7 +88,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=Path,
         default=None,
         metavar="FILE",
-        help="a gateway-role token to present to the control server's router feed",
+        help="a gateway-role token to present to the control server (router feed, reports)",
     )
     add_ca_flag(p, "the control server's router feed")
     add_listen_flags(p, "the OpenAI port")
@@ -84,7 +99,39 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "and scripts/chaos.py; unauthenticated, never on a reachable address",
     )
     add_key_file_flag(p, "--api-key-file")
+    _add_report_flags(p)
     p.set_defaults(command=run_gateway_command)
+
+
+def _add_report_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--gateway-id",
+        default=None,
+        metavar="NAME",
+        help="the name this gateway reports its routing figures under (a random suffix is "
+        "added per process start; default: this host's name and the port it serves on)",
+    )
+    p.add_argument(
+        "--report-interval",
+        type=float,
+        default=DEFAULT_REPORT_INTERVAL_S,
+        metavar="SECONDS",
+        help="report routing figures to the control server this often, for its "
+        "GetRouterStats and the console; 0 turns reporting off "
+        f"(default: {DEFAULT_REPORT_INTERVAL_S:g})",
+    )
+
+
+def _report_flags(args: argparse.Namespace) -> tuple[str | None, float]:
+    """``--gateway-id`` and ``--report-interval``, checked."""
+    name, interval = args.gateway_id, args.report_interval
+    if name is not None and (not name or len(name) > MAX_GATEWAY_ID or not name.isprintable()):
+        raise CliError(f"--gateway-id must be 1 to {MAX_GATEWAY_ID} printable characters")
+    if not 0 <= interval <= MAX_REPORT_INTERVAL_S or (0 < interval < 0.1):
+        raise CliError(
+            f"--report-interval {interval:g} is not 0 (off) or 0.1 to {MAX_REPORT_INTERVAL_S:g}"
+        )
+    return name, interval
 
 
 def host_port(text: str, flag: str) -> tuple[str, int]:
@@ -105,6 +152,7 @@ def run_gateway_command(args: argparse.Namespace) -> int:
     host, port = host_port(args.listen, "--listen")
     if args.policy not in POLICIES:
         raise CliError(f"--policy {args.policy!r} is not one of {', '.join(POLICIES)}")
+    gateway_id, report_interval_s = _report_flags(args)
     config = GatewayConfig(
         host=host,
         port=port,
@@ -119,8 +167,9 @@ def run_gateway_command(args: argparse.Namespace) -> int:
         from llmgw.cli.token import read_token_file
 
         token = read_token_file(args.token_file, "--token-file")
+    report = _Reporting(gateway_id, report_interval_s)
     try:
-        _run_on_uvloop(server, config, token, feed_tls)
+        _run_on_uvloop(server, config, token, feed_tls, report)
     except OSError as exc:
         raise CliError(f"cannot serve: {exc}") from exc
     return 0
@@ -141,11 +190,27 @@ def _run_on_uvloop(
     config: GatewayConfig,
     token: str | None,
     feed_tls: ssl.SSLContext | None,
+    report: _Reporting,
 ) -> None:
     import uvloop
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(run_gateway(server, config, token=token, feed_tls=feed_tls))
+        runner.run(
+            run_gateway(
+                server,
+                config,
+                token=token,
+                feed_tls=feed_tls,
+                gateway_id=report.gateway_id,
+                report_interval_s=report.interval_s,
+            )
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Reporting:
+    gateway_id: str | None  # --gateway-id; None: HOST:PORT
+    interval_s: float  # 0: off
 
 
 def with_bearer(channel: grpclib.client.Channel, token: str | None) -> grpclib.client.Channel:
@@ -169,17 +234,22 @@ async def run_gateway(
     *,
     token: str | None = None,
     feed_tls: ssl.SSLContext | None = None,
+    gateway_id: str | None = None,
+    report_interval_s: float = DEFAULT_REPORT_INTERVAL_S,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set), following ``server``'s feed (over
-    TLS with ``feed_tls``, a client context)."""
+    TLS with ``feed_tls``, a client context) and reporting its figures there every
+    ``report_interval_s`` (0: never) as ``gateway_id`` (None: this host's name and port)."""
     from llmgw.server.router.feed import feed_channel, follow
     from llmgw.server.router.gateway import Gateway
     from llmgw.server.router.table import RoutingTable
 
     stop = stop or asyncio.Event()
+    started_ms = int(time.time() * 1000)
     table = RoutingTable()
     gateway = Gateway(table, config)
     host, port = await gateway.start()
+    channel = lambda: with_bearer(feed_channel(*server, ssl=feed_tls), token)  # noqa: E731
     try:
         log.info(
             "llmgw gateway: OpenAI API on %s://%s:%d (policy %s), following %s:%d over %s",
@@ -190,9 +260,42 @@ async def run_gateway(
             *server,
             "plaintext" if feed_tls is None else "TLS",
         )
-        with stop_on_signals(stop):
-            channel = lambda: with_bearer(feed_channel(*server, ssl=feed_tls), token)  # noqa: E731
-            await follow(channel, table, stop=stop, index=gateway.kv_index)
+        name = gateway_id or f"{socket.gethostname()}:{port}"
+        reporting = _reporting(channel, gateway, name, started_ms, report_interval_s)
+        async with reporting:
+            with stop_on_signals(stop):
+                await follow(channel, table, stop=stop, index=gateway.kv_index)
     finally:
         await gateway.stop()
     log.info("llmgw gateway stopped")
+
+
+@contextlib.asynccontextmanager
+async def _reporting(
+    channel_factory: Callable[[], grpclib.client.Channel],
+    gateway: Gateway,
+    name: str,
+    started_ms: int,
+    interval_s: float,
+) -> AsyncIterator[None]:
+    """Report ``gateway``'s figures while the block runs (nothing with ``interval_s`` 0)."""
+    if interval_s <= 0:
+        log.info("llmgw gateway: reporting routing figures is off (--report-interval 0)")
+        yield
+        return
+    from llmgw.server.router.reporter import ReportConfig, instance_id, report_forever
+
+    report = ReportConfig(
+        gateway_id=instance_id(name),
+        started_at_unix_ms=started_ms,
+        interval_s=interval_s,
+        timeout_s=min(5.0, max(1.0, interval_s)),
+    )
+    channel = channel_factory()
+    task = asyncio.create_task(report_forever(channel, gateway, report), name="router-report")
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        channel.close()

@@ -45,6 +45,7 @@ from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.router.apikeys import ApiKeys
 from llmgw.server.router.gateway import Gateway, GatewayConfig
+from llmgw.server.routerreports import RouterReports
 from llmgw.server.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.store import Store
 from llmgw.server.testhooks import AgentCommandHook
@@ -155,9 +156,10 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
         plane = ControlPlane(store, InventoryConfig(grace_s=config.node_grace_s))
         await plane.load()
         slot = _GatewaySlot()
-        control = ControlService(plane, gateway=slot)
+        reports = RouterReports()  # gateways' reports: RouterService in, GetRouterStats out
+        control = ControlService(plane, gateway=slot, reports=reports)
         agents = AgentService(plane, heartbeat_interval_ms=config.heartbeat_interval_ms)
-        router = RouterService(plane)  # API keys: native gRPC only, never gRPC-web
+        router = RouterService(plane, reports)  # API keys: native gRPC only, never gRPC-web
         grpc = grpclib.server.Server(
             [agents, control, router],
             codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),

@@ -4,7 +4,8 @@ Roles: ``viewer`` reads (GetCluster, Watch, ListProfiles, GetRouterStats); ``ope
 viewer that also acts on replicas and nodes; ``admin`` is an operator that also applies and
 deletes deployments (and manages tokens, through ``llmgw token`` on the server's file).
 ``agent`` may only join (``AgentService.Connect``) and ``gateway`` may only follow the router
-feed (``RouterService.Feed``, which carries replica API keys); an admin is neither.
+feed (``RouterService.Feed``, which carries replica API keys) and report its routing figures
+(``RouterService.Report``); an admin is neither.
 
 Tokens are ``llmgw_`` plus 32 random bytes in URL-safe base64. Only their SHA-256 is stored
 (``tokens`` in the server's SQLite; a fast hash is enough for tokens this random); the join
@@ -76,7 +77,7 @@ class Role(enum.Enum):
     OPERATOR = "operator"  # viewer + start, drain, reprofile replicas; cordon, drain nodes
     ADMIN = "admin"  # operator + apply and delete deployments; token management
     AGENT = "agent"  # join as a node (AgentService.Connect)
-    GATEWAY = "gateway"  # follow the router feed (RouterService.Feed)
+    GATEWAY = "gateway"  # follow the router feed, report its figures (RouterService)
 
 
 _GRANTS: Mapping[Role, frozenset[Role]] = {
@@ -103,6 +104,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     _CONTROL + "DeleteDeployment": Role.ADMIN,
     "/llmgw.v1.AgentService/Connect": Role.AGENT,
     "/llmgw.v1.RouterService/Feed": Role.GATEWAY,
+    "/llmgw.v1.RouterService/Report": Role.GATEWAY,
 }
 """The role each RPC needs; a method missing here is refused to everyone."""
 

@@ -12,17 +12,21 @@ Operator actions on replicas and nodes (start, drain, reprofile, drain a node) a
 and a refusal answers the action's status and changes nothing. The audit actor is the
 caller's token (``llmgw.server.auth.current_actor``), or ``operator`` with authentication off.
 
-``GetRouterStats`` reads the in-server gateway's counters through ``gateway``, a provider
-set by ``llmgw.server.app`` (None, or a provider answering None: the server runs no gateway,
-and the RPC answers FAILED_PRECONDITION saying so). Counters are cumulative; clients compute
-windowed rates from deltas.
+``GetRouterStats`` answers the fleet's routing figures: the in-server gateway's counters,
+read through ``gateway`` (a provider set by ``llmgw.server.app``; None, or a provider
+answering None: the server runs no gateway), added to what separate gateways reported
+(``reports``, filled by ``RouterService.Report``; ``llmgw.server.routerreports`` says how
+they add up). With no in-server gateway and no gateway ever reported, it answers
+FAILED_PRECONDITION saying so. Counters are cumulative and never go backwards while the
+server runs; clients compute windowed rates from deltas.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
-from collections.abc import AsyncIterator, Callable, Coroutine, Mapping
+from collections.abc import AsyncIterator, Callable, Coroutine
 from typing import Any
 
 from grpclib.const import Status
@@ -40,7 +44,6 @@ from llmgw.api.llmgw.v1 import (
     ListProfilesResponse,
     NodeRequest,
     ReplicaRequest,
-    ReplicaRouterStats,
     ReprofileReplicaRequest,
     RouterStats,
     WatchEvent,
@@ -53,6 +56,8 @@ from llmgw.server.errors import ProfileError, UnknownNode, quoted
 from llmgw.server.plane import ControlPlane
 from llmgw.server.profiles import profile_fingerprint
 from llmgw.server.router.gateway import Gateway
+from llmgw.server.router.stats import router_stats
+from llmgw.server.routerreports import RouterReports, StatsPart, combine
 
 log = logging.getLogger(__name__)
 
@@ -63,15 +68,21 @@ OPERATOR = ANONYMOUS_ACTOR
 GatewayProvider = Callable[[], Gateway | None]
 """The in-server gateway while it serves, else None (``GetRouterStats`` reads it)."""
 
-NO_GATEWAY = "the server runs no gateway (--gateway-listen off)"
+NO_GATEWAY = "the server runs no gateway (--gateway-listen off) and no llmgw gateway has reported"
 
 
 class ControlService(ControlServiceBase):
     """Operator RPCs over the control plane."""
 
-    def __init__(self, plane: ControlPlane, gateway: GatewayProvider | None = None) -> None:
+    def __init__(
+        self,
+        plane: ControlPlane,
+        gateway: GatewayProvider | None = None,
+        reports: RouterReports | None = None,
+    ) -> None:
         self.plane = plane
         self.gateway: GatewayProvider = gateway if gateway is not None else lambda: None
+        self.reports = reports if reports is not None else RouterReports()
 
     async def get_cluster(self, message: GetClusterRequest) -> Cluster:
         return self.plane.snapshot()
@@ -168,50 +179,13 @@ class ControlService(ControlServiceBase):
 
     async def get_router_stats(self, message: GetRouterStatsRequest) -> RouterStats:
         gateway = self.gateway()
-        if gateway is None:
+        if gateway is None and not self.reports.ever_reported:
             raise GRPCError(Status.FAILED_PRECONDITION, NO_GATEWAY)
-        return router_stats(gateway, int(time.time() * 1000))
-
-
-def router_stats(gateway: Gateway, now_ms: int) -> RouterStats:
-    """``gateway``'s counters as ``RouterStats`` (cumulative), read at wall clock ``now_ms``."""
-    figures = gateway.metrics.figures()
-    by_tier: dict[str, int] = {}
-    for (tier, _), count in figures.decisions.items():
-        by_tier[tier] = by_tier.get(tier, 0) + count
-    return RouterStats(
-        decisions=sum(by_tier.values()),
-        decisions_by_tier=by_tier,
-        decisions_by_tier_outcome={f"{t}/{o}": n for (t, o), n in figures.decisions.items()},
-        requests_by_status=dict(figures.requests),
-        reuse_available_tokens=figures.reuse.get("available", 0),
-        reuse_captured_tokens=figures.reuse.get("captured", 0),
-        reuse_delivered_tokens=figures.reuse.get("delivered", 0),
-        router_prompt_tokens=figures.reuse_prompt.get("router", 0),
-        engine_prompt_tokens=figures.reuse_prompt.get("engine", 0),
-        replicas=_replica_rows(gateway, figures.routed),
-        at_unix_ms=now_ms,
-    )
-
-
-def _replica_rows(gateway: Gateway, routed: Mapping[str, int]) -> list[ReplicaRouterStats]:
-    """One row per replica in the routing table or with requests in flight, by id."""
-    in_flight = gateway.load.snapshot()
-    ids = sorted({t.replica_id for t in gateway.table.targets()} | set(in_flight))
-    rows: list[ReplicaRouterStats] = []
-    for replica_id in ids:
-        facts = gateway.engines.facts(replica_id)
-        rows.append(
-            ReplicaRouterStats(
-                replica_id=replica_id,
-                in_flight=in_flight.get(replica_id, 0),
-                requests=routed.get(replica_id, 0),
-                delivered_hit_ratio=facts.hit_ratio if facts is not None else None,
-                kv_capacity_tokens=facts.kv_tokens if facts is not None else 0,
-                kv_usage=facts.kv_usage if facts is not None else None,
-            )
-        )
-    return rows
+        now_ms = int(time.time() * 1000)
+        parts = self.reports.parts()
+        if gateway is not None:  # read now: the freshest figures there are
+            parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
+        return combine(parts, now_ms)
 
 
 def _replica_target(deployment: str, replica_id: str) -> str:

@@ -8,8 +8,11 @@
     ├── UnknownNode             an operator named a node that was never seen
     ├── ActionRefused           an operator action that cannot be done; ``status`` is the
     │                           gRPC status to answer with, ``why`` says why in words
-    └── ProfileError            a profiles/deployments document is refused; ``problems``
-                                names each fault by its key path (``profiles.x.tp: …``)
+    ├── ProfileError            a profiles/deployments document is refused; ``problems``
+    │                           names each fault by its key path (``profiles.x.tp: …``)
+    ├── KvDeltaRefused          an agent's KvDelta is malformed (kvblocks.py)
+    └── ReportRefused           a gateway's RouterReport is not taken; ``status`` and
+                                ``why`` (routerreports.py)
 
 Remote failures reach clients as gRPC statuses (``grpclib.exceptions.GRPCError``): the
 services map these exceptions to statuses in one place each, ``raise … from exc``.

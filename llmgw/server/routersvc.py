@@ -23,6 +23,12 @@ What a target says: the endpoint and state are the operator API's view of the re
 retires); the API key, whether it publishes KV events and its LoRA adapters come from the
 replica's record and the profile it was placed with.
 
+``Report`` (issue #7 follow-up) goes the other way: a separate ``llmgw gateway`` sends its
+routing figures every few seconds (the gateway role), kept in ``reports``
+(``llmgw.server.routerreports``, shared with ``ControlService``, whose ``GetRouterStats``
+adds them up). A malformed report answers INVALID_ARGUMENT naming the field, one gateway
+too many RESOURCE_EXHAUSTED naming the limit; either way nothing kept changes.
+
 :func:`serve_gateway` runs the OpenAI gateway inside the server, fed from the same events
 without a gRPC hop.
 """
@@ -32,6 +38,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncGenerator, AsyncIterator
 from dataclasses import dataclass
 from typing import Any, cast
@@ -42,6 +49,8 @@ from grpclib.exceptions import GRPCError
 from llmgw.api.llmgw.v1 import (
     RouterFeedEvent,
     RouterFeedRequest,
+    RouterReport,
+    RouterReportAck,
     RouterServiceBase,
     RouterSnapshot,
     RouteTarget,
@@ -54,6 +63,7 @@ from llmgw.server.router.feed import apply_feed_event, targets_from_snapshot
 from llmgw.server.router.gateway import Gateway, GatewayConfig
 from llmgw.server.router.kvindex import KvIndex
 from llmgw.server.router.table import RoutingTable
+from llmgw.server.routerreports import ReportRefused, RouterReports
 
 log = logging.getLogger(__name__)
 
@@ -197,11 +207,12 @@ async def route_events(plane: ControlPlane) -> AsyncGenerator[RouterFeedEvent, N
 
 
 class RouterService(RouterServiceBase):
-    """The router feed over gRPC. Carries API keys: native gRPC only; gate it by the
-    gateway role when roles exist (issue #8)."""
+    """The router feed over gRPC, and the reports of separate gateways. Carries API keys:
+    native gRPC only, the gateway role only (``llmgw.server.auth``)."""
 
-    def __init__(self, plane: ControlPlane) -> None:
+    def __init__(self, plane: ControlPlane, reports: RouterReports | None = None) -> None:
         self.plane = plane
+        self.reports = reports if reports is not None else RouterReports()
         self._feeds: set[asyncio.Task[Any]] = set()
         self._closing = ""
 
@@ -221,6 +232,14 @@ class RouterService(RouterServiceBase):
         finally:
             self._feeds.discard(task)
             log.info("a gateway stopped following the router feed")
+
+    async def report(self, message: RouterReport) -> RouterReportAck:
+        """Keep a separate gateway's figures for ``GetRouterStats``."""
+        try:
+            self.reports.take(message)
+        except ReportRefused as exc:
+            raise GRPCError(exc.status, exc.why) from exc
+        return RouterReportAck(at_unix_ms=int(time.time() * 1000))
 
     def shutdown(self) -> None:
         """End every feed with UNAVAILABLE, so gateways know at once (and keep routing

@@ -43,6 +43,7 @@ from llmgw.server.store import SCHEMA_VERSION, Store
 CONTROL = "/llmgw.v1.ControlService/"
 CONNECT = "/llmgw.v1.AgentService/Connect"
 FEED = "/llmgw.v1.RouterService/Feed"
+GATEWAY_RPCS = {FEED, "/llmgw.v1.RouterService/Report"}  # the feed, and reports (#7 follow-up)
 READS = {"GetCluster", "Watch", "ListProfiles", "GetRouterStats"}
 ACTIONS = {
     "StartReplica",
@@ -75,7 +76,7 @@ def test_role_table(method: str) -> None:
     allowed = {role for role in Role if may_call(role, method)}
     if method == CONNECT:
         assert allowed == {Role.AGENT}
-    elif method == FEED:
+    elif method in GATEWAY_RPCS:
         assert allowed == {Role.GATEWAY}
     elif name in READS:
         assert allowed == {Role.VIEWER, Role.OPERATOR, Role.ADMIN}

@@ -56,6 +56,8 @@ __all__ = (
     "RouteTarget",
     "RouterFeedEvent",
     "RouterFeedRequest",
+    "RouterReport",
+    "RouterReportAck",
     "RouterServiceBase",
     "RouterServiceStub",
     "RouterSnapshot",
@@ -1347,6 +1349,51 @@ default_message_pool.register_message("llmgw.v1", "RouterFeedRequest", RouterFee
 
 
 @dataclass(eq=False, repr=False)
+class RouterReport(betterproto2.Message):
+    """
+    Added with issue #7 follow-up: one gateway's figures, as GetRouterStats would give them
+    for that gateway alone (counters cumulative since the gateway process started).
+    """
+
+    gateway_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    Names this gateway process: the same id with another started_at_unix_ms is a restart
+    (the counters of the earlier process are kept in the fleet's totals).
+    """
+
+    started_at_unix_ms: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+    """
+    when this gateway process started (wall clock)
+    """
+
+    stats: "RouterStats | None" = betterproto2.field(3, betterproto2.TYPE_MESSAGE, optional=True)
+
+    interval_ms: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+    """
+    How often this gateway reports; the server holds a report live for three of these
+    (10 s when 0).
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "RouterReport", RouterReport)
+
+
+@dataclass(eq=False, repr=False)
+class RouterReportAck(betterproto2.Message):
+    """
+    Added with issue #7 follow-up.
+    """
+
+    at_unix_ms: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+    """
+    the server's wall clock when the report was taken
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "RouterReportAck", RouterReportAck)
+
+
+@dataclass(eq=False, repr=False)
 class RouterSnapshot(betterproto2.Message):
     """
     Every target there is now (replaces whatever the gateway had).
@@ -1963,6 +2010,29 @@ class RouterServiceStub(betterproto2_grpclib.ServiceStub):
         ):
             yield response
 
+    async def report(
+        self,
+        message: "RouterReport",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "RouterReportAck":
+        """
+        Added with issue #7 follow-up: a separate gateway's figures, sent every few seconds
+        (the gateway role). The server keeps the latest per gateway instance and adds them
+        into GetRouterStats.
+        """
+
+        return await self._unary_unary(
+            "/llmgw.v1.RouterService/Report",
+            message,
+            RouterReportAck,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 class AgentServiceBase(betterproto2_grpclib.ServiceBase):
     async def connect(
@@ -2229,6 +2299,15 @@ class RouterServiceBase(betterproto2_grpclib.ServiceBase):
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
         yield RouterFeedEvent()
 
+    async def report(self, message: "RouterReport") -> "RouterReportAck":
+        """
+        Added with issue #7 follow-up: a separate gateway's figures, sent every few seconds
+        (the gateway role). The server keeps the latest per gateway instance and adds them
+        into GetRouterStats.
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_feed(
         self, stream: "grpclib.server.Stream[RouterFeedRequest, RouterFeedEvent]"
     ) -> None:
@@ -2240,6 +2319,14 @@ class RouterServiceBase(betterproto2_grpclib.ServiceBase):
             request,
         )
 
+    async def __rpc_report(
+        self, stream: "grpclib.server.Stream[RouterReport, RouterReportAck]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.report(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/llmgw.v1.RouterService/Feed": grpclib.const.Handler(
@@ -2247,5 +2334,11 @@ class RouterServiceBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_STREAM,
                 RouterFeedRequest,
                 RouterFeedEvent,
+            ),
+            "/llmgw.v1.RouterService/Report": grpclib.const.Handler(
+                self.__rpc_report,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                RouterReport,
+                RouterReportAck,
             ),
         }
