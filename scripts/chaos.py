@@ -32,10 +32,9 @@ import contextlib
 import logging
 import random
 import sys
-import tempfile
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
@@ -66,6 +65,7 @@ from llmgw.api.llmgw.v1 import (
     NodeState,
     ShardState,
 )
+from llmgw.cli.demo import state_dir
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
 from llmgw.client.channel import Timeouts
 from llmgw.server.profiles import parse_document
@@ -367,16 +367,6 @@ def _options(args: argparse.Namespace) -> Options:
                    kinds, run_id)  # fmt: skip
 
 
-@contextlib.contextmanager
-def _state_dir(given: Path | None) -> Iterator[Path]:
-    if given is not None:
-        given.mkdir(parents=True, exist_ok=True)
-        yield given
-        return
-    with tempfile.TemporaryDirectory(prefix="llmgw-chaos-") as tmp:
-        yield Path(tmp)
-
-
 def main() -> int:
     args = _parser().parse_args()
     opts = _options(args)
@@ -384,7 +374,7 @@ def main() -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")  # fmt: skip
     logging.getLogger("chaos").setLevel(logging.INFO)
     interrupt_on_sigterm()
-    with _state_dir(args.state_dir) as root:
+    with state_dir(args.state_dir, prefix="llmgw-chaos-") as root:
         cluster = ChaosCluster(root, NODES, opts.run_id, AgentOptions())
         try:
             report = asyncio.run(_run(cluster, opts))

@@ -191,12 +191,14 @@ def _stop_engines(records: Path, grace_s: float = 5.0) -> None:
 
 
 @contextlib.contextmanager
-def _state_dir(given: Path | None) -> Iterator[Path]:
+def state_dir(given: Path | None, prefix: str = "llmgw-demo-") -> Iterator[Path]:
+    """``given`` (made if missing, kept afterwards), else a temporary folder removed at the
+    end: where a local cluster keeps its database, agents' state and logs."""
     if given is not None:
         given.mkdir(parents=True, exist_ok=True)
         yield given
         return
-    with tempfile.TemporaryDirectory(prefix="llmgw-demo-") as tmp:
+    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
         yield Path(tmp)
 
 
@@ -386,7 +388,7 @@ def _hit_rate(summary: DemoSummary) -> str:
 
 def run_demo(options: DemoOptions) -> int:
     """``llmgw demo``: 0 after a clean stop; CliError when it could not come up."""
-    with _state_dir(options.state_dir) as root:
+    with state_dir(options.state_dir) as root:
         fleet = _Fleet(root, options.engine_ports)
         try:
             fleet.start()
