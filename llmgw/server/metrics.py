@@ -40,6 +40,7 @@ from collections.abc import Callable, Sequence
 from llmgw.server.kvblocks import KvBlocksStats
 from llmgw.server.kvfollow import EngineFollowStats
 from llmgw.server.plane import ControlPlane
+from llmgw.server.router.metrics import family, quote_label
 
 __all__ = ["CONTENT_TYPE", "render_server_metrics", "server_metrics"]
 
@@ -106,21 +107,21 @@ def render_server_metrics(
 ) -> bytes:
     """The exposition text of these figures (``replica_of(node, shard)`` names replicas)."""
     out: list[str] = []
-    _family(out, "llmgw_agents_connected", "gauge", "Agent streams open now.")
+    family(out, "llmgw_agents_connected", "gauge", "Agent streams open now.")
     _sample(out, "llmgw_agents_connected", "", agents_connected)
     labels = [_engine_labels(e, replica_of(e.node_id, e.shard_id)) for e in engines]
     for name, attr, help_ in _FOLLOW_COUNTERS:
-        _family(out, name, "counter", help_)
+        family(out, name, "counter", help_)
         for engine, label in zip(engines, labels, strict=True):
             _sample(out, name, label, getattr(engine, attr))
-    _family(out, "llmgw_kv_mirror_blocks", "gauge", "KV blocks the agent mirrors per engine.")
+    family(out, "llmgw_kv_mirror_blocks", "gauge", "KV blocks the agent mirrors per engine.")
     for engine, label in zip(engines, labels, strict=True):
         _sample(out, "llmgw_kv_mirror_blocks", label, engine.blocks)
-    _family(out, "llmgw_kv_events_last_seq", "gauge", "The last KV event batch applied.")
+    family(out, "llmgw_kv_events_last_seq", "gauge", "The last KV event batch applied.")
     for engine, label in zip(engines, labels, strict=True):
         if engine.last_seq is not None:
             _sample(out, "llmgw_kv_events_last_seq", label, engine.last_seq)
-    _family(out, "llmgw_kv_follow_refused_total", "counter", "Heartbeat KV counters refused.")
+    family(out, "llmgw_kv_follow_refused_total", "counter", "Heartbeat KV counters refused.")
     _sample(out, "llmgw_kv_follow_refused_total", "", follow_refused)
     _store_lines(out, store)
     return ("\n".join(out) + "\n").encode("utf-8")
@@ -129,24 +130,14 @@ def render_server_metrics(
 def _store_lines(out: list[str], store: KvBlocksStats) -> None:
     for families, kind in ((_STORE_GAUGES, "gauge"), (_STORE_COUNTERS, "counter")):
         for name, attr, help_ in families:
-            _family(out, name, kind, help_)
+            family(out, name, kind, help_)
             _sample(out, name, "", getattr(store, attr))
 
 
 def _engine_labels(engine: EngineFollowStats, replica: str) -> str:
     pairs = (("node", engine.node_id), ("replica", replica), ("shard", engine.shard_id))
-    return "{" + ",".join(f"{key}={_quote(value)}" for key, value in pairs) + "}"
-
-
-def _family(out: list[str], name: str, kind: str, help_: str) -> None:
-    out.append(f"# HELP {name} {help_}")
-    out.append(f"# TYPE {name} {kind}")
+    return "{" + ",".join(f"{key}={quote_label(value)}" for key, value in pairs) + "}"
 
 
 def _sample(out: list[str], name: str, labels: str, value: int) -> None:
     out.append(f"{name}{labels} {int(value)}")
-
-
-def _quote(value: str) -> str:
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{escaped}"'

@@ -213,26 +213,26 @@ class GatewayMetrics:
     def render(self, in_flight: Mapping[str, int]) -> bytes:
         """The text exposition; ``in_flight`` is requests in flight by replica id."""
         out: list[str] = []
-        _family(out, "llmgw_requests_total", "counter", "OpenAI requests answered, by status.")
+        family(out, "llmgw_requests_total", "counter", "OpenAI requests answered, by status.")
         out.extend(
             f'llmgw_requests_total{{status="{status}"}} {count}'
             for status, count in sorted(self.requests.items())
         )
         self._render_decisions(out)
-        _family(
+        family(
             out,
             "llmgw_upstream_failures_total",
             "counter",
             "Upstream attempts given up before a first byte (then retried if a replica is left).",
         )
         out.extend(
-            f"llmgw_upstream_failures_total{{reason={_quote(reason)}}} {count}"
+            f"llmgw_upstream_failures_total{{reason={quote_label(reason)}}} {count}"
             for reason, count in sorted(self.failures.items())
         )
         self._render_upstream(out)
-        _family(out, "llmgw_replica_in_flight", "gauge", "Requests in flight per replica.")
+        family(out, "llmgw_replica_in_flight", "gauge", "Requests in flight per replica.")
         out.extend(
-            f"llmgw_replica_in_flight{{replica={_quote(replica)}}} {count}"
+            f"llmgw_replica_in_flight{{replica={quote_label(replica)}}} {count}"
             for replica, count in sorted(in_flight.items())
         )
         self._render_precise(out)
@@ -242,17 +242,18 @@ class GatewayMetrics:
         return "\n".join(out).encode()
 
     def _render_decisions(self, out: list[str]) -> None:
-        _family(
+        family(
             out,
             "llmgw_prefix_decisions_total",
             "counter",
             "Routing decisions by tier and outcome.",
         )
         out.extend(
-            f"llmgw_prefix_decisions_total{{tier={_quote(tier)},outcome={_quote(outcome)}}} {n}"
+            f"llmgw_prefix_decisions_total"
+            f"{{tier={quote_label(tier)},outcome={quote_label(outcome)}}} {n}"
             for (tier, outcome), n in sorted(self.decisions.items())
         )
-        _family(
+        family(
             out,
             "llmgw_router_decision_seconds",
             "histogram",
@@ -273,9 +274,9 @@ class GatewayMetrics:
                 self.latency,
             ),
         ):
-            _family(out, name, "histogram", help_)
+            family(out, name, "histogram", help_)
             for model, histogram in sorted(by_model.items()):
-                out.extend(histogram.lines(name, f"model={_quote(model)},"))
+                out.extend(histogram.lines(name, f"model={quote_label(model)},"))
 
     def _render_precise(self, out: list[str]) -> None:
         labelled(
@@ -286,14 +287,14 @@ class GatewayMetrics:
             "reason",
             self.precise_fallbacks,
         )
-        _family(
+        family(
             out,
             "llmgw_precise_seconds",
             "histogram",
             "The precise tier's own work per request: block keys, index match, scoring.",
         )
         out.extend(self.precise_seconds.lines("llmgw_precise_seconds", ""))
-        _family(out, "llmgw_tokenize_seconds", "histogram", "Calls to a replica's /tokenize.")
+        family(out, "llmgw_tokenize_seconds", "histogram", "Calls to a replica's /tokenize.")
         out.extend(self.tokenize_seconds.lines("llmgw_tokenize_seconds", ""))
         labelled(
             out,
@@ -350,12 +351,12 @@ def kv_index_lines(
         ("llmgw_kv_index_stored_total", "(replica, block) pairs added.", stats.stored),
         ("llmgw_kv_index_removed_total", "(replica, block) pairs removed.", stats.removed),
     ):
-        _family(out, name, "counter", help_)
+        family(out, name, "counter", help_)
         out.append(f"{name} {value}")
     lag = "llmgw_kv_index_event_lag_seconds_total"
-    _family(out, lag, "counter", "Time from an engine's KV event to the index, summed.")
+    family(out, lag, "counter", "Time from an engine's KV event to the index, summed.")
     out.append(f"{lag} {_number(stats.event_lag_sum_s)}")
-    _family(out, "llmgw_kv_index_event_lags_total", "counter", "Event-to-index lags observed.")
+    family(out, "llmgw_kv_index_event_lags_total", "counter", "Event-to-index lags observed.")
     out.append(f"llmgw_kv_index_event_lags_total {stats.event_lags}")
     gauge(
         out,
@@ -370,13 +371,15 @@ def labelled(
     out: list[str], name: str, kind: str, help_: str, label: str, values: Mapping[str, float]
 ) -> None:
     """One family with one label: HELP, TYPE and a sample per value, sorted by label."""
-    _family(out, name, kind, help_)
-    out.extend(f"{name}{{{label}={_quote(key)}}} {_value(v)}" for key, v in sorted(values.items()))
+    family(out, name, kind, help_)
+    out.extend(
+        f"{name}{{{label}={quote_label(key)}}} {_value(v)}" for key, v in sorted(values.items())
+    )
 
 
 def gauge(out: list[str], name: str, help_: str, value: float) -> None:
     """One unlabelled gauge."""
-    _family(out, name, "gauge", help_)
+    family(out, name, "gauge", help_)
     out.append(f"{name} {_value(value)}")
 
 
@@ -384,12 +387,14 @@ def _value(value: float) -> str:
     return str(value) if isinstance(value, int) else _number(value)
 
 
-def _family(out: list[str], name: str, kind: str, help_: str) -> None:
+def family(out: list[str], name: str, kind: str, help_: str) -> None:
+    """A family's HELP and TYPE lines."""
     out.append(f"# HELP {name} {help_}")
     out.append(f"# TYPE {name} {kind}")
 
 
-def _quote(value: str) -> str:
+def quote_label(value: str) -> str:
+    """A label value, quoted and escaped as the text exposition format wants."""
     escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
     return f'"{escaped}"'
 
