@@ -196,9 +196,16 @@ class GrpcWebChannel:
             raise ClientError(f"{self!r} is closed")
         headers = {} if grpc_timeout is None else {"grpc-timeout": encode_timeout(grpc_timeout)}
         body = _frame(_DATA_FLAG, bytes(request))
-        async with self._http.stream("POST", path, content=body, headers=headers) as response:
-            header_status = _check_head(response)
-            yield response, _ReplyDecoder(reply_type, self._max_message_bytes, header_status)
+        replied = False
+        try:
+            async with self._http.stream("POST", path, content=body, headers=headers) as response:
+                replied = True
+                header_status = _check_head(response)
+                yield response, _ReplyDecoder(reply_type, self._max_message_bytes, header_status)
+        except (httpx.ReadError, httpx.RemoteProtocolError) as exc:
+            if replied:
+                raise
+            raise _NoReply(exc) from exc
 
 
 def _verify(url: str, ca_file: Path | None) -> ssl.SSLContext | bool:
@@ -223,8 +230,8 @@ def _translate_transport_errors(url: str, call_timeout: float | None) -> Iterato
     except (httpx.TimeoutException, TimeoutError) as exc:
         within = "" if call_timeout is None else f" within {call_timeout:g} s"
         raise RpcError(Status.DEADLINE_EXCEEDED, f"no reply{within}") from exc
-    except httpx.RemoteProtocolError as exc:
-        raise ServerUnreachable(url, _lost(url, exc)) from exc
+    except _NoReply as exc:
+        raise ServerUnreachable(url, _hung_up(url, exc.cause)) from exc.cause
     except httpx.TransportError as exc:
         raise ServerUnreachable(url, f"connection lost ({_describe(exc)})") from exc
 
@@ -242,13 +249,20 @@ def _connect_failure(exc: Exception) -> str:
     return f"{words}; does this port serve TLS? (an http:// URL is plaintext)"
 
 
-def _lost(url: str, exc: Exception) -> str:
-    """A TLS port hangs up on a plaintext request without a word (httpx's text for that
-    case, not for a reply cut short): say that TLS may be why."""
-    text = _describe(exc)
+class _NoReply(Exception):
+    """The connection was closed or reset before any reply head arrived."""
+
+    def __init__(self, cause: httpx.TransportError) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+
+
+def _hung_up(url: str, exc: Exception) -> str:
+    """A TLS port hangs up on a plaintext request without a word: a clean close or a reset,
+    whichever the kernel makes of the unread bytes. Say that TLS may be why."""
     plaintext = url.lower().startswith("http://")
     hint = "; if the server uses TLS, use an https:// URL" if plaintext else ""
-    return f"connection lost ({text}){hint if 'without sending a response' in text else ''}"
+    return f"connection lost ({_describe(exc)}){hint}"
 
 
 def _frame(flag: int, payload: bytes) -> bytes:

@@ -212,6 +212,52 @@ async def test_unreachable_server() -> None:
     assert isinstance(caught.value.__cause__, httpx.ConnectError)
 
 
+class _BrokenBody(httpx.AsyncByteStream):
+    """A reply body whose connection resets after the head."""
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        raise httpx.ReadError("[Errno 104] Connection reset by peer")
+        yield b""  # an async generator
+
+
+@pytest.mark.parametrize(
+    "hang_up",
+    [
+        httpx.RemoteProtocolError("Server disconnected without sending a response."),
+        httpx.ReadError("[Errno 104] Connection reset by peer"),  # the kernel's take on it
+    ],
+)
+async def test_a_hang_up_before_any_reply_hints_at_tls_on_plaintext_urls(
+    hang_up: httpx.TransportError,
+) -> None:
+    def handle(request: httpx.Request) -> httpx.Response:
+        raise hang_up
+
+    transport = httpx.MockTransport(handle)
+    for url, hinted in (("http://c.test", True), ("https://c.test", False)):
+        async with GrpcWebChannel(url, transport=transport) as channel:
+            with pytest.raises(ServerUnreachable) as caught:
+                await ControlClient(channel).get_cluster()
+            with pytest.raises(ServerUnreachable) as streaming:
+                async with aclosing(ControlClient(channel).watch()) as events:
+                    await anext(events)
+        for error in (caught.value, streaming.value):
+            assert error.reason.startswith(f"connection lost ({hang_up})")
+            assert error.reason.endswith("; if the server uses TLS, use an https:// URL") is hinted
+            assert error.__cause__ is hang_up
+
+
+async def test_a_reset_after_the_reply_head_is_no_tls_hint() -> None:
+    def handle(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(200, headers=GRPC_WEB, stream=_BrokenBody())
+
+    transport = httpx.MockTransport(handle)
+    async with GrpcWebChannel("http://c.test", transport=transport) as channel:
+        with pytest.raises(ServerUnreachable) as caught:
+            await ControlClient(channel).get_cluster()
+    assert caught.value.reason == "connection lost ([Errno 104] Connection reset by peer)"
+
+
 def data_frame(payload: bytes, flag: int = 0) -> bytes:
     return bytes([flag]) + len(payload).to_bytes(4, "big") + payload
 

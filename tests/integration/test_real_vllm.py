@@ -500,8 +500,10 @@ def test_real_vllm_shard_through_the_agent(real_vllm: RealVllm, fleet: Cluster) 
         listed = listed_shards(fleet)["rv-0"]["status"]
         assert (listed["state"], listed["pid"]) == ("SHARD_STATE_READY", again.pid)
 
-        # drain with a request in flight: it completes, then STOPPED, nothing left running
-        stream = Stream(adopted.endpoint, "key-rv", max_tokens=96)
+        # drain with a request in flight: it completes, then STOPPED, nothing left running.
+        # 1,024 tokens take several seconds even on a fast CPU, so the drain (a CLI call, then
+        # the agent) lands while they stream; 96 once finished first on a quicker machine.
+        stream = Stream(adopted.endpoint, "key-rv", max_tokens=1024)
         stream.start()
         assert stream.first_chunk.wait(60)
         command(fleet, "n1", {"drainShard": {"shardId": "rv-0", "graceSeconds": 120}})
@@ -509,7 +511,7 @@ def test_real_vllm_shard_through_the_agent(real_vllm: RealVllm, fleet: Cluster) 
         stream.join(120)
         stopped = watch.wait("rv-0", S.STOPPED, within=120)
     assert stream.error is None and stream.chunks[-1] == "[DONE]"
-    assert stream.completion_tokens() == 96
+    assert stream.completion_tokens() == stream.max_tokens
     assert stopped.reason == "drained: no request in flight"
     assert draining.since_unix_ms < stream.done_at_ms <= stopped.since_unix_ms + 50
     assert session_members(again.pid) == []

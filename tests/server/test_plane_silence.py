@@ -116,8 +116,8 @@ async def test_a_restarted_servers_feed_waits_for_the_agents_it_remembers(tmp_pa
         ]
         started = time.monotonic()
         plane.disconnect("n1", plane.inventory.nodes["n1"].connection, "gone")
-        await plane.agents_back(timeout_s=0.1)  # back once: later losses hold nobody
-        assert time.monotonic() - started < 0.1
+        await plane.agents_back(timeout_s=5.0)  # back once: later losses hold nobody
+        assert time.monotonic() - started < 1.0  # no wait for the 5 s
 
 
 async def test_a_node_that_never_comes_back_holds_the_feed_only_so_long(tmp_path: Path) -> None:
