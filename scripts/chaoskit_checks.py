@@ -8,8 +8,10 @@
 3. **Back at count**: every deployment had its count of READY replicas within
    ``bound_s`` after the last fault ended, and kept it (measured on the sampler's record).
 4. **Failed requests**: each one overlapped (within ``slack_s``) a fault on a process on
-   its path: an engine of its model (killed or hung) or the gateway (hung). The server and
-   the agents are not on a request's path: a fault there explains nothing.
+   its path: the gateway (hung), or an engine (killed or hung) of the replica that answered
+   it (the gateway's ``x-llmgw-replica``), or of its model when no answer came (the gateway
+   may have tried several). The server and the agents are not on a request's path: a fault
+   there explains nothing.
 5. **KV index**: the gateway's index equals each KV-events engine's own cache.
 """
 
@@ -156,11 +158,17 @@ def explaining_fault(
     for fault in faults:
         if fault.kind not in ON_PATH_KINDS:
             continue
-        if fault.kind != "stop-gateway" and fault.model != request.model:
+        if fault.kind != "stop-gateway" and not _on_path(request, fault):
             continue
         if request.started <= fault.ended + slack_s and request.ended >= fault.started:
             return fault
     return None
+
+
+def _on_path(request: RequestRecord, engine_fault: FaultRecord) -> bool:
+    if request.replica:
+        return engine_fault.replica == request.replica
+    return engine_fault.model == request.model
 
 
 def check_requests(
@@ -178,7 +186,7 @@ def check_requests(
     start = min((r.started for r in records), default=0.0)
     details = [
         f"t={r.started - start:.1f}-{r.ended - start:.1f}s {r.model} "
-        f"{'stream' if r.stream else 'whole'}: {r.error}"
+        f"{'stream' if r.stream else 'whole'} on {r.replica or 'no replica'}: {r.error}"
         for r in unexplained[:20]
     ]
     explained = ", ".join(f"{n} during {kind}" for kind, n in sorted(causes.items()))

@@ -57,6 +57,7 @@ class FaultRecord:
     ended: float
     model: str = ""  # an engine's served model
     node: str = ""  # an engine's or an agent's node
+    replica: str = ""  # an engine's replica
 
 
 class FaultLoop:
@@ -112,7 +113,7 @@ class FaultLoop:
             await self._hang(engine.pid)
         return FaultRecord(
             f"{action}-engine", engine.shard_id, engine.pid, started, time.monotonic(),
-            model=engine.model, node=engine.node,
+            model=engine.model, node=engine.node, replica=engine.replica_id,
         )  # fmt: skip
 
     async def _hang(self, pid: int) -> None:

@@ -5,8 +5,9 @@ long system prompts (shared prefixes, so the KV caches and the prefix routing mo
 question, a small ``max_tokens``, and streaming or not. A request is OK when it answers 200
 and, streamed, ends with ``data: [DONE]``; non-streamed, carries a choice. Anything else
 (another status, a connection error, a stream cut short, a timeout) is a failure, kept
-with its start and end on this process's monotonic clock so the checks can hold it
-against the faults of the same moment.
+with its start and end on this process's monotonic clock and the replica that answered it
+(the gateway's ``x-llmgw-replica``, when an answer came), so the checks can hold it against
+the faults of the same moment on that replica.
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ class RequestRecord:
     ok: bool
     status: int  # 0: no HTTP answer
     error: str = ""
+    replica: str = ""  # the replica whose answer came through ("": none did)
 
 
 class Load:
@@ -109,31 +111,45 @@ class Load:
 
     async def _one(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:
         started = time.monotonic()
+        head = _Head()
         try:
-            status, ok, error = await _exchange(client, body)
+            ok, error = await _exchange(client, body, head)
         except asyncio.CancelledError:
             raise
         except (httpx.HTTPError, ValueError) as exc:  # ValueError: a body that is not JSON
-            status, ok, error = 0, False, f"{type(exc).__name__}: {exc}"[:300]
+            ok, error = False, f"{type(exc).__name__}: {exc}"[:300]
         self.records.append(
             RequestRecord(
-                started, time.monotonic(), body["model"], body["stream"], ok, status, error
+                started, time.monotonic(), body["model"], body["stream"], ok, head.status,
+                error, head.replica,
             )
-        )
+        )  # fmt: skip
 
 
-async def _exchange(client: httpx.AsyncClient, body: dict[str, Any]) -> tuple[int, bool, str]:
-    """(status, ok, why not) of one request, reading a stream to its end."""
+@dataclass(slots=True)
+class _Head:
+    """What the answer's head said, kept when its body then fails."""
+
+    status: int = 0
+    replica: str = ""
+
+
+async def _exchange(
+    client: httpx.AsyncClient, body: dict[str, Any], head: _Head
+) -> tuple[bool, str]:
+    """(ok, why not) of one request, reading a stream to its end; ``head`` filled on the way."""
     async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+        head.status = response.status_code
+        head.replica = response.headers.get("x-llmgw-replica", "")
         if response.status_code != 200:
             text = (await response.aread()).decode(errors="replace")
-            return response.status_code, False, f"HTTP {response.status_code}: {text[:200]}"
+            return False, f"HTTP {response.status_code}: {text[:200]}"
         if body["stream"]:
             lines = [line async for line in response.aiter_lines()]
             done = "data: [DONE]" in lines
-            return 200, done, "" if done else f"stream ended without [DONE] ({len(lines)} lines)"
+            return done, "" if done else f"stream ended without [DONE] ({len(lines)} lines)"
         choices = json.loads(await response.aread()).get("choices")
-        return 200, bool(choices), "" if choices else "a 200 answer without choices"
+        return bool(choices), "" if choices else "a 200 answer without choices"
 
 
 def summarize(records: Sequence[RequestRecord]) -> dict[str, int]:

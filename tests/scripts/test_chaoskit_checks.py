@@ -34,12 +34,15 @@ observe = _script("chaoskit_observe")
 cluster = _script("chaoskit_cluster")
 
 
-def _request(started: float, ended: float, model: str = "chat", ok: bool = False) -> object:
-    return load.RequestRecord(started, ended, model, True, ok, 0 if not ok else 200, "cut")
+def _request(
+    started: float, ended: float, model: str = "chat", ok: bool = False, replica: str = ""
+) -> object:
+    status = 200 if ok or replica else 0
+    return load.RequestRecord(started, ended, model, True, ok, status, "cut", replica)
 
 
-def _fault(kind: str, started: float, ended: float, model: str = "") -> object:
-    return faults.FaultRecord(kind, "x", 42, started, ended, model=model)
+def _fault(kind: str, started: float, ended: float, model: str = "", replica: str = "") -> object:
+    return faults.FaultRecord(kind, "x", 42, started, ended, model=model, replica=replica)
 
 
 def test_a_failure_is_explained_only_by_an_overlapping_fault_on_its_path() -> None:
@@ -54,6 +57,23 @@ def test_a_failure_is_explained_only_by_an_overlapping_fault_on_its_path() -> No
     assert explain(_request(9.0, 10.2, model="code"), known, 1.0) is None  # another model
     assert explain(_request(22.0, 25.0, model="code"), known, 1.0) is hang_gateway
     assert explain(_request(30.5, 31.0), known, 1.0) is None  # the server is not on the path
+
+
+def test_a_failure_that_names_its_replica_is_explained_only_by_a_fault_there() -> None:
+    kill_chat_0 = _fault("kill-engine", 10.0, 10.0, model="chat", replica="chat-0")
+    hang_chat_1 = _fault("stop-engine", 20.0, 23.0, model="chat", replica="chat-1")
+    hang_gateway = _fault("stop-gateway", 30.0, 33.0)
+    known = [kill_chat_0, hang_chat_1, hang_gateway]
+    explain = checks.explaining_fault
+    assert explain(_request(9.0, 10.2, replica="chat-0"), known, 1.0) is kill_chat_0
+    assert explain(_request(9.0, 10.2, replica="chat-1"), known, 1.0) is None  # not its engine
+    assert explain(_request(9.0, 10.2), known, 1.0) is kill_chat_0  # no answer: by model
+    assert explain(_request(21.0, 24.0, replica="chat-1"), known, 1.0) is hang_chat_1
+    assert explain(_request(21.0, 24.0, replica="chat-0"), known, 1.0) is None
+    assert explain(_request(31.0, 32.0, replica="chat-0"), known, 1.0) is hang_gateway
+    summary = checks.check_requests([_request(9.0, 10.2, replica="chat-1")], known, 1.0)
+    assert not summary.passed
+    assert summary.details[0].endswith("chat stream on chat-1: cut")
 
 
 def test_the_request_check_fails_on_an_unexplained_failure_and_counts_by_cause() -> None:

@@ -216,8 +216,10 @@ async def test_routes_by_model_to_ready_replicas_only() -> None:
                 assert reply.json() == {"engine": "a1", "path": "/v1/completions"}
                 assert reply.headers["content-type"] == "application/json"
                 assert reply.headers["x-engine"] == "a1"
+                assert reply.headers["x-llmgw-replica"] == "r-a1"  # where it went
             reply = await client.post("/v1/chat/completions", json={**CHAT, "model": "model-b"})
             assert reply.json() == {"engine": "b1", "path": "/v1/chat/completions"}
+            assert reply.headers.get_list("x-llmgw-replica") == ["r-b1"]
             assert gateway.load.snapshot() == {}
     assert len(a1.requests) == 4
     assert a2.requests == []
@@ -321,6 +323,7 @@ async def test_retries_another_replica_on_502_and_503_before_any_byte(status: in
             reply = await client.post("/v1/completions", json=COMPLETION)
             assert reply.status_code == 200
             assert reply.json()["engine"] == "ok"
+            assert reply.headers.get_list("x-llmgw-replica") == ["r1"]  # the one that answered
             assert gateway.metrics.failures == {"status": 1}
     assert len(busy.requests) == 1
     assert len(ok.requests) == 1
@@ -333,6 +336,7 @@ async def test_a_503_from_the_last_replica_is_forwarded_as_is() -> None:
                 reply = await client.post("/v1/completions", json=COMPLETION)
     assert reply.status_code == 503
     assert reply.content == b'{"error":"mine"}'
+    assert reply.headers["x-llmgw-replica"] == "r0"
 
 
 async def test_no_retry_after_the_first_byte() -> None:
@@ -343,6 +347,7 @@ async def test_no_retry_after_the_first_byte() -> None:
         async with running(targets) as (gateway, url), httpx.AsyncClient(base_url=url) as client:
             async with client.stream("POST", "/v1/chat/completions", json=CHAT) as reply:
                 assert reply.status_code == 200
+                assert reply.headers["x-llmgw-replica"] == "r0"  # where it broke
                 with pytest.raises(httpx.RemoteProtocolError):
                     await reply.aread()  # cut short: the client can tell
             assert gateway.load.snapshot() == {}
@@ -355,6 +360,7 @@ async def test_503_when_every_replica_fails() -> None:
     async with running(dead) as (gateway, url), httpx.AsyncClient(base_url=url) as client:
         reply = await client.post("/v1/completions", json=COMPLETION)
         assert reply.status_code == 503
+        assert "x-llmgw-replica" not in reply.headers  # the gateway's own answer
         error = reply.json()["error"]
         assert error["type"] == "ServiceUnavailableError"
         assert error["code"] == 503
@@ -684,3 +690,13 @@ async def test_prefix_policy_keeps_a_conversation_on_one_replica() -> None:
         finally:
             await gateway.stop()
     assert sorted([len(a.requests), len(b.requests)]) == [0, 4]
+
+
+async def test_the_replica_header_cannot_carry_a_line_break() -> None:
+    async with engines("e") as (engine,):  # ids are checked names; this one never is
+        async with running([Target("r\r\nx-evil: 1 é", "m", engine.url)]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as client:
+                reply = await client.post("/v1/completions", json=COMPLETION)
+    assert reply.status_code == 200
+    assert reply.headers["x-llmgw-replica"] == "r??x-evil: 1 ??"
+    assert "x-evil" not in reply.headers

@@ -390,21 +390,25 @@ class Gateway:
         try:
             origin = self.pool.origin(target.url)
             payload = encode_request(request, origin.host_header, target.api_key)
-            exchange = await self._exchange(origin, payload, conn, parsed, may_retry, False)
+            replica_id = target.replica_id
+            exchange = await self._exchange(replica_id, origin, payload, conn, parsed, may_retry)
             if _stale_connection(exchange, conn):
-                exchange = await self._exchange(origin, payload, conn, parsed, may_retry, True)
+                exchange = await self._exchange(
+                    replica_id, origin, payload, conn, parsed, may_retry, fresh=True
+                )
             return exchange
         finally:
             self.load.release(target.replica_id)
 
     async def _exchange(
         self,
+        replica_id: str,
         origin: Origin,
         payload: bytes,
         conn: HttpConnection,
         parsed: ParsedRequest,
         may_retry: bool,
-        fresh: bool,
+        fresh: bool = False,
     ) -> Exchange:
         exchange = Exchange(
             conn,
@@ -412,6 +416,7 @@ class Gateway:
             metrics=self.metrics,
             model=parsed.model,
             stream=parsed.stream,
+            replica=replica_id,
         )
         upstream: UpstreamConnection | None = None
         try:

@@ -19,7 +19,10 @@ Forwarding: the replica's status, headers and body go through as they arrive, ex
 hop-by-hop headers (``Connection`` and the names it lists, ``Keep-Alive``,
 ``Transfer-Encoding``, ``TE``, ``Trailer``, ``Upgrade``, ``Proxy-*``). A body with a
 Content-Length keeps it; any other body is sent chunked (or close-delimited to an HTTP/1.0
-client), one chunk per piece read, so server-sent events are not held back.
+client), one chunk per piece read, so server-sent events are not held back. The gateway
+adds ``x-llmgw-replica``, the replica that answered, to every forwarded head (as Envoy adds
+its upstream host): operators and load tools can tell where a request went and where it
+broke.
 """
 
 from __future__ import annotations
@@ -96,6 +99,7 @@ class Exchange:
         "_metrics",
         "_model",
         "_out",
+        "_replica_header",
         "_sent_at",
         "_stream",
         "error",
@@ -114,8 +118,10 @@ class Exchange:
         metrics: GatewayMetrics,
         model: str,
         stream: bool,
+        replica: str,
     ) -> None:
         self._client = client
+        self._replica_header = b"x-llmgw-replica: %s\r\n" % _header_value(replica)
         self._may_retry = may_retry
         self._metrics = metrics
         self._model = model
@@ -198,6 +204,7 @@ class Exchange:
         for name, value in headers:
             if name not in dropped:
                 parts += (name, b": ", value, b"\r\n")
+        parts.append(self._replica_header)
         if content_length is not None:
             parts.append(b"content-length: %d\r\n" % content_length)
         elif status not in (204, 304):
@@ -209,6 +216,11 @@ class Exchange:
         parts.append(client.connection_header())
         parts.append(b"\r\n")
         return b"".join(parts)
+
+
+def _header_value(text: str) -> bytes:
+    """``text`` as a header value: printable ASCII kept, anything else (CR/LF) as ``?``."""
+    return bytes(c if 0x20 <= c < 0x7F else 0x3F for c in text.encode("utf-8"))
 
 
 __all__ = ["RETRY_STATUSES", "Exchange", "Outcome", "encode_request"]
