@@ -700,3 +700,16 @@ async def test_the_replica_header_cannot_carry_a_line_break() -> None:
     assert reply.status_code == 200
     assert reply.headers["x-llmgw-replica"] == "r??x-evil: 1 ??"
     assert "x-evil" not in reply.headers
+
+
+async def test_a_replica_cannot_name_itself_in_the_replica_header() -> None:
+    async def forged(
+        engine: FakeEngine, seen: Seen, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nx-llmgw-replica: forged\r\ncontent-length: 2\r\n\r\n{}")
+
+    async with engines("e", behaviour=forged) as (engine,):
+        async with running([Target("r1", "m", engine.url)]) as (_, url):
+            async with httpx.AsyncClient(base_url=url) as client:
+                reply = await client.post("/v1/completions", json=COMPLETION)
+    assert reply.headers.get_list("x-llmgw-replica") == ["r1"]

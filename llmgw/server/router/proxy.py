@@ -51,7 +51,7 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED_UP = _HOP_BY_HOP | {b"host", b"content-length", b"authorization", b"expect"}
-_NOT_FORWARDED_DOWN = _HOP_BY_HOP | {b"content-length"}
+_NOT_FORWARDED_DOWN = _HOP_BY_HOP | {b"content-length", b"x-llmgw-replica"}  # ours alone
 
 
 class Outcome(enum.Enum):
