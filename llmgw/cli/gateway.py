@@ -32,7 +32,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmgw.cli.apikeys import add_key_file_flag, gateway_api_keys
-from llmgw.cli.main import GATEWAY_POLICIES, CliError
+from llmgw.cli.main import (
+    GATEWAY_POLICIES,
+    CliError,
+    add_tokenize_timeout_flag,
+    tokenize_timeout,
+)
 from llmgw.cli.tls import add_ca_flag, add_listen_flags, connect_context, listen_files
 from llmgw.signals import stop_on_signals
 
@@ -83,6 +88,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         metavar="NAME",
         help=f"routing policy: {GATEWAY_POLICIES} (default: prefix)",
     )
+    add_tokenize_timeout_flag(p, "--tokenize-timeout")
     p.add_argument(
         "--token-file",
         type=Path,
@@ -160,6 +166,7 @@ def run_gateway_command(args: argparse.Namespace) -> int:
         api_keys=gateway_api_keys(args.api_key_file, "--api-key-file"),
         debug_kv_index=args.debug_kv_index,
         tls=_listen_context(args),
+        tokenize_timeout_s=tokenize_timeout(args.tokenize_timeout, "--tokenize-timeout"),
     )
     feed_tls = connect_context(args.ca_file, ALPN_GRPC)
     token = None

@@ -106,6 +106,7 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         metavar="NAME",
         help=f"the gateway's routing policy: {GATEWAY_POLICIES} (default: prefix)",
     )
+    add_tokenize_timeout_flag(p, "--gateway-tokenize-timeout")
     _add_gateway_keys(p)
     p.add_argument(
         "--db",
@@ -388,6 +389,30 @@ def _add_sim_engine(sub: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     from llmgw.cli.simengine import add_parser
 
     add_parser(sub)
+
+
+def add_tokenize_timeout_flag(p: argparse.ArgumentParser, flag: str) -> None:
+    """The precise tier's bound on a replica's ``/tokenize`` (None: ``GatewayConfig``'s)."""
+    p.add_argument(
+        flag,
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long the precise tier waits for a replica's /tokenize before the request "
+        "is routed by the approximate prefix tree instead (default: 0.05); raise it for "
+        "long chats or slow chat templates",
+    )
+
+
+def tokenize_timeout(value: float | None, flag: str) -> float:
+    """The flag's value, checked; the gateway's default when it was not given."""
+    from llmgw.server.router.gateway import TOKENIZE_TIMEOUT_S
+
+    if value is None:
+        return TOKENIZE_TIMEOUT_S
+    if not value > 0:  # NaN too
+        raise CliError(f"{flag} must be positive, not {value}")
+    return value
 
 
 def _add_gateway_keys(p: argparse.ArgumentParser) -> None:

@@ -22,7 +22,7 @@ from llmgw.agent.discovery import DiscoveryError
 from llmgw.agent.engines import EngineError, engine_binaries
 from llmgw.agent.shards import RestartPolicy
 from llmgw.cli.apikeys import gateway_api_keys
-from llmgw.cli.main import CliError, engine_ports_flag
+from llmgw.cli.main import CliError, engine_ports_flag, tokenize_timeout
 from llmgw.cli.tls import listen_files
 from llmgw.engineports import DEFAULT_ENGINE_PORTS
 from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
@@ -43,6 +43,9 @@ def run_server_command(args: argparse.Namespace) -> int:
             test_hooks=args.test_hooks,
             gateway_listen=_gateway_listen(args.gateway_listen),
             gateway_policy=_gateway_policy(args.gateway_policy),
+            gateway_tokenize_timeout_s=tokenize_timeout(
+                args.gateway_tokenize_timeout, "--gateway-tokenize-timeout"
+            ),
             gateway_api_keys=gateway_api_keys(args.gateway_api_key_file, "--gateway-api-key-file"),
             join_token=_token_file(args.join_token_file, "--join-token-file"),
             tls=listen_files(args),

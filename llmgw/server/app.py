@@ -44,7 +44,7 @@ from llmgw.server.metrics import server_metrics
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.router.apikeys import ApiKeys
-from llmgw.server.router.gateway import Gateway, GatewayConfig
+from llmgw.server.router.gateway import TOKENIZE_TIMEOUT_S, Gateway, GatewayConfig
 from llmgw.server.routerreports import RouterReports
 from llmgw.server.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.store import Store
@@ -101,6 +101,7 @@ class ServerConfig:
     reconcile_every_s: float = 1.0  # a round at least this often, and after every change
     gateway_listen: Listen | None = None  # the in-server OpenAI gateway; None: none
     gateway_policy: str = "prefix"  # llmgw.server.router.policy.POLICIES
+    gateway_tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S  # the precise tier's /tokenize bound
     gateway_api_keys: ApiKeys = ApiKeys()  # clients' keys for the gateway's /v1; none: open
     join_token: str | None = field(default=None, repr=False)  # agents' token; never logged
     tls: TlsFiles | None = None  # --tls-cert/--tls-key: TLS on every port; None: plaintext
@@ -210,6 +211,7 @@ def _gateway(
         policy=config.gateway_policy,
         tls=tls,
         api_keys=config.gateway_api_keys,
+        tokenize_timeout_s=config.gateway_tokenize_timeout_s,
     )
     return serve_gateway(plane, gateway)
 

@@ -62,8 +62,9 @@ RESETS = "llmgw_kv_index_resets_total"
 def _start(
     fleet: Cluster, tmp_path: Path, adapters: dict[str, str] | None = None
 ) -> dict[str, str]:
-    """Server, agent and READY replicas; each replica's endpoint by replica id."""
-    fleet.start_server()
+    """Server, agent and READY replicas; each replica's endpoint by replica id. The gateway
+    waits up to 2 s for a /tokenize: no decision here falls back for a busy machine."""
+    fleet.start_server("--gateway-tokenize-timeout", "2")
     fleet.start_agent("a1", "dgx-h100", "--engine-bin", SIM_BIN)
     wait_for(lambda: fleet.node_states() == {"a1": "NODE_STATE_READY"}, 30, "agent READY")
     path = tmp_path / "kv.toml"
@@ -253,7 +254,6 @@ def _changed(before: dict[str, float], after: dict[str, float], prefix: str) -> 
 def test_lora_requests_are_decided_by_the_precise_tier(fleet: Cluster, tmp_path: Path) -> None:
     endpoints = _start(fleet, tmp_path, adapters={ADAPTER: f"/adapters/{ADAPTER}"})
     base = fleet.gateway_url
-    timeouts = {'llmgw_precise_fallbacks_total{reason="timeout"}'}  # a slow /tokenize: allowed
     with FeedIndex(fleet.grpc_port) as feed, httpx.Client(base_url=base, timeout=30) as client:
         lora = Conversation(0, 0, model=ADAPTER)
         lora.ask(client)  # a new prefix, cached under the adapter's keys
@@ -268,9 +268,7 @@ def test_lora_requests_are_decided_by_the_precise_tier(fleet: Cluster, tmp_path:
         base_model = metrics(base)
     decided = _changed(before, after, DECIDED)
     fallbacks = _changed(before, after, FALLBACKS)
-    assert set(fallbacks) <= timeouts and sum(decided.values()) == 3, (decided, fallbacks)
-    precise_hits = decided.get(DECIDED + 'tier="precise",outcome="hit"}', 0)
-    assert precise_hits + sum(fallbacks.values()) == 3 and precise_hits >= 1, decided
+    assert decided == {DECIDED + 'tier="precise",outcome="hit"}': 3}, (decided, fallbacks)
     reuse = 'llmgw_reuse_tokens_total{stage="%s"}'
     captured = after[reuse % "captured"] - before.get(reuse % "captured", 0)
     available = after[reuse % "available"] - before.get(reuse % "available", 0)

@@ -252,7 +252,9 @@ def test_precise_routing_on_two_real_vllm_replicas(
     fleet: Cluster,
     tmp_path: Path,
 ) -> None:
-    fleet.start_server()
+    # /tokenize takes 6-7 ms here; a 1 s bound keeps a busy CI machine's hiccup from sending
+    # one of the two routed requests to the approximate tier (which the test would fail)
+    fleet.start_server("--gateway-tokenize-timeout", "1")
     start_agent(fleet, real_vllm)
     keyed = fleet.start_gateway("gateway-debug", "--debug-kv-index")
     wait_for(lambda: fleet.node_states().get("n1") == "NODE_STATE_READY", 60, "n1 READY")

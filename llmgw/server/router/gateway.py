@@ -93,6 +93,7 @@ from llmgw.server.router.upstream import Origin, UpstreamConnection, UpstreamPoo
 
 log = logging.getLogger(__name__)
 
+TOKENIZE_TIMEOUT_S = 0.05  # the precise tier's default bound on a replica's /tokenize
 CLIENT_GONE = 499
 """The status counted for a request whose client went away before its answer ended."""
 
@@ -120,7 +121,7 @@ class GatewayConfig:
     keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this
     upstream_idle_s: float = 4.0  # an idle pooled upstream connection is closed after this
     precise: bool = True  # the precise tier (prefix policy only; needs replicas' KV events)
-    tokenize_timeout_s: float = 0.05  # a /tokenize call for the precise tier
+    tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S  # a /tokenize call for the precise tier
     engine_poll_s: float = 5.0  # how often replicas' /metrics are read (0: never)
     api_keys: ApiKeys = ApiKeys()  # clients' keys for /v1 (apikeys.py); none: open to all
     debug_kv_index: bool = False  # serve GET /debug/kv_index (see the module docstring)
@@ -460,4 +461,4 @@ def _stale_connection(exchange: Exchange, conn: HttpConnection) -> bool:
     )
 
 
-__all__ = ["BROKEN", "CLIENT_GONE", "Gateway", "GatewayConfig"]
+__all__ = ["BROKEN", "CLIENT_GONE", "TOKENIZE_TIMEOUT_S", "Gateway", "GatewayConfig"]
