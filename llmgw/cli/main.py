@@ -410,8 +410,8 @@ def tokenize_timeout(value: float | None, flag: str) -> float:
 
     if value is None:
         return TOKENIZE_TIMEOUT_S
-    if not value > 0:  # NaN too
-        raise CliError(f"{flag} must be positive, not {value}")
+    if not 0 < value < float("inf"):  # NaN too
+        raise CliError(f"{flag} must be a positive number of seconds, not {value}")
     return value
 
 

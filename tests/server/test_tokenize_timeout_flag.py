@@ -67,7 +67,7 @@ def test_the_gateway_flag_reaches_its_config(monkeypatch: pytest.MonkeyPatch) ->
         assert configs.pop().tokenize_timeout_s == wanted
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan"])
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "inf"])
 @pytest.mark.parametrize(
     ("command", "flag"),
     [("server", "--gateway-tokenize-timeout"), ("gateway", "--tokenize-timeout")],
@@ -78,7 +78,10 @@ def test_a_bound_that_is_not_positive_is_one_clear_line(
     db = tmp_path / "s.db"
     extra = ["--db", str(db)] if command == "server" else []
     assert main([command, flag, value, *extra]) == 1
-    assert capsys.readouterr().err.strip() == f"llmgw: {flag} must be positive, not {float(value)}"
+    assert (
+        capsys.readouterr().err.strip()
+        == f"llmgw: {flag} must be a positive number of seconds, not {float(value)}"
+    )
     assert not db.exists()
 
 
