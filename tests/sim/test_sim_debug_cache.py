@@ -14,7 +14,7 @@ import httpx
 import pytest
 import zmq.asyncio
 from simhelpers import golden, sim_client, sim_config
-from test_sim_kvevents import HASH_CASES, PROMPT, kv_flags, replay, zctx
+from test_sim_kvevents import HASH_CASES, PROMPT, golden_case_request, kv_flags, replay, zctx
 
 from llmgw.kvcache import EventBatch, decode_batch
 from llmgw.kvcache.mirror import UNKNOWN_KEY, BlockMirror, block_keys
@@ -65,16 +65,8 @@ async def test_a_prompts_blocks_have_the_keys_a_gateway_computes_from_its_tokens
 async def test_keys_equal_a_mirror_of_the_events_for_the_golden_cases(
     case: dict[str, Any], tmp_path: Path, zctx: zmq.asyncio.Context
 ) -> None:
-    flags = [*kv_flags(tmp_path), "--block-size", str(case["block_size"])]
-    flags += ["--prefix-caching-hash-algo", case["algo"], "--sim-vllm-version", case["version"]]
-    body: dict[str, Any] = {"prompt": case["token_ids"], "max_tokens": 4}
-    if lora := case["lora"]:
-        flags += ["--enable-lora", "--lora-modules", f"{lora['name']}={lora['path']}"]
-        body["model"] = lora["name"]
-    if case["cache_salt"]:
-        body["cache_salt"] = case["cache_salt"]
-    env = {} if case["seed"] is None else {"PYTHONHASHSEED": case["seed"]}
-    async with sim_client(sim_config(*flags, env=env)) as (_, client):
+    config, body = golden_case_request(case, tmp_path, max_tokens=4)
+    async with sim_client(config) as (_, client):
         assert (await client.post("/v1/completions", json=body)).status_code == 200
         found = await _debug(client)
         mirrored = await _mirrored_keys(zctx, tmp_path)

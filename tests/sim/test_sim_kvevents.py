@@ -260,20 +260,29 @@ async def test_the_engine_stores_blocks_as_the_golden_cases_do(
 HASH_CASES = [c for c in golden()["hash_cases"] if not c["mm"] and not c["lookahead"]]
 
 
-@pytest.mark.parametrize("case", HASH_CASES, ids=lambda c: c["id"])
-async def test_the_engine_hashes_blocks_as_vllm_does(
-    case: dict[str, Any], tmp_path: Path, zctx: zmq.asyncio.Context
-) -> None:
+def golden_case_request(
+    case: dict[str, Any], tmp_path: Path, max_tokens: int
+) -> tuple[SimEngineConfig, dict[str, Any]]:
+    """A sim engine set up as the golden hash ``case`` says (block size, algorithm, vLLM
+    version, LoRA, seed), and the completion that caches the case's tokens on it."""
     flags = [*kv_flags(tmp_path), "--block-size", str(case["block_size"])]
     flags += ["--prefix-caching-hash-algo", case["algo"], "--sim-vllm-version", case["version"]]
-    body: dict[str, Any] = {"prompt": case["token_ids"], "max_tokens": 1}
+    body: dict[str, Any] = {"prompt": case["token_ids"], "max_tokens": max_tokens}
     if lora := case["lora"]:
         flags += ["--enable-lora", "--lora-modules", f"{lora['name']}={lora['path']}"]
         body["model"] = lora["name"]
     if case["cache_salt"]:
         body["cache_salt"] = case["cache_salt"]
     env = {} if case["seed"] is None else {"PYTHONHASHSEED": case["seed"]}
-    async with sim_client(sim_config(*flags, env=env)) as (_, client):
+    return sim_config(*flags, env=env), body
+
+
+@pytest.mark.parametrize("case", HASH_CASES, ids=lambda c: c["id"])
+async def test_the_engine_hashes_blocks_as_vllm_does(
+    case: dict[str, Any], tmp_path: Path, zctx: zmq.asyncio.Context
+) -> None:
+    config, body = golden_case_request(case, tmp_path, max_tokens=1)
+    async with sim_client(config) as (_, client):
         assert (await client.post("/v1/completions", json=body)).status_code == 200
         messages = await replay(zctx, f"ipc://{tmp_path}/replay", 0)
     stored = decode_batch(messages[0][-1]).events[0]
