@@ -11,6 +11,13 @@ taking another's statements with it), and each outcome sets the health ``/health
 reports (503 with :attr:`WriteHealth.problem` while writes fail, 200 after the next one
 that commits). The first failure of a streak is logged at WARNING, the rest at DEBUG.
 
+An I/O error is different in one way: after the kernel reported one for a file, a later
+write to it may return success without reaching the disk (the page cache took it; the
+error was reported once: what PostgreSQL calls fsync failure), and a file system that
+failed is read-only (``errors=remount-ro``) until an unmount and a fsck. So after an I/O
+error every write is refused, without trying, until the server restarts; a full disk and
+a read-only file are retried, and the next write that commits ends them.
+
 The server stays up meanwhile: mutating RPCs answer UNAVAILABLE ``state database
 full/read-only: <sqlite's message>`` (:func:`unavailable_when_unwritable` on the gRPC-web
 port, :func:`install` on the native one), nothing is acknowledged before it committed, and
@@ -51,16 +58,26 @@ _UNWRITABLE_CODES: Final = {
     13: "SQLITE_FULL",
     14: "SQLITE_CANTOPEN",
 }
+_IOERR: Final = 10
 UNAVAILABLE_PREFIX: Final = "state database full/read-only"
+STICKY: Final = (
+    "; writes are refused until the server restarts"
+    " (after an I/O error a write may seem to commit and not reach the disk)"
+)
 
 
 def unwritable(exc: sqlite3.Error) -> StoreUnwritable | None:
     """``exc`` as a StoreUnwritable when it says the database cannot be written now; None
     when it is any other sqlite error."""
-    code = getattr(exc, "sqlite_errorcode", None)
-    if not isinstance(code, int) or (code & 0xFF) not in _UNWRITABLE_CODES:
+    code = _primary_code(exc)
+    if code not in _UNWRITABLE_CODES:
         return None
-    return StoreUnwritable(f"{UNAVAILABLE_PREFIX}: {exc}")
+    return StoreUnwritable(f"{UNAVAILABLE_PREFIX}: {exc}" + (STICKY if code == _IOERR else ""))
+
+
+def _primary_code(exc: sqlite3.Error) -> int | None:
+    code = getattr(exc, "sqlite_errorcode", None)
+    return code & 0xFF if isinstance(code, int) else None
 
 
 class WriteHealth:
@@ -69,6 +86,7 @@ class WriteHealth:
     def __init__(self) -> None:
         self.problem: str | None = None  # why the latest write failed; None: it committed
         self.failures = 0  # failed writes since the latest that committed
+        self.broken: str | None = None  # after an I/O error: why every write is refused
         self._since: float | None = None  # monotonic time of the streak's first failure
         self._lock = asyncio.Lock()
 
@@ -86,6 +104,9 @@ class WriteHealth:
         With ``changes`` (the connection's count of rows changed), a write that changed no
         row (nothing to write: no page reached the disk) says nothing about the disk."""
         async with self._lock:
+            if self.broken is not None:
+                self.failed(self.broken)
+                raise StoreUnwritable(self.broken)
             before = changes() if changes is not None else None
             try:
                 yield
@@ -95,6 +116,8 @@ class WriteHealth:
                 mapped = unwritable(exc)
                 if mapped is None:
                     raise
+                if _primary_code(exc) == _IOERR:
+                    self.broken = str(mapped)
                 self.failed(str(mapped))
                 raise mapped from exc
             if before is None or changes is None or changes() != before:

@@ -8,7 +8,15 @@ reads still answer; the agent stays READY and the gateway still answers a comple
 the file removed, ``/healthz`` is 200 again by itself, the refused apply is retried and
 sticks, and after a SIGKILL and a restart everything acknowledged before and after is there.
 
-Mounting needs root (as here and in CI); without it the test is skipped, saying so.
+A read-only disk, from outside: Linux refuses ``mount -o remount,ro`` while a process
+holds a file there open for writing (EBUSY), so the test makes the kernel do what it does
+to a file system that failed, with ``errors=remount-ro``: the server's ``--db`` on a small
+ext4 image on a loop device whose ``trigger_fs_error`` the test writes. The server stays
+up, ``/healthz`` is 503 naming the state database, writes answer UNAVAILABLE, reads and the
+gateway go on; such a file system comes back only through an unmount and a fsck, after
+which a restarted server holds everything acknowledged before.
+
+Mounting needs root (as here and in CI); without it the tests are skipped, saying so.
 """
 
 from __future__ import annotations
@@ -66,6 +74,43 @@ def state_disk(tmp_path: Path) -> Iterator[Path]:
         yield mount_point
     finally:
         subprocess.run(["umount", "-l", str(mount_point)], check=False)
+
+
+@pytest.fixture
+def failing_disk(tmp_path: Path) -> Iterator[tuple[Path, Path, Path]]:
+    """An 8 MiB ext4 image mounted (loop, ``errors=remount-ro``): (mount point, image, the
+    file that makes the kernel fail it); unmounted after the processes stopped."""
+    image, mount_point = tmp_path / "state.img", tmp_path / "state"
+    mount_point.mkdir()
+    with image.open("wb") as out:
+        out.truncate(8 << 20)
+    made = subprocess.run(["mkfs.ext4", "-q", "-F", str(image)], capture_output=True, text=True)
+    if made.returncode != 0:
+        pytest.skip(f"cannot make an ext4 image: {made.stderr.strip()}")
+    done = subprocess.run(
+        ["mount", "-o", "loop,errors=remount-ro", str(image), str(mount_point)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount an ext4 image on a loop device (needs root): {done.stderr}")
+    try:
+        device = Path(_mounted_device(mount_point)).name
+        trigger = Path("/sys/fs/ext4") / device / "trigger_fs_error"
+        if not trigger.exists():
+            pytest.skip(f"this kernel has no {trigger}")
+        yield mount_point, image, trigger
+    finally:
+        subprocess.run(["umount", str(mount_point)], check=False)
+
+
+def _mounted_device(mount_point: Path) -> str:
+    for line in Path("/proc/mounts").read_text().splitlines():
+        device, where, *_ = line.split()
+        if where == str(mount_point):
+            return device
+    raise AssertionError(f"{mount_point} is not mounted")
 
 
 def _fill(disk: Path) -> Path:
@@ -174,3 +219,37 @@ def test_full_state_disk_keeps_serving_and_recovers(
     log = fleet.log("server")
     assert "database or disk is full" in log and "takes writes again" in log
     assert "Traceback" not in log
+
+
+def test_a_state_disk_gone_read_only_keeps_serving(
+    failing_disk: tuple[Path, Path, Path], fleet: Cluster, tmp_path: Path
+) -> None:
+    mount_point, image, trigger = failing_disk
+    fleet.start_server("--db", str(mount_point / "server.db"))
+    fleet.start_agent("a1", "dgx-h100", "--engine-bin", SIM_BIN)
+    wait_for(lambda: fleet.node_states() == {"a1": "NODE_STATE_READY"}, 30, "the agent READY")
+    assert _apply(fleet, tmp_path, 1).returncode == 0
+    wait_for(lambda: _ready(fleet, 1), 60, "1 READY replica")
+
+    trigger.write_text("llmgw test: the state disk fails\n")  # the kernel makes it read-only
+    status, text = wait_for(
+        lambda: (h := _health(fleet))[0] == 503 and h, 15, "/healthz 503 with the disk failed"
+    )
+    assert "state database full/read-only: disk I/O error" in text, text
+    assert "until the server restarts" in text, text
+    for args in (("cordon", "a1"), ("uncordon", "a1")):
+        refused = fleet.cli(*args, check=False)
+        assert refused.returncode != 0
+        assert "UNAVAILABLE" in refused.stderr and "state database full" in refused.stderr
+    assert _apply(fleet, tmp_path, 2).returncode != 0
+    _assert_all_up(fleet)
+    assert _replicas_wanted(fleet) == 1
+    assert _complete(fleet)
+
+    fleet.kill("server", signal.SIGKILL)
+    subprocess.run(["umount", str(mount_point)], check=True)
+    subprocess.run(["e2fsck", "-fy", str(image)], capture_output=True, check=False)
+    subprocess.run(["mount", "-o", "loop", str(image), str(mount_point)], check=True)
+    fleet.start_server("--db", str(mount_point / "server.db"))
+    assert _replicas_wanted(fleet) == 1
+    assert set(fleet.nodes()) == {"a1"}

@@ -9,7 +9,7 @@ tests/integration/test_disk_full_e2e.py does it with a real full file system.
 from __future__ import annotations
 
 import sqlite3
-from collections.abc import AsyncIterator, Awaitable, Generator
+from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +79,14 @@ def _sqlite_read_only(tmp_path: Path) -> sqlite3.OperationalError:
     raise AssertionError("a read-only database took a write")
 
 
+def _sqlite_io_error() -> sqlite3.OperationalError:
+    """What sqlite raises when the kernel fails a write (SQLITE_IOERR_WRITE)."""
+    exc = sqlite3.OperationalError("disk I/O error")
+    exc.sqlite_errorcode = 778  # type: ignore[attr-defined]
+    exc.sqlite_errorname = "SQLITE_IOERR_WRITE"  # type: ignore[attr-defined]
+    return exc
+
+
 def _writes(sql: str) -> bool:
     words = sql.lstrip().upper()
     return words.startswith(("INSERT", "UPDATE", "DELETE")) or (
@@ -106,9 +114,10 @@ class _Refused:
 class _Disk:
     """A store's connection whose writes fail as on a full disk while ``full``."""
 
-    def __init__(self, store: Store) -> None:
+    def __init__(self, store: Store, error: Callable[[], sqlite3.Error] = _sqlite_full) -> None:
         self.full = False
         self.refused = 0
+        self._error = error
         self._db = store._db
         store._db = self  # type: ignore[assignment]
 
@@ -117,7 +126,7 @@ class _Disk:
 
     def _refuse(self) -> _Refused:
         self.refused += 1
-        return _Refused(_sqlite_full())
+        return _Refused(self._error())
 
     def execute(self, sql: str, *args: Any) -> Any:
         if self.full and _writes(sql):
@@ -222,6 +231,24 @@ async def test_a_probe_write_turns_healthy_with_nothing_to_write(plane: ControlP
     disk.full = False
     await plane.flush(now=True)
     assert plane.store.health.problem is None
+
+
+async def test_after_an_io_error_every_write_is_refused_until_a_restart(
+    plane: ControlPlane,
+) -> None:
+    disk = _Disk(plane.store, _sqlite_io_error)
+    disk.full = True
+    with pytest.raises(StoreUnwritable) as caught:
+        await plane.store.append_audit(AuditRecord(1, "a", "b", "c", "d"))
+    assert str(caught.value).startswith("state database full/read-only: disk I/O error; ")
+    assert "until the server restarts" in str(caught.value)
+    disk.full = False  # the next write might seem to commit: it is not even tried
+    tried = disk.refused
+    with pytest.raises(StoreUnwritable):
+        await plane.store.append_audit(AuditRecord(2, "a", "b", "c", "d"))
+    await plane.flush(now=True)
+    assert disk.refused == tried
+    assert "until the server restarts" in (plane.store.health.problem or "")
 
 
 async def test_a_write_that_fails_changes_nothing_in_memory(plane: ControlPlane) -> None:
