@@ -285,6 +285,9 @@ class ControlPlane:
         """Cordon or uncordon a node, durably (stored before it shows), with an audit record."""
         if node_id not in self.inventory.nodes:
             raise UnknownNode(node_id)
+        if node_id in self._unsaved_nodes:  # its row may not be there yet: write it first
+            await self.store.save_node(self._stored_node(self.inventory.nodes[node_id], now_ms()))
+            self._unsaved_nodes.discard(node_id)
         await self.store.set_cordoned(node_id, cordoned)
         record = self.inventory.set_cordoned(node_id, cordoned)
         self._publish_node(record)

@@ -15,8 +15,9 @@ An I/O error is different in one way: after the kernel reported one for a file, 
 write to it may return success without reaching the disk (the page cache took it; the
 error was reported once: what PostgreSQL calls fsync failure), and a file system that
 failed is read-only (``errors=remount-ro``) until an unmount and a fsck. So after an I/O
-error every write is refused, without trying, until the server restarts; a full disk and
-a read-only file are retried, and the next write that commits ends them.
+error every write is refused, without trying, until the server restarts (but for those
+that only say there is no room); a full disk and a read-only file are retried, and the
+next write that commits ends them.
 
 The server stays up meanwhile: mutating RPCs answer UNAVAILABLE ``state database
 full/read-only: <sqlite's message>`` (:func:`unavailable_when_unwritable` on the gRPC-web
@@ -59,6 +60,7 @@ _UNWRITABLE_CODES: Final = {
     14: "SQLITE_CANTOPEN",
 }
 _IOERR: Final = 10
+_SPACE_IOERRS: Final = frozenset({4874, 3082})  # SQLITE_IOERR_SHMSIZE (no room), _NOMEM
 UNAVAILABLE_PREFIX: Final = "state database full/read-only"
 STICKY: Final = (
     "; writes are refused until the server restarts"
@@ -72,12 +74,19 @@ def unwritable(exc: sqlite3.Error) -> StoreUnwritable | None:
     code = _primary_code(exc)
     if code not in _UNWRITABLE_CODES:
         return None
-    return StoreUnwritable(f"{UNAVAILABLE_PREFIX}: {exc}" + (STICKY if code == _IOERR else ""))
+    return StoreUnwritable(f"{UNAVAILABLE_PREFIX}: {exc}" + (STICKY if _sticky(exc) else ""))
 
 
 def _primary_code(exc: sqlite3.Error) -> int | None:
     code = getattr(exc, "sqlite_errorcode", None)
     return code & 0xFF if isinstance(code, int) else None
+
+
+def _sticky(exc: sqlite3.Error) -> bool:
+    """An I/O error after which a write may seem to commit and not reach the disk (not one
+    that only says there is no room: growing the WAL index of a full disk, memory)."""
+    code = getattr(exc, "sqlite_errorcode", None)
+    return _primary_code(exc) == _IOERR and code not in _SPACE_IOERRS
 
 
 class WriteHealth:
@@ -116,7 +125,7 @@ class WriteHealth:
                 mapped = unwritable(exc)
                 if mapped is None:
                     raise
-                if _primary_code(exc) == _IOERR:
+                if _sticky(exc):
                     self.broken = str(mapped)
                 self.failed(str(mapped))
                 raise mapped from exc

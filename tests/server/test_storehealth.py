@@ -220,6 +220,21 @@ async def test_what_only_memory_holds_is_written_once_the_disk_takes_writes(
     assert [(r.actor, r.action, r.target) for r in audit] == [("operator", "test", "node/n1")]
 
 
+async def test_a_cordon_of_a_node_whose_registration_waits_stores_both(
+    plane: ControlPlane, tmp_path: Path
+) -> None:
+    disk = _Disk(plane.store)
+    disk.full = True
+    message = _register_message()
+    assert message.node is not None
+    await plane.register(message.node, message, peer="127.0.0.1:1")
+    disk.full = False
+    await plane.set_cordoned("n1", True, actor="operator")  # before any flush
+    async with Store(tmp_path / "s.db") as again:
+        (node,) = await again.load_nodes()
+    assert node.node_id == "n1" and node.cordoned
+
+
 async def test_a_probe_write_turns_healthy_with_nothing_to_write(plane: ControlPlane) -> None:
     disk = _Disk(plane.store)
     disk.full = True
