@@ -35,7 +35,7 @@ import httpx
 import pytest
 from procs import Cluster, wait_for
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 SIM_BIN = f"sim={sys.executable} -m llmgw sim-engine"
 READY = "SHARD_STATE_READY"
