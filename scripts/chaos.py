@@ -8,12 +8,15 @@ fault is not on any request's path), three ``llmgw agent --simulate dgx-h100`` n
 (3 replicas, KV events on) and ``code`` (2 replicas of TP 2, KV events off). A steady load of
 chat completions (shared system prompts, streamed or not) goes through the gateway while,
 for ``--duration`` seconds, a fault every few seconds SIGKILLs the server, an agent or an
-engine, or SIGSTOPs the server, an agent, an engine or the gateway for a few seconds
-(chaoskit_faults). A sampler looks at the cluster twice a second (chaoskit_observe).
+engine, SIGSTOPs the server, an agent, an engine or the gateway for a few seconds, or fills
+the server's state disk (a small tmpfs the run mounts when it may: root; else that fault is
+left out, saying so) and frees it (chaoskit_faults, chaoskit_disk). A sampler looks at
+the cluster twice a second (chaoskit_observe).
 Then the faults stop and the run checks (chaoskit_checks): desired state kept, never two
 copies of a replica, every deployment back at its count within ``--bound`` seconds of the
-last fault, no failed request but those on a faulted process, and the gateway's KV index
-equal to each engine's cache (the simulated engine's ``/debug/kv_cache``). Exit status 0
+last fault, no failed request but those on a faulted process, the gateway's KV index
+equal to each engine's cache (the simulated engine's ``/debug/kv_cache``), no process
+exited by itself, and the server writable again after each fill of its disk. Exit status 0
 only when every check passes.
 
     .venv/bin/python scripts/chaos.py                      # 10 minutes of faults
@@ -35,7 +38,7 @@ import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
 
@@ -46,12 +49,15 @@ from chaoskit_checks import (
     check_convergence,
     check_copies,
     check_desired,
+    check_disk,
     check_kv,
     check_requests,
     converged_at,
     recovery_times,
 )
 from chaoskit_cluster import GATEWAY, RUN_ENV, SERVER, AgentOptions, ChaosCluster
+from chaoskit_disk import SIZE as DISK_SIZE
+from chaoskit_disk import StateDisk
 from chaoskit_faults import KINDS, FaultConfig, FaultLoop
 from chaoskit_load import Load, LoadConfig, summarize
 from chaoskit_observe import KvReading, Sampler, read_kv, ready_by_deployment
@@ -264,10 +270,11 @@ async def _under_faults(
         check_requests(load.records, faults.records, opts.slack_s),
         check_kv(kv.differences(), {r: len(k or ()) for r, k in kv.engines.items()}),
         _check_exits(cluster),
+        check_disk(faults.records, opts.bound_s),
     )
     return ChaosReport(
         command=command_line(),
-        settings=_settings(opts, len(sampler.samples), load.skipped),
+        settings=_settings(opts, len(sampler.samples), load.skipped, cluster.state_disk),
         faults=tuple(faults.records),
         recoveries=tuple(recovery_times(faults.records, sampler.samples, counts)),
         requests=summarize(load.records),
@@ -313,9 +320,16 @@ def _check_exits(cluster: ChaosCluster) -> Check:
     return Check("no process crashed", not exited, summary, details)
 
 
-def _settings(opts: Options, samples: int, skipped: int) -> dict[str, str]:
+def _settings(opts: Options, samples: int, skipped: int, disk: StateDisk | None) -> dict[str, str]:
     agents = AgentOptions()
+    state = (
+        f"the server's database on a {DISK_SIZE} tmpfs; fill-disk fills it for 2-6 s, frees "
+        "it for 0.3-1 s, fills it for 1-3 s more and frees it"
+        if disk is not None
+        else "the server's database in the run's directory (no fill-disk)"
+    )
     return {
+        "state disk": state,
         "cluster": f"server (gateway off) + `llmgw gateway`, {len(NODES)} simulated "
         f"{agents.fixture} agents (engine restart backoff {agents.restart_backoff_s:g} s "
         f"doubling to {agents.restart_backoff_max_s:g} s), all on 127.0.0.1",
@@ -367,6 +381,22 @@ def _options(args: argparse.Namespace) -> Options:
                    kinds, run_id)  # fmt: skip
 
 
+def _state_disk(root: Path, opts: Options) -> tuple[StateDisk | None, Options]:
+    """The tmpfs for the server's database when fill-disk is among the kinds and it can be
+    mounted; else none, and fill-disk left out (said on stderr)."""
+    if "fill-disk" not in opts.kinds:
+        return None, opts
+    disk = StateDisk(root / "state-disk")
+    why = disk.mount()
+    if why is None:
+        return disk, opts
+    kinds = tuple(k for k in opts.kinds if k != "fill-disk")
+    progress_line(f"chaos: fill-disk left out: cannot mount a tmpfs for the state ({why})")
+    if not kinds:
+        raise SystemExit("chaos: no fault kind left to run")
+    return None, replace(opts, kinds=kinds)
+
+
 def main() -> int:
     args = _parser().parse_args()
     opts = _options(args)
@@ -375,11 +405,14 @@ def main() -> int:
     logging.getLogger("chaos").setLevel(logging.INFO)
     interrupt_on_sigterm()
     with state_dir(args.state_dir, prefix="llmgw-chaos-") as root:
-        cluster = ChaosCluster(root, NODES, opts.run_id, AgentOptions())
+        disk, opts = _state_disk(root, opts)
+        cluster = ChaosCluster(root, NODES, opts.run_id, AgentOptions(), state_disk=disk)
         try:
             report = asyncio.run(_run(cluster, opts))
         finally:
             cluster.close()
+            if disk is not None:
+                disk.close()
     sys.stdout.write((render_markdown(report) if args.markdown else render_text(report)) + "\n")
     if args.json is not None:
         args.json.write_text(render_json(report))

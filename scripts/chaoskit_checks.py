@@ -13,6 +13,8 @@
    may have tried several). The server and the agents are not on a request's path: a fault
    there explains nothing.
 5. **KV index**: the gateway's index equals each KV-events engine's own cache.
+6. **State disk**: after each time the server's state disk was filled (``fill-disk``), the
+   server's ``/healthz`` was 200 again (it takes writes again by itself) within the bound.
 """
 
 from __future__ import annotations
@@ -198,6 +200,24 @@ def check_requests(
     return Check(
         "only requests on a faulted process failed", not unexplained, summary, tuple(details)
     )
+
+
+def check_disk(faults: Sequence[FaultRecord], bound_s: float) -> Check:
+    fills = [f for f in faults if f.kind == "fill-disk"]
+    late = [f for f in fills if f.healthy_again_s is None or f.healthy_again_s > bound_s]
+    seen = sum(f.healthz_503 > 0 for f in fills)
+    worst = max((f.healthy_again_s or 0.0 for f in fills), default=0.0)
+    if late:
+        summary = f"{len(late)} of {len(fills)} fills without /healthz 200 within {bound_s:g}s"
+    elif fills:
+        summary = (
+            f"{len(fills)} fills ({seen} seen by the server: /healthz 503), "
+            f"writable again after each within {worst:.1f}s"
+        )
+    else:
+        summary = "no fill-disk fault in this run"
+    details = tuple(f"fill-disk at t={f.started:.1f}: {f.note}" for f in late)
+    return Check("state disk writable again", not late, summary, details)
 
 
 def check_kv(differences: Sequence[str], replicas: Mapping[str, int]) -> Check:

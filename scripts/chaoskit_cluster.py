@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
+from chaoskit_disk import StateDisk
+
 from llmgw.agent.records import RecordStore
 from llmgw.engineports import format_port_range, pick_window
 
@@ -76,9 +78,15 @@ class ChaosCluster:
     """Start, signal and restart the run's processes; `close` leaves nothing behind."""
 
     def __init__(
-        self, root: Path, nodes: Sequence[str], run_id: str, agents: AgentOptions = AgentOptions()
+        self,
+        root: Path,
+        nodes: Sequence[str],
+        run_id: str,
+        agents: AgentOptions = AgentOptions(),
+        state_disk: StateDisk | None = None,
     ) -> None:
         self.root, self.logs = root, root / "logs"
+        self.state_disk = state_disk  # the server's database on it (fill-disk), else in root
         self.nodes = tuple(nodes)
         self.run_id = run_id
         self.agent_options = agents
@@ -89,6 +97,12 @@ class ChaosCluster:
         self.engine_ports = format_port_range(pick_window(rng=self._rng))  # its own engines'
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self.logs.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def db(self) -> Path:
+        """The server's state database."""
+        disk = self.state_disk
+        return (disk.path if disk is not None else self.root) / "server.db"
 
     @property
     def gateway(self) -> str:
@@ -116,7 +130,7 @@ class ChaosCluster:
             return ("server", "--grpc-listen", self.grpc,
                     "--http-listen", self.web.removeprefix("http://"),
                     "--gateway-listen", "off", "--engine-ports", self.engine_ports,
-                    "--db", str(self.root / "server.db"))  # fmt: skip
+                    "--db", str(self.db))  # fmt: skip
         if name in self.gateways:
             return ("gateway", "--server", self.grpc, "--debug-kv-index",
                     "--listen", self.gateways[name].removeprefix("http://"))  # fmt: skip

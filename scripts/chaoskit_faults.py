@@ -8,6 +8,10 @@ One fault at a time, a random pause (``gap_s``) before each, for ``duration_s``:
   restarts it).
 * ``stop-server``, ``stop-agent``, ``stop-engine``, ``stop-gateway``: SIGSTOP, ``stop_s``
   later SIGCONT: a hung process.
+* ``fill-disk``: the server's state disk (a tmpfs, chaoskit_disk) filled for ``stop_s``,
+  freed for a moment, filled again for a shorter while, and freed; the server must stay up
+  and take writes again by itself. Its record says how often ``/healthz`` answered 503
+  (the server saw the disk full) and how long after the end it was 200 again.
 
 Each fault is recorded with its target's pid and, on this process's monotonic clock, when
 it began (the signal) and ended (the restart, the SIGCONT; a kill of an engine ends when it
@@ -25,14 +29,16 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
+import httpx
 from chaoskit_cluster import ChaosCluster, signal_group
 
 log = logging.getLogger("chaos.faults")
 
 KINDS: Final = (
     "kill-server", "kill-agent", "kill-engine",
-    "stop-server", "stop-agent", "stop-engine", "stop-gateway",
+    "stop-server", "stop-agent", "stop-engine", "stop-gateway", "fill-disk",
 )  # fmt: skip
+HEALTHY_AGAIN_S: Final = 30.0  # after a fill-disk, the most it waits for /healthz 200
 
 
 @dataclass(frozen=True, slots=True)
@@ -58,6 +64,19 @@ class FaultRecord:
     model: str = ""  # an engine's served model
     node: str = ""  # an engine's or an agent's node
     replica: str = ""  # an engine's replica
+    healthz_looks: int = 0  # fill-disk: how often it asked the server's /healthz meanwhile
+    healthz_503: int = 0  # fill-disk: how often that answered 503 (the disk full)
+    healthy_again_s: float | None = None  # fill-disk: its end → /healthz 200 (None: never)
+
+    @property
+    def note(self) -> str:
+        """What a fill-disk saw of the server, in words ("" for the other kinds)."""
+        if self.kind != "fill-disk":
+            return ""
+        back = self.healthy_again_s
+        return f"/healthz 503 in {self.healthz_503} of {self.healthz_looks} looks; " + (
+            f"200 again {back:.1f}s after" if back is not None else "never 200 again"
+        )
 
 
 class FaultLoop:
@@ -79,12 +98,15 @@ class FaultLoop:
             if record is not None:
                 self.records.append(record)
                 log.info(
-                    "fault %s on %s (pid %d) for %.1fs",
+                    "fault %s on %s (pid %d) for %.1fs%s",
                     record.kind, record.target, record.pid, record.ended - record.started,
+                    f": {record.note}" if record.note else "",
                 )  # fmt: skip
 
     async def _one(self, kind: str) -> FaultRecord | None:
         action, _, role = kind.partition("-")
+        if kind == "fill-disk":
+            return await self._fill_disk()
         if role == "engine":
             return await self._engine(action)
         name = self._rng.choice(self._cluster.nodes) if role == "agent" else role
@@ -115,6 +137,49 @@ class FaultLoop:
             f"{action}-engine", engine.shard_id, engine.pid, started, time.monotonic(),
             model=engine.model, node=engine.node, replica=engine.replica_id,
         )  # fmt: skip
+
+    async def _fill_disk(self) -> FaultRecord | None:
+        """Fill the state disk, free it a moment, fill it again, free it; then wait (at most
+        HEALTHY_AGAIN_S) for the server's /healthz to be 200, noting what it answered."""
+        pid, disk = self._cluster.pid("server"), self._cluster.state_disk
+        if disk is None or pid is None:
+            return None
+        answers: list[int] = []
+        started = time.monotonic()
+        async with httpx.AsyncClient(timeout=1.0) as http:
+            try:
+                for hold in (self._rng.uniform(*self._config.stop_s), self._rng.uniform(1, 3)):
+                    disk.fill()
+                    await self._health_for(http, hold, answers)
+                    disk.free()
+                    await self._health_for(http, self._rng.uniform(0.3, 1.0), answers)
+            finally:
+                disk.free()
+            ended = time.monotonic()
+            back = await self._healthy_again(http)
+        return FaultRecord(
+            "fill-disk", "state disk", pid, started, ended,
+            healthz_looks=len(answers), healthz_503=answers.count(503), healthy_again_s=back,
+        )  # fmt: skip
+
+    async def _health_for(self, http: httpx.AsyncClient, seconds: float, out: list[int]) -> None:
+        deadline = time.monotonic() + seconds
+        while (left := deadline - time.monotonic()) > 0:
+            out.append(await self._health(http))
+            await asyncio.sleep(min(0.25, max(0.0, left)))
+
+    async def _health(self, http: httpx.AsyncClient) -> int:
+        with contextlib.suppress(httpx.HTTPError):
+            return (await http.get(f"{self._cluster.web}/healthz")).status_code
+        return 0
+
+    async def _healthy_again(self, http: httpx.AsyncClient) -> float | None:
+        start = time.monotonic()
+        while time.monotonic() - start < HEALTHY_AGAIN_S:
+            if await self._health(http) == 200:
+                return time.monotonic() - start
+            await asyncio.sleep(0.25)
+        return None
 
     async def _hang(self, pid: int) -> None:
         """SIGSTOP, a while, SIGCONT (always: a cancelled run leaves nothing stopped)."""

@@ -13,6 +13,10 @@ on. The gRPC-web port also serves the server's own Prometheus metrics on ``/metr
 Every call on the native and the gRPC-web port is checked by one
 ``llmgw.server.auth.Authenticator`` (off, and said so loudly, while there are no tokens).
 
+A state database that cannot be written (full or read-only disk) does not stop the server:
+``/healthz`` answers 503 with the reason, calls that write answer UNAVAILABLE on both ports,
+and it recovers by itself (``llmgw.server.storehealth``).
+
 With a certificate and its key (``ServerConfig.tls``, ``--tls-cert``/``--tls-key``) every
 port serves TLS only (``llmgw.tls``: ALPN h2 on the native port, http/1.1 on the others);
 a file that cannot be read or used is a ``ConfigError`` naming it, before anything binds.
@@ -48,6 +52,8 @@ from llmgw.server.router.gateway import TOKENIZE_TIMEOUT_S, Gateway, GatewayConf
 from llmgw.server.routerreports import RouterReports
 from llmgw.server.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.store import Store
+from llmgw.server.storehealth import install as install_store_health
+from llmgw.server.storehealth import unavailable_when_unwritable
 from llmgw.server.testhooks import AgentCommandHook
 from llmgw.signals import stop_on_signals
 from llmgw.tls import ALPN_GRPC, ALPN_HTTP1, TlsFileError, TlsFiles, server_context
@@ -167,6 +173,7 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
         )
         auth = Authenticator(store, join_token=config.join_token)
         install(grpc, auth)
+        install_store_health(grpc)
         await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
         web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents, auth, tls.http))
         try:
@@ -194,7 +201,7 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
             await asyncio.sleep(0)  # let the streams send their trailers
             grpc.close()
             await grpc.wait_closed()
-            await plane.flush()
+            await plane.flush(now=True)
     log.info("llmgw server stopped")
 
 
@@ -240,8 +247,9 @@ def _uvicorn_config(
         services=[control],
         max_message_bytes=config.max_message_bytes,
         authorize=auth.check,
-        guard=auth.guard,  # a revoked token's open calls end (llmgw.server.auth)
+        guard=lambda func: unavailable_when_unwritable(auth.guard(func)),  # revoked: ends
         metrics=lambda: server_metrics(agents.plane, len(agents.connections)),
+        health=agents.plane.store.health.reason,  # 503 while the database takes no writes
     )
     if config.test_hooks:
         log.warning("test hooks on: POST /debug/agents/NODE/command sends commands to agents")

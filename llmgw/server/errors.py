@@ -4,6 +4,8 @@
 
     ServerError                 anything the control server raises on purpose
     ├── StoreError              the state database cannot be opened, read or written
+    │   └── StoreUnwritable     it cannot be written now (disk full, read-only, I/O
+    │                           error): mutating RPCs answer UNAVAILABLE (storehealth.py)
     ├── ConfigError             a flag or setting is malformed (the message names it)
     ├── UnknownNode             an operator named a node that was never seen
     ├── ActionRefused           an operator action that cannot be done; ``status`` is the
@@ -45,6 +47,11 @@ class ServerError(Exception):
 
 class StoreError(ServerError):
     """The state database cannot be opened, read or written."""
+
+
+class StoreUnwritable(StoreError):
+    """The state database cannot be written now (full, read-only, an I/O error); the
+    message is ``state database full/read-only: <sqlite's message>``."""
 
 
 class ConfigError(ServerError):

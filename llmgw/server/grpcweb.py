@@ -19,6 +19,8 @@ token is revoked, with the status the wrapper raises).
 
 With ``metrics`` (``llmgw.server.metrics.server_metrics``), ``GET /metrics`` answers what it
 returns as Prometheus text; like ``/healthz`` it needs no token (it carries no secrets).
+With ``health``, ``GET /healthz`` answers 503 ``unhealthy: REASON`` while it returns a
+reason (the state database takes no writes: ``llmgw.server.storehealth``), else 200 ``ok``.
 
 A call ends with its handler, with the client going away (the handler is cancelled), or with
 its ``grpc-timeout`` (the handler is cancelled and the call answers DEADLINE_EXCEEDED).
@@ -113,7 +115,7 @@ class GrpcWebApp:
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
         cors_allow_origins: Sequence[str] = ("*",),
-        health: Callable[[], Awaitable[bool]] | None = None,
+        health: Callable[[], Awaitable[str | None]] | None = None,
         authorize: Authorize | None = None,
         guard: Guard | None = None,
         metrics: Callable[[], bytes] | None = None,
@@ -144,8 +146,9 @@ class GrpcWebApp:
         if method == "OPTIONS":
             await self._preflight(send, cors)
         elif path == "/healthz" and method == "GET":
-            healthy = await self._is_healthy()
-            await _plain(send, 200 if healthy else 503, "ok" if healthy else "unhealthy", cors)
+            problem = await self._health_problem()
+            text = "ok" if problem is None else f"unhealthy: {problem}"
+            await _plain(send, 200 if problem is None else 503, text, cors)
         elif path == "/metrics" and method == "GET" and self._metrics is not None:
             await _prometheus(send, self._metrics(), cors)
         elif method != "POST":
@@ -184,16 +187,17 @@ class GrpcWebApp:
         await send({"type": "http.response.start", "status": 204, "headers": headers})
         await send({"type": "http.response.body", "body": b""})
 
-    async def _is_healthy(self) -> bool:
+    async def _health_problem(self) -> str | None:
+        """Why the server is unhealthy (``health``'s answer), or None when it is healthy."""
         if self._health is None:
-            return True
+            return None
         try:
             return await self._health()
         except asyncio.CancelledError:
             raise
-        except Exception:
+        except Exception as exc:
             logger.exception("health check failed")
-            return False
+            return f"the health check failed: {exc}"
 
     # --- calls -----------------------------------------------------------------------------
 

@@ -31,6 +31,14 @@ then (scripts/chaos.py found such replicas missing blocks for good).
 
 ``kv_follow`` holds each engine's KV event subscriber counters as its agent's heartbeats
 last reported them (``llmgw.server.kvfollow``), for the server's ``/metrics``.
+
+While the state database cannot be written (a full or read-only disk:
+``llmgw.server.storehealth``), the plane keeps in memory what no caller waits for (heartbeat
+times, registrations, audit records) and :meth:`ControlPlane.flush` writes it once writes
+work again, trying with capped, jittered backoff (and, with nothing to write, a probe write,
+so that ``/healthz`` turns healthy by itself). What a caller waits for (an apply, a cordon,
+a round's replica records) is written first and shown after; a write that fails raises
+StoreUnwritable and changes nothing in memory.
 """
 
 from __future__ import annotations
@@ -57,12 +65,14 @@ from llmgw.api.llmgw.v1 import (
 from llmgw.protocol import read_shard_state
 from llmgw.server.desired import DesiredState
 from llmgw.server.encoded import freeze_node_info
+from llmgw.server.errors import StoreUnwritable, UnknownNode
 from llmgw.server.inventory import Inventory, InventoryConfig, NodeRecord
 from llmgw.server.kvblocks import DecodedKvDelta, KvBlocks, leader_replica
 from llmgw.server.kvfollow import KvFollowBoard
 from llmgw.server.plan import ShardPlan
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.store import AuditRecord, Store, StoredNode, now_ms
+from llmgw.server.storehealth import WriteRetry
 from llmgw.server.watch import WatchHub
 
 log = logging.getLogger(__name__)
@@ -84,6 +94,9 @@ class ControlPlane:
         self.hub = WatchHub(self.snapshot)
         self.desired = DesiredState(store, self.hub)
         self._seen: dict[str, int] = {}  # node id → last heartbeat ms not yet in the store
+        self._unsaved_nodes: set[str] = set()  # registrations the store could not take yet
+        self._unsaved_audit: list[AuditRecord] = []  # audit records it could not take yet
+        self._retry = WriteRetry()  # when flush may try again after a failed write
         self._recent: deque[AuditEvent] = deque(maxlen=RECENT_AUDIT)
         self.replicas: dict[str, ReplicaRecord] = {}  # every record, RETIRED ones too
         self.reconcile_soon: Callable[[], None] = _nothing  # set by the reconcile loop
@@ -204,9 +217,10 @@ class ControlPlane:
         self.kv_blocks.drop_node(node.node_id, "its agent registered again (a full copy follows)")
         self.kv_follow.drop_node(node.node_id)  # its first heartbeat reports every engine
         shards = [self.inventory.report_shard(node.node_id, s, now_ms=at) for s in message.shards]
-        await self.store.save_node(
-            StoredNode(node.node_id, bytes(record.info), record.cordoned, record.first_seen_ms, at)
-        )
+        try:
+            await self.store.save_node(self._stored_node(record, at))
+        except StoreUnwritable:  # the agent is served all the same; flush stores it later
+            self._unsaved_nodes.add(node.node_id)
         self._publish_node(record)
         for shard_id in gone:
             self.hub.publish(WatchEvent(shard_removed=shard_id))
@@ -268,26 +282,32 @@ class ControlPlane:
     # --- operators -------------------------------------------------------------------
 
     async def set_cordoned(self, node_id: str, cordoned: bool, *, actor: str) -> NodeRecord:
-        """Cordon or uncordon a node, durably, with an audit record."""
-        record = self.inventory.set_cordoned(node_id, cordoned)
+        """Cordon or uncordon a node, durably (stored before it shows), with an audit record."""
+        if node_id not in self.inventory.nodes:
+            raise UnknownNode(node_id)
+        if node_id in self._unsaved_nodes:  # its row may not be there yet: write it first
+            await self.store.save_node(self._stored_node(self.inventory.nodes[node_id], now_ms()))
+            self._unsaved_nodes.discard(node_id)
         await self.store.set_cordoned(node_id, cordoned)
+        record = self.inventory.set_cordoned(node_id, cordoned)
         self._publish_node(record)
         self.reconcile_soon()
         await self.audit(actor, "cordon" if cordoned else "uncordon", node_id, "ok")
         return record
 
     async def audit(self, actor: str, action: str, target: str, result: str) -> None:
-        record = AuditRecord(now_ms(), actor, action, target, result)
-        await self.store.append_audit(record)
-        event = _audit_event(record)
-        self._recent.append(event)
-        self.hub.publish(WatchEvent(audit=event))
+        """Append an audit record and publish it."""
+        await self.audit_all([AuditRecord(now_ms(), actor, action, target, result)])
 
     async def audit_all(self, records: Sequence[AuditRecord]) -> None:
-        """Append several audit records (one transaction) and publish each."""
+        """Append several audit records (one transaction) and publish each; kept for
+        :meth:`flush` when the store cannot take them now (the change they record is done)."""
         if not records:
             return
-        await self.store.append_audits(records)
+        try:
+            await self.store.append_audits(records)
+        except StoreUnwritable:
+            self._unsaved_audit.extend(records)
         for record in records:
             event = _audit_event(record)
             self._recent.append(event)
@@ -321,9 +341,48 @@ class ControlPlane:
             if record.last_heartbeat_mono is not None:
                 record.last_heartbeat_mono += stall
 
-    async def flush(self) -> None:
+    async def flush(self, *, now: bool = False) -> None:
+        """Write what is only in memory (registrations, heartbeat times, audit records);
+        while the store cannot take writes, try again at most as the backoff allows (``now``:
+        regardless), and keep it. Never raises StoreUnwritable."""
+        at = time.monotonic()
+        if not now and not self._retry.due(at):
+            return
+        try:
+            await self._write_unsaved()
+        except StoreUnwritable:
+            self._retry.failed(at)
+        else:
+            self._retry.succeeded()
+
+    async def _write_unsaved(self) -> None:
+        if not (self._seen or self._unsaved_nodes or self._unsaved_audit):
+            if self.store.health.problem is not None:
+                await self.store.probe_write()  # nothing to write: does it take writes?
+            return
+        for node_id in sorted(self._unsaved_nodes):
+            record = self.inventory.nodes[node_id]
+            await self.store.save_node(self._stored_node(record, now_ms()))
+            self._unsaved_nodes.discard(node_id)
         seen, self._seen = self._seen, {}
-        await self.store.touch_nodes(seen.items())
+        try:
+            await self.store.touch_nodes(seen.items())
+        except StoreUnwritable:
+            self._seen = {**seen, **self._seen}  # newer beats since win
+            raise
+        audit, self._unsaved_audit = self._unsaved_audit, []
+        try:
+            await self.store.append_audits(audit)
+        except StoreUnwritable:
+            self._unsaved_audit[:0] = audit
+            raise
+
+    @staticmethod
+    def _stored_node(record: NodeRecord, last_seen_ms: int) -> StoredNode:
+        info = record.info
+        return StoredNode(
+            info.node_id, bytes(info), record.cordoned, record.first_seen_ms, last_seen_ms
+        )
 
     def _publish_node(self, record: NodeRecord) -> None:
         node = self.inventory.node_view(record, time.monotonic())

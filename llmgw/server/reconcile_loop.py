@@ -53,6 +53,7 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from llmgw.api.llmgw.v1 import ControlMessage, Deployment, EngineProfile, NodeState
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange, format_port_range
 from llmgw.server.capacity import node_capacity
+from llmgw.server.errors import StoreUnwritable
 from llmgw.server.placement import FleetPlacer
 from llmgw.server.plan import ReplicaPlan, ShardPlan, Unplaceable
 from llmgw.server.plane import ControlPlane, node_address
@@ -139,6 +140,8 @@ class ReconcileLoop:
                 await self.round()
             except asyncio.CancelledError:
                 raise
+            except StoreUnwritable as exc:  # logged by the store's health; nothing was sent
+                log.debug("reconciliation round not stored (%s); trying again next tick", exc)
             except Exception:  # one failed round must not end reconciliation
                 log.exception("reconciliation round failed; trying again next tick")
 

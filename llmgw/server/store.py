@@ -21,19 +21,24 @@ records, applied profiles and deployments and replica requests are written befor
 that caused them answers (an apply's profiles and deployment in one transaction, a drain's
 lowered count and its retire request in one); replica records are
 written, one round's in one transaction, before any command of that round is sent.
+
+Writes run one at a time through ``Store.health`` (``llmgw.server.storehealth``): one that
+sqlite refuses because the disk is full or read-only (or an I/O error) is rolled back and
+raises StoreUnwritable, and ``health`` says so until a write commits again.
 """
 
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import aiosqlite
 
@@ -42,6 +47,7 @@ from llmgw.server.auth import Role, StoredToken
 from llmgw.server.errors import StoreError
 from llmgw.server.plan import ReplicaPlan, ShardPlan
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.server.storehealth import WriteHealth
 
 log = logging.getLogger(__name__)
 
@@ -158,12 +164,35 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+_P = ParamSpec("_P")
+_T = TypeVar("_T")
+
+
+def _write(
+    method: Callable[Concatenate[Store, _P], Awaitable[_T]],
+) -> Callable[Concatenate[Store, _P], Awaitable[_T]]:
+    """A write of the store, through ``Store.health`` (``llmgw.server.storehealth``): one
+    at a time, rolled back on failure, StoreUnwritable when the disk is full or read-only."""
+
+    @functools.wraps(method)
+    async def write(store: Store, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        async with store.health.writing(store._rollback, store._changes):
+            return await method(store, *args, **kwargs)
+
+    return write
+
+
 class Store:
-    """The SQLite file behind the control server. Use as an async context manager."""
+    """The SQLite file behind the control server. Use as an async context manager.
+
+    Every write goes through ``health`` (``llmgw.server.storehealth.WriteHealth``): a disk
+    that is full or read-only raises StoreUnwritable and shows in ``health.problem``.
+    """
 
     def __init__(self, path: Path) -> None:
         self._path = path
         self._db: aiosqlite.Connection | None = None
+        self.health = WriteHealth()
 
     async def __aenter__(self) -> Store:
         await self.open()
@@ -217,6 +246,20 @@ class Store:
             db, self._db = self._db, None
             await db.close()
 
+    async def _rollback(self) -> None:
+        if self._db is not None:
+            await self._db.rollback()
+
+    def _changes(self) -> int:
+        return self._db.total_changes if self._db is not None else 0
+
+    async def probe_write(self) -> None:
+        """Write the schema version again, unchanged: whether the file takes writes now."""
+        async with self.health.writing(self._rollback):  # a page is written, no row changes
+            async with self._conn.execute("PRAGMA user_version") as cursor:
+                row = await cursor.fetchone()
+            await self._conn.execute(f"PRAGMA user_version={int(row[0]) if row else 0}")
+
     @property
     def _conn(self) -> aiosqlite.Connection:
         if self._db is None:
@@ -230,6 +273,7 @@ class Store:
             rows = await cursor.fetchall()
         return [StoredNode(r[0], bytes(r[1]), bool(r[2]), int(r[3]), int(r[4])) for r in rows]
 
+    @_write
     async def save_node(self, node: StoredNode) -> None:
         """Insert or replace a node's registration; keeps its first-seen time and cordon."""
         await self._conn.execute(
@@ -240,6 +284,7 @@ class Store:
         )
         await self._conn.commit()
 
+    @_write
     async def set_cordoned(self, node_id: str, cordoned: bool) -> None:
         """Record whether a node is cordoned."""
         await self._conn.execute(
@@ -247,6 +292,7 @@ class Store:
         )
         await self._conn.commit()
 
+    @_write
     async def touch_nodes(self, seen: Iterable[tuple[str, int]]) -> None:
         """Record last-seen times (node id, Unix ms) in one transaction."""
         rows = [(at, node_id) for node_id, at in seen]
@@ -255,6 +301,7 @@ class Store:
         await self._conn.executemany("UPDATE nodes SET last_seen = ? WHERE node_id = ?", rows)
         await self._conn.commit()
 
+    @_write
     async def append_audit(self, record: AuditRecord) -> None:
         """Append one operator action to the audit log."""
         await self._conn.execute(
@@ -263,6 +310,7 @@ class Store:
         )
         await self._conn.commit()
 
+    @_write
     async def append_audits(self, records: Iterable[AuditRecord]) -> None:
         """Append audit records in one transaction."""
         rows = [(r.at_ms, r.actor, r.action, r.target, r.result) for r in records]
@@ -282,6 +330,7 @@ class Store:
 
     # --- tokens ---------------------------------------------------------------------
 
+    @_write
     async def add_token(self, role: Role, token_hash: str, note: str = "") -> int:
         """Store a token's hash with its role; its id."""
         async with self._conn.execute(
@@ -309,6 +358,7 @@ class Store:
                 log.error("token %s: unknown role %r; the token is ignored", token_id, role)
         return tokens
 
+    @_write
     async def delete_token(self, token_id: int) -> bool:
         """Forget a token; False when there was none with that id."""
         async with self._conn.execute("DELETE FROM tokens WHERE id = ?", (token_id,)) as cur:
@@ -318,6 +368,7 @@ class Store:
 
     # --- desired state ---------------------------------------------------------------
 
+    @_write
     async def save_desired(
         self,
         profiles: Iterable[StoredProfile],
@@ -353,6 +404,7 @@ class Store:
             "INSERT OR REPLACE INTO replica_requests (replica_id, kind, at) VALUES (?, ?, ?)", rows
         )
 
+    @_write
     async def save_requests(self, requests: Iterable[tuple[str, str]]) -> None:
         """Insert or replace replica requests (``(replica_id, kind)``) in one transaction."""
         db = self._conn
@@ -363,6 +415,7 @@ class Store:
             await db.rollback()
             raise
 
+    @_write
     async def forget_requests(self, replica_ids: Iterable[str]) -> None:
         """Drop the requests of these replicas (carried out, or moot)."""
         rows = [(replica_id,) for replica_id in replica_ids]
@@ -377,6 +430,7 @@ class Store:
             rows = await cursor.fetchall()
         return [(str(r[0]), str(r[1])) for r in rows]
 
+    @_write
     async def delete_deployment(self, name: str) -> bool:
         """Forget a deployment; False when there was none by that name."""
         async with self._conn.execute("DELETE FROM deployments WHERE name = ?", (name,)) as cur:
@@ -400,6 +454,7 @@ class Store:
 
     # --- replicas --------------------------------------------------------------------
 
+    @_write
     async def save_replicas(self, records: Iterable[ReplicaRecord]) -> None:
         """Insert or replace replica records, all in one transaction."""
         at = now_ms()

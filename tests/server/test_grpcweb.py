@@ -402,11 +402,12 @@ async def test_cors_with_an_allow_list(control: Control) -> None:
 
 
 @pytest.mark.parametrize(
-    ("healthy", "code", "text"), [(True, 200, "ok"), (False, 503, "unhealthy")]
+    ("problem", "code", "text"),
+    [(None, 200, "ok"), ("disk full", 503, "unhealthy: disk full")],
 )
-async def test_healthz(control: Control, healthy: bool, code: int, text: str) -> None:
-    async def health() -> bool:
-        return healthy
+async def test_healthz(control: Control, problem: str | None, code: int, text: str) -> None:
+    async def health() -> str | None:
+        return problem
 
     app = GrpcWebApp([control], max_message_bytes=LIMIT, health=health)
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
@@ -418,7 +419,7 @@ async def test_healthz(control: Control, healthy: bool, code: int, text: str) ->
 async def test_healthz_failing_check_is_503(
     control: Control, caplog: pytest.LogCaptureFixture
 ) -> None:
-    async def health() -> bool:
+    async def health() -> str | None:
         raise OSError("database gone")
 
     app = GrpcWebApp([control], max_message_bytes=LIMIT, health=health)
