@@ -113,6 +113,7 @@ class AgentService(AgentServiceBase):
                     registered=Registered(
                         protocol_version=PROTOCOL_VERSION,
                         heartbeat_interval_ms=self.heartbeat_interval_ms,
+                        cluster_id=self.plane.cluster_id,
                     )
                 )
             )
