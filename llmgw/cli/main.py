@@ -113,7 +113,9 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         type=Path,
         default=None,
         metavar="FILE",
-        help="SQLite state file (default: $XDG_STATE_HOME/llmgw/server.db)",
+        help="SQLite state file (default: $XDG_STATE_HOME/llmgw/server.db), created on "
+        "the first start; a file that is not an llmgw state database is refused untouched. "
+        "The server holds FILE.lock while it runs: a second server on FILE refuses",
     )
     p.add_argument(
         "--node-grace",

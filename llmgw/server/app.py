@@ -176,6 +176,7 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
             codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
         )
         auth = Authenticator(store, join_token=config.join_token)
+        await auth.enabled()  # reads the tokens now: an unreadable row stops the start, named
         install(grpc, auth)
         await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
         web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents, auth, tls.http))

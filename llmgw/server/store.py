@@ -353,7 +353,8 @@ class Store:
         return int(token_id)
 
     async def load_tokens(self) -> list[StoredToken]:
-        """Every stored token, by id; a row with an unknown role is skipped and logged."""
+        """Every stored token, by id; a row with an unknown role is a StoreError naming it
+        (skipped, it could leave no token and so turn authentication off)."""
         query = "SELECT id, role, hash, created, note FROM tokens ORDER BY id"
         async with self._conn.execute(query) as cursor:
             rows = await cursor.fetchall()
@@ -363,8 +364,8 @@ class Store:
                 tokens.append(
                     StoredToken(int(token_id), Role(role), str(digest), int(created), str(note))
                 )
-            except ValueError:
-                log.error("token %s: unknown role %r; the token is ignored", token_id, role)
+            except ValueError as exc:
+                raise unreadable_row(self._path, "tokens", str(token_id), exc) from exc
         return tokens
 
     async def delete_token(self, token_id: int) -> bool:
