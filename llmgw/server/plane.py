@@ -108,6 +108,9 @@ class ControlPlane:
                 info = freeze_node_info(NodeInfo.parse(stored.info), wire=stored.info)
             except Exception as exc:  # whatever the row holds, it is named, never dropped
                 raise unreadable_row(self.store.path, "nodes", stored.node_id, exc) from exc
+            if info.node_id != stored.node_id:
+                why = f"it holds the registration of node {info.node_id!r}"
+                raise unreadable_row(self.store.path, "nodes", stored.node_id, why)
             self.inventory.restore(
                 stored.node_id, info, cordoned=stored.cordoned, first_seen_ms=stored.first_seen_ms
             )

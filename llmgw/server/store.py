@@ -244,6 +244,7 @@ class Store:
                 await db.close()
             with contextlib.suppress(FileExistsError):
                 os.link(temp, self._path)
+            _sync_directory(self._path.parent)
         finally:
             for leftover in (temp, Path(f"{temp}-wal"), Path(f"{temp}-shm")):
                 leftover.unlink(missing_ok=True)
@@ -498,6 +499,15 @@ class Store:
                 raise unreadable_row(self._path, "replicas", str(replica_id), why)
             records.append(record)
         return records
+
+
+def _sync_directory(folder: Path) -> None:
+    """Make a new name in ``folder`` durable."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # --- replica records as JSON ----------------------------------------------------------------
