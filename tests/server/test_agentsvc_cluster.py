@@ -8,21 +8,27 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpclib.client
 import grpclib.server
 import pytest
+from grpclib.const import Cardinality, Status
+from grpclib.exceptions import GRPCError
 
 from llmgw.agent.backoff import BackoffPolicy
 from llmgw.agent.cluster import CLUSTER_ID_FILE, ClusterMembership
-from llmgw.agent.link import AgentLink, LinkConfig
+from llmgw.agent.link import CONNECT_PATH, AgentLink, LinkConfig
 from llmgw.api.llmgw.v1 import (
+    AgentMessage,
     ControlMessage,
     Gpu,
     NodeInfo,
     NodeState,
+    Register,
     ShardState,
     ShardStatus,
     StopShard,
 )
+from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server.agentsvc import AgentService
 from llmgw.server.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.plane import ControlPlane
@@ -134,3 +140,21 @@ async def test_engines_of_another_cluster_are_not_adopted_until_joined(
         assert node.state is NodeState.READY and not node.unadopted_shards
         await running.service.send("n1", ControlMessage(stop_shard=StopShard(shard_id="s1")))
         await _until(lambda: bool(agent.commands))
+
+
+async def test_a_malformed_cluster_id_is_refused_and_not_stored(running: Running) -> None:
+    channel = grpclib.client.Channel("127.0.0.1", running.port)
+    register = Register(protocol_version=PROTOCOL_VERSION, node=_node(), cluster_id="x\n|y")
+    try:
+        async with channel.request(
+            CONNECT_PATH, Cardinality.STREAM_STREAM, AgentMessage, ControlMessage
+        ) as stream:
+            await stream.send_message(AgentMessage(register=register))
+            await stream.end()
+            with pytest.raises(GRPCError) as err:
+                _ = [m async for m in stream]
+    finally:
+        channel.close()
+    assert err.value.status is Status.INVALID_ARGUMENT
+    assert "Register.cluster_id" in (err.value.message or "")
+    assert "n1" not in running.plane.inventory.nodes
