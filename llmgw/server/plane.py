@@ -114,7 +114,11 @@ class ControlPlane:
             self.inventory.restore(
                 stored.node_id, info, cordoned=stored.cordoned, first_seen_ms=stored.first_seen_ms
             )
-        log.info("restored %d nodes from the store", len(self.inventory.nodes))
+        log.info(
+            "cluster %s: restored %d nodes from the store",
+            self.cluster_id,
+            len(self.inventory.nodes),
+        )
         self._started = time.monotonic()
         self._agents_back.clear()
         self._note_agents_back()
