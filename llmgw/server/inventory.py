@@ -3,7 +3,9 @@
 Pure state, no I/O: the agent service feeds it registrations, heartbeats and shard reports
 with explicit clocks, and publishes what each call returns. A node is READY while its
 agent is connected and heartbeating, NOT_READY when its stream closed or no heartbeat came
-within the grace, and CORDONED when it is heartbeating but an operator cordoned it.
+within the grace, and CORDONED when it is heartbeating but an operator cordoned it. A node
+whose agent runs engines of another cluster (``NodeRecord.unadopted``) is NOT_READY while
+it holds them: they are not this cluster's, and its GPUs are not free.
 
 A node's registration is kept as registered (frozen, its encoding computed once: see
 ``llmgw.server.encoded``); heartbeats only replace the latest telemetry of each GPU, which

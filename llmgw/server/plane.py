@@ -29,6 +29,13 @@ again. A node that only missed heartbeats keeps them: its stream, once it speaks
 carries every change since, in order, while nothing would ever send back blocks dropped
 then (scripts/chaos.py found such replicas missing blocks for good).
 
+Every agent is told the cluster id of the store (``Registered.cluster_id``). A registration
+whose ``cluster_id`` names another cluster and that reports shards is not adopted: its
+shards are kept apart on the node (``Node.unadopted_shards``), never in the inventory, so
+the reconciler neither stops them nor places anything on the node, which is NOT_READY
+saying why until its agent registers with this cluster's id (``llmgw.agent.cluster``). A
+stored row that cannot be read stops :meth:`ControlPlane.load`, naming it.
+
 ``kv_follow`` holds each engine's KV event subscriber counters as its agent's heartbeats
 last reported them (``llmgw.server.kvfollow``), for the server's ``/metrics``.
 """
