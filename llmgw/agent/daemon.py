@@ -1,9 +1,10 @@
 """``llmgw agent``: discover this node, then keep its stream to the control server open.
 
 The node id is chosen once and kept in the state directory (``node-id``), so an agent
-restarted with the same ``--state-dir`` comes back as the same node. Discovery is the
-simulated backend when ``--simulate`` names a fixture; otherwise NVML describes the GPUs
-(with no driver the agent reports this host and no GPUs, saying why).
+restarted with the same ``--state-dir`` comes back as the same node; so is the cluster its
+engines belong to (``cluster-id``, ``llmgw.agent.cluster``; ``--join-cluster`` replaces it).
+Discovery is the simulated backend when ``--simulate`` names a fixture; otherwise NVML
+describes the GPUs (with no driver the agent reports this host and no GPUs, saying why).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from pathlib import Path
 
 from llmgw import __version__
 from llmgw.agent.backoff import BackoffPolicy
+from llmgw.agent.cluster import ClusterIdError, ClusterMembership
 from llmgw.agent.discovery import NvmlTelemetry, SimulatedTelemetry, nvml_node, simulated_node
 from llmgw.agent.engines import build_launch
 from llmgw.agent.engines.base import EngineBinaries, LaunchSpec, ShardSpec
@@ -66,6 +68,7 @@ class AgentConfig:
     kv_events: KvFollowConfig = field(default_factory=KvFollowConfig)
     token: str | None = field(default=None, repr=False)  # --token-file; never logged
     ca_file: Path | None = None  # --ca-file: TLS to the server, verified against this CA
+    join_cluster: str | None = None  # --join-cluster: hand the engines to this cluster
 
 
 def parse_server(text: str) -> tuple[str, int]:
@@ -146,6 +149,10 @@ class Agent:
         self.config = config
         self.node_id = resolve_node_id(config.state_dir, config.node_id)
         self.node = discover(config, self.node_id)
+        try:
+            self.membership = ClusterMembership(config.state_dir, join=config.join_cluster)
+        except ClusterIdError as exc:
+            raise AgentConfigError(str(exc)) from exc
         self._telemetry = self._sampler()
         self.kv = KvEventHub(config.kv_events)  # the engines' KV blocks, for the stream
         self.supervisor = Supervisor(
@@ -172,6 +179,7 @@ class Agent:
             shards=self.supervisor.statuses,
             on_command=self.supervisor.handle,
             kv=self.kv,
+            membership=self.membership,
         )
 
     def _launch(self, spec: ShardSpec) -> LaunchSpec:

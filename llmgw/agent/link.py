@@ -23,6 +23,11 @@ session runs nothing is taken from the source, so nothing piles up: the next ful
 covers whatever changed meanwhile. Heartbeats also carry the source's KV event counters
 (``Heartbeat.kv_follow``, `llmgw.agent.kvstats`): each engine's when they changed, every
 engine's on the first heartbeat of a session.
+
+With a ``membership`` (``llmgw.agent.cluster``) every ``Register`` carries the cluster id
+the agent remembers, and the server's answer decides whether the engines are handed over;
+while they are held from a server of another cluster, the session sends no shard status,
+no KV blocks or counters, and carries out no command.
 """
 
 from __future__ import annotations
@@ -41,6 +46,7 @@ from grpclib.const import Cardinality
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from llmgw.agent.backoff import Backoff, BackoffPolicy
+from llmgw.agent.cluster import ClusterMembership
 from llmgw.agent.kvstats import follow_stats, follow_stats_delta
 from llmgw.agent.telemetry import telemetry_delta
 from llmgw.api.llmgw.v1 import (
@@ -124,8 +130,10 @@ class AgentLink:
         shards: Callable[[], Sequence[ShardStatus]] = list,
         on_command: CommandHandler | None = None,
         kv: KvSource | None = None,
+        membership: ClusterMembership | None = None,
     ) -> None:
         self.config = config
+        self._membership = membership
         self._kv = kv
         self._node = node
         self._telemetry = telemetry
@@ -137,8 +145,15 @@ class AgentLink:
         self.backoff = Backoff(config.backoff, what=f"control server {config.host}:{config.port}")
 
     def send_status(self, status: ShardStatus) -> None:
-        """Queue a shard status for the current (or next) session's stream."""
-        self.enqueue(AgentMessage(shard_status=status))
+        """Queue a shard status for the current (or next) session's stream; none while
+        the engines are held from the server (the next Register carries every shard)."""
+        if not self._holding:
+            self.enqueue(AgentMessage(shard_status=status))
+
+    @property
+    def _holding(self) -> bool:
+        """Whether this session's server is of another cluster than the engines'."""
+        return self._membership is not None and self._membership.holding
 
     def enqueue(self, message: AgentMessage) -> None:
         """Queue a message for the stream; the oldest queued one gives way when it is full."""
@@ -192,7 +207,7 @@ class AgentLink:
                 async with asyncio.TaskGroup() as tasks:
                     tasks.create_task(self._heartbeats(stream, interval_s))
                     tasks.create_task(self._send_queued(stream))
-                    if self._kv is not None:
+                    if self._kv is not None and not self._holding:
                         tasks.create_task(self._send_kv(stream, self._kv))
                     await self._receive(stream)
                     raise SessionEnded("the server closed the stream")
@@ -206,8 +221,12 @@ class AgentLink:
         return {"authorization": f"Bearer {token}"} if token else None
 
     async def _register(self, stream: _Stream) -> float:
+        membership = self._membership
         register = Register(
-            protocol_version=PROTOCOL_VERSION, node=self._node(), shards=list(self._shards())
+            protocol_version=PROTOCOL_VERSION,
+            node=self._node(),
+            shards=list(self._shards()),
+            cluster_id=membership.remembered if membership is not None else "",
         )
         async with asyncio.timeout(self.config.register_timeout_s):
             await stream.send_message(AgentMessage(register=register))
@@ -216,6 +235,8 @@ class AgentLink:
             await stream.recv_trailing_metadata()  # raises the server's GRPCError if any
             raise SessionEnded("the server did not acknowledge the registration")
         interval_ms = reply.registered.heartbeat_interval_ms or 1000
+        if membership is not None:
+            membership.registered(reply.registered.cluster_id, engines=len(register.shards))
         log.info(
             "registered with %s:%d over %s (heartbeat every %d ms)",
             self.config.host,
@@ -244,7 +265,7 @@ class AgentLink:
         self, seen: Mapping[str, KvFollowStats]
     ) -> tuple[list[KvFollowStats], dict[str, KvFollowStats]]:
         """The engines' KV event counters that changed since ``seen``, and the new baseline."""
-        if self._kv is None:
+        if self._kv is None or self._holding:
             return [], {}
         current = follow_stats(self._kv.counters())
         return follow_stats_delta(seen, current), {s.shard_id: s for s in current}
@@ -277,6 +298,12 @@ class AgentLink:
                 return
             if message.heartbeat_ack is not None:
                 self.stats.rtt_ms.append(_mono_ms() - message.heartbeat_ack.sent_at_ms)
+            elif self._holding:
+                log.warning(
+                    "command %s ignored: this agent's engines are not handed over to this "
+                    "server's cluster",
+                    _kind(message),
+                )
             elif self._on_command is not None:
                 await self._on_command(message)
             else:

@@ -113,7 +113,9 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         type=Path,
         default=None,
         metavar="FILE",
-        help="SQLite state file (default: $XDG_STATE_HOME/llmgw/server.db)",
+        help="SQLite state file (default: $XDG_STATE_HOME/llmgw/server.db), created on "
+        "the first start; a file that is not an llmgw state database is refused untouched. "
+        "The server holds FILE.lock while it runs: a second server on FILE refuses",
     )
     p.add_argument(
         "--node-grace",
@@ -186,8 +188,17 @@ def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         type=Path,
         default=None,
         metavar="DIR",
-        help="where the agent keeps its node id and engine records "
+        help="where the agent keeps its node id, cluster id and engine records "
         "(default: $XDG_STATE_HOME/llmgw/agent)",
+    )
+    p.add_argument(
+        "--join-cluster",
+        default=None,
+        metavar="ID",
+        help="hand this node's engines to the cluster ID (the server's cluster id, as "
+        "`llmgw get nodes` shows it): needed when the engines belong to another cluster "
+        "(the server was started on another --db); that server then adopts the engines it "
+        "knows and stops the others. Without it such engines keep running, unadopted",
     )
     p.add_argument(
         "--simulate",

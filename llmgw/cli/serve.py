@@ -81,6 +81,7 @@ def run_agent_command(args: argparse.Namespace) -> int:
             drain_settle_s=_not_negative(args.drain_settle, "--drain-settle"),
             token=_token_file(args.token_file, "--token-file"),
             ca_file=args.ca_file,
+            join_cluster=args.join_cluster,
             **({"hostname": args.hostname} if args.hostname else {}),
         )
         if args.discover:

@@ -46,6 +46,7 @@ from llmgw.server.encoded import freeze_node_info
 from llmgw.server.errors import quoted
 from llmgw.server.kvblocks import KvDeltaRefused, decode_kv_delta
 from llmgw.server.plane import ControlPlane
+from llmgw.server.statefile import CLUSTER_ID_RULE, valid_cluster_id
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +114,7 @@ class AgentService(AgentServiceBase):
                     registered=Registered(
                         protocol_version=PROTOCOL_VERSION,
                         heartbeat_interval_ms=self.heartbeat_interval_ms,
+                        cluster_id=self.plane.cluster_id,
                     )
                 )
             )
@@ -195,6 +197,12 @@ async def _receive_register(
             f"agent speaks protocol version {register.protocol_version}; this server speaks "
             f"{MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}: upgrade the "
             f"{'agent' if register.protocol_version < MIN_PROTOCOL_VERSION else 'server'}",
+        )
+    if register.cluster_id and not valid_cluster_id(register.cluster_id):
+        raise GRPCError(
+            Status.INVALID_ARGUMENT,
+            f"Register.cluster_id {quoted(register.cluster_id)} is not a cluster id "
+            f"({CLUSTER_ID_RULE})",
         )
     node = register.node
     if node is None or not valid_node_id(node.node_id):

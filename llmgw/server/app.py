@@ -20,6 +20,10 @@ and it recovers by itself (``llmgw.server.storehealth``).
 With a certificate and its key (``ServerConfig.tls``, ``--tls-cert``/``--tls-key``) every
 port serves TLS only (``llmgw.tls``: ALPN h2 on the native port, http/1.1 on the others);
 a file that cannot be read or used is a ``ConfigError`` naming it, before anything binds.
+
+The state database is held with an exclusive lock (``llmgw.server.statelock``) taken
+before it opens and before any port binds: a second server on the same ``--db`` refuses,
+naming the first.
 """
 
 from __future__ import annotations
@@ -51,6 +55,7 @@ from llmgw.server.router.apikeys import ApiKeys
 from llmgw.server.router.gateway import TOKENIZE_TIMEOUT_S, Gateway, GatewayConfig
 from llmgw.server.routerreports import RouterReports
 from llmgw.server.routersvc import RouterService, ServedGateway, serve_gateway
+from llmgw.server.statelock import hold_state_lock
 from llmgw.server.store import Store
 from llmgw.server.storehealth import install as install_store_health
 from llmgw.server.storehealth import unavailable_when_unwritable
@@ -159,6 +164,11 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
     stop = stop or asyncio.Event()
     tls = _PortTls.load(config.tls)  # before anything binds or opens
     install_message_limit()
+    with hold_state_lock(config.db_path):  # before the database opens and any port binds
+        await _serve(config, stop, tls)
+
+
+async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> None:
     async with Store(config.db_path) as store:
         plane = ControlPlane(store, InventoryConfig(grace_s=config.node_grace_s))
         await plane.load()
@@ -172,6 +182,7 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
             codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
         )
         auth = Authenticator(store, join_token=config.join_token)
+        await auth.enabled()  # reads the tokens now: an unreadable row stops the start, named
         install(grpc, auth)
         install_store_health(grpc)
         await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)

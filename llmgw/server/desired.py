@@ -28,6 +28,7 @@ import logging
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
@@ -45,6 +46,7 @@ from llmgw.server.placement import place_deployment
 from llmgw.server.plan import ReplicaPlan, Unplaceable
 from llmgw.server.profiles import CPU_CLASS, Document, parse_document, profile_fingerprint
 from llmgw.server.profiles import render_document as _render
+from llmgw.server.statefile import unreadable_row
 from llmgw.server.store import Store, StoredDeployment, StoredProfile, now_ms
 from llmgw.server.watch import WatchHub
 
@@ -270,13 +272,13 @@ class DesiredState:
         self.replace: set[str] = set()  # replica ids to replace by surge (a node drain)
 
     async def load(self) -> None:
-        """Read the stored profiles and deployments; a row that cannot be read is logged."""
+        """Read the stored profiles and deployments; a row that cannot be read is a
+        StoreError naming it (the start stops: nothing stored is silently dropped)."""
+        path = self._store.path
         for p in await self._store.load_profiles():
-            if (profile := _read(EngineProfile, p.profile, "profile", p.name)) is not None:
-                self.profiles[p.name] = profile
+            self.profiles[p.name] = _read(EngineProfile, p.profile, path, "profiles", p.name)
         for d in await self._store.load_deployments():
-            if (deployment := _read(Deployment, d.deployment, "deployment", d.name)) is not None:
-                self.deployments[d.name] = deployment
+            self.deployments[d.name] = _read(Deployment, d.deployment, path, "deployments", d.name)
         for replica_id, kind in await self._store.load_requests():
             self._requests(kind).add(replica_id)
         log.info(
@@ -360,9 +362,11 @@ class DesiredState:
             return True
 
 
-def _read(kind: Any, blob: bytes, what: str, name: str) -> Any:
+def _read(kind: Any, blob: bytes, path: Path, table: str, name: str) -> Any:
     try:
-        return kind.parse(blob)
-    except Exception as exc:  # a row we cannot read must not stop the server
-        log.error("%s %s: stored message unreadable (%s)", what, name, exc)
-        return None
+        message = kind.parse(blob)
+    except Exception as exc:  # whatever the row holds, it is named, never dropped
+        raise unreadable_row(path, table, name, exc) from exc
+    if message.name != name:
+        raise unreadable_row(path, table, name, f"it holds {message.name!r}")
+    return message

@@ -3,7 +3,9 @@
 Pure state, no I/O: the agent service feeds it registrations, heartbeats and shard reports
 with explicit clocks, and publishes what each call returns. A node is READY while its
 agent is connected and heartbeating, NOT_READY when its stream closed or no heartbeat came
-within the grace, and CORDONED when it is heartbeating but an operator cordoned it.
+within the grace, and CORDONED when it is heartbeating but an operator cordoned it. A node
+whose agent runs engines of another cluster (``NodeRecord.unadopted``) is NOT_READY while
+it holds them: they are not this cluster's, and its GPUs are not free.
 
 A node's registration is kept as registered (frozen, its encoding computed once: see
 ``llmgw.server.encoded``); heartbeats only replace the latest telemetry of each GPU, which
@@ -16,6 +18,7 @@ nothing.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from llmgw.api.llmgw.v1 import (
@@ -51,6 +54,10 @@ class NodeRecord:
     reason: str = "not connected since the server started"
     telemetry: dict[str, GpuTelemetry] = field(default_factory=dict)  # by GPU UUID
     memory: Memory | None = None  # the latest host memory reading, when one came
+    # Engines its agent runs for another cluster (Register.cluster_id differs from this
+    # server's): neither adopted nor stopped; the node is NOT_READY while it holds them.
+    unadopted: dict[str, ShardStatus] = field(default_factory=dict)  # by shard id
+    unadopted_cluster: str = ""  # the cluster they belong to; "" when none are held
 
     @property
     def connected(self) -> bool:
@@ -71,6 +78,7 @@ class Inventory:
         self.config = config or InventoryConfig()
         self.nodes: dict[str, NodeRecord] = {}
         self.shards: dict[str, Shard] = {}
+        self.cluster_id = ""  # this server's (the store's), for what nodes are told
         self._next_connection = 0
 
     # --- nodes -----------------------------------------------------------------------
@@ -100,6 +108,7 @@ class Inventory:
         record.peer = peer
         record.protocol_version = protocol_version
         record.reason = ""
+        record.unadopted, record.unadopted_cluster = {}, ""
         return record.connection, record
 
     def heartbeat(
@@ -157,6 +166,8 @@ class Inventory:
         seen = record.last_heartbeat_mono
         if not record.connected or seen is None or now_mono - seen > self.config.grace_s:
             return NodeState.NOT_READY
+        if record.unadopted_cluster:
+            return NodeState.NOT_READY  # its GPUs hold another cluster's engines
         return NodeState.CORDONED if record.cordoned else NodeState.READY
 
     def node_view(self, record: NodeRecord, now_mono: float) -> Node:
@@ -172,13 +183,17 @@ class Inventory:
             last_heartbeat_unix_ms=record.last_heartbeat_ms,
             peer=record.peer,
             protocol_version=record.protocol_version,
-            state_reason=record.reason if state is NodeState.NOT_READY else "",
+            state_reason=(record.reason or unadopted_reason(record, self.cluster_id))
+            if state is NodeState.NOT_READY
+            else "",
             telemetry=NodeTelemetry(
                 node_id=record.info.node_id,
                 last_heartbeat_unix_ms=record.last_heartbeat_ms,
                 gpus=list(record.telemetry.values()),
                 memory=record.memory,
             ),
+            unadopted_shards=sorted(record.unadopted),
+            unadopted_cluster_id=record.unadopted_cluster,
         )
 
     # --- shards ----------------------------------------------------------------------
@@ -196,6 +211,13 @@ class Inventory:
         self.shards[status.shard_id] = shard
         return shard
 
+    def hold_unadopted(
+        self, record: NodeRecord, cluster_id: str, shards: Iterable[ShardStatus]
+    ) -> None:
+        """Note engines a node runs for cluster ``cluster_id`` (not this one), unadopted."""
+        record.unadopted_cluster = cluster_id
+        record.unadopted = {s.shard_id: s for s in shards}
+
     def shards_of(self, node_id: str) -> list[Shard]:
         return [s for s in self.shards.values() if s.node_id == node_id]
 
@@ -209,3 +231,14 @@ class Inventory:
             revision=revision,
             server_time_unix_ms=now_ms,
         )
+
+
+def unadopted_reason(record: NodeRecord, ours: str) -> str:
+    """Why a node holding another cluster's engines is NOT_READY, and what to do ("" if not)."""
+    if not record.unadopted_cluster:
+        return ""
+    return (
+        f"its agent runs {len(record.unadopted)} engine(s) of cluster "
+        f"{record.unadopted_cluster}, not of this cluster {ours}: not adopted, not stopped; "
+        f"to hand them over to this cluster, restart the agent with --join-cluster {ours}"
+    )

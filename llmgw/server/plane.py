@@ -29,6 +29,13 @@ again. A node that only missed heartbeats keeps them: its stream, once it speaks
 carries every change since, in order, while nothing would ever send back blocks dropped
 then (scripts/chaos.py found such replicas missing blocks for good).
 
+Every agent is told the cluster id of the store (``Registered.cluster_id``). A registration
+whose ``cluster_id`` names another cluster and that reports shards is not adopted: its
+shards are kept apart on the node (``Node.unadopted_shards``), never in the inventory, so
+the reconciler neither stops them nor places anything on the node, which is NOT_READY
+saying why until its agent registers with this cluster's id (``llmgw.agent.cluster``). A
+stored row that cannot be read stops :meth:`ControlPlane.load`, naming it.
+
 ``kv_follow`` holds each engine's KV event subscriber counters as its agent's heartbeats
 last reported them (``llmgw.server.kvfollow``), for the server's ``/metrics``.
 
@@ -71,6 +78,7 @@ from llmgw.server.kvblocks import DecodedKvDelta, KvBlocks, leader_replica
 from llmgw.server.kvfollow import KvFollowBoard
 from llmgw.server.plan import ShardPlan
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.server.statefile import unreadable_row
 from llmgw.server.store import AuditRecord, Store, StoredNode, now_ms
 from llmgw.server.storehealth import WriteRetry
 from llmgw.server.watch import WatchHub
@@ -111,19 +119,26 @@ class ControlPlane:
     async def load(self) -> None:
         """Restore the desired state, the audit log's tail and every node the store
         remembers (NOT_READY until their agents return)."""
+        self.inventory.cluster_id = self.cluster_id
         await self.desired.load()
         self.replicas.update((r.replica_id, r) for r in await self.store.load_replicas())
         self._recent.extend(_audit_event(r) for r in await self.store.recent_audit(RECENT_AUDIT))
         for stored in await self.store.load_nodes():
             try:
                 info = freeze_node_info(NodeInfo.parse(stored.info), wire=stored.info)
-            except Exception as exc:  # a row we cannot read must not stop the server
-                log.error("node %s: stored registration unreadable (%s)", stored.node_id, exc)
-                continue
+            except Exception as exc:  # whatever the row holds, it is named, never dropped
+                raise unreadable_row(self.store.path, "nodes", stored.node_id, exc) from exc
+            if info.node_id != stored.node_id:
+                why = f"it holds the registration of node {info.node_id!r}"
+                raise unreadable_row(self.store.path, "nodes", stored.node_id, why)
             self.inventory.restore(
                 stored.node_id, info, cordoned=stored.cordoned, first_seen_ms=stored.first_seen_ms
             )
-        log.info("restored %d nodes from the store", len(self.inventory.nodes))
+        log.info(
+            "cluster %s: restored %d nodes from the store",
+            self.cluster_id,
+            len(self.inventory.nodes),
+        )
         self._started = time.monotonic()
         self._agents_back.clear()
         self._note_agents_back()
@@ -151,6 +166,7 @@ class ControlPlane:
             if r.lifecycle is not Lifecycle.RETIRED
         ]
         cluster.events = list(self._recent)
+        cluster.cluster_id = self.inventory.cluster_id
         return cluster
 
     # --- replicas --------------------------------------------------------------------
@@ -209,14 +225,20 @@ class ControlPlane:
         )
         # Before any await: a reconciliation round must never see the node READY without
         # the shards it runs (it would start them again), nor with shards it no longer has.
-        reported = {s.shard_id for s in message.shards}
+        adopted = self._adoptable(node.node_id, message)
+        if not adopted:
+            self.inventory.hold_unadopted(record, message.cluster_id, message.shards)
+        reported = {s.shard_id for s in message.shards} if adopted else set()
         gone = [s.shard_id for s in self.inventory.shards_of(node.node_id)]
         gone = [shard_id for shard_id in gone if shard_id not in reported]
         for shard_id in gone:
             del self.inventory.shards[shard_id]
         self.kv_blocks.drop_node(node.node_id, "its agent registered again (a full copy follows)")
         self.kv_follow.drop_node(node.node_id)  # its first heartbeat reports every engine
-        shards = [self.inventory.report_shard(node.node_id, s, now_ms=at) for s in message.shards]
+        shards = [
+            self.inventory.report_shard(node.node_id, s, now_ms=at)
+            for s in (message.shards if adopted else ())
+        ]
         try:
             await self.store.save_node(self._stored_node(record, at))
         except StoreUnwritable:  # the agent is served all the same; flush stores it later
@@ -229,6 +251,29 @@ class ControlPlane:
         log.info("node %s registered from %s (%d GPUs)", node.node_id, peer, len(node.gpus))
         self._note_agents_back()
         return connection
+
+    @property
+    def cluster_id(self) -> str:
+        """This server's cluster id, as its database holds it."""
+        return self.store.cluster_id
+
+    def _adoptable(self, node_id: str, message: Register) -> bool:
+        """Whether the shards a registration reports are this cluster's to adopt: yes
+        unless the agent remembers another cluster and runs engines for it."""
+        theirs = message.cluster_id
+        if not theirs or theirs == self.cluster_id or not message.shards:
+            return True
+        log.warning(
+            "node %s runs %d engine(s) of cluster %s, not of this cluster %s: they are not "
+            "adopted and not stopped, and the node takes no new work, until its agent is "
+            "restarted with --join-cluster %s",
+            node_id,
+            len(message.shards),
+            theirs,
+            self.cluster_id,
+            self.cluster_id,
+        )
+        return False
 
     def heartbeat(self, node_id: str, connection: int, beat: Heartbeat) -> bool:
         """Apply a heartbeat; False when this connection no longer owns the node."""
@@ -248,6 +293,11 @@ class ControlPlane:
         return True
 
     def shard_status(self, node_id: str, status: ShardStatus) -> None:
+        record = self.inventory.nodes.get(node_id)
+        if record is not None and record.unadopted_cluster:
+            record.unadopted[status.shard_id] = status  # another cluster's: still not ours
+            self._publish_node(record)
+            return
         shard = self.inventory.report_shard(node_id, status, now_ms=now_ms())
         self.kv_blocks.shard_state(shard.shard_id, read_shard_state(status.state))
         self.kv_follow.shard_state(node_id, shard.shard_id, read_shard_state(status.state))

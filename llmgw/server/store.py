@@ -12,7 +12,9 @@ drained by an operator; ``replace``: moved off a drained node); and the tokens o
 Schema versions (``PRAGMA user_version``): 1 holds nodes and the audit log; 2 adds the
 profiles and deployments tables; 3 adds the replicas table; 4 the replica requests; 5 the tokens.
 Opening an older file migrates it forward step by step in one transaction; a newer one is
-refused.
+refused. Beside the versioned schema, the ``llmgw_meta`` table holds the database's
+identity (its cluster id: ``llmgw.server.statefile``, which also says which files are
+refused and how a new one is made).
 
 Durability: WAL with ``synchronous=FULL``, so a write that returned survives a kill -9 of
 the server at any later moment. Heartbeat times are written in batches (they are advisory:
@@ -30,9 +32,11 @@ raises StoreUnwritable, and ``health`` says so until a write commits again.
 from __future__ import annotations
 
 import base64
+import contextlib
 import functools
 import json
 import logging
+import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import dataclass
@@ -47,6 +51,13 @@ from llmgw.server.auth import Role, StoredToken
 from llmgw.server.errors import StoreError
 from llmgw.server.plan import ReplicaPlan, ShardPlan
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.server.statefile import (
+    check_llmgw_tables,
+    ensure_cluster_id,
+    new_cluster_id,
+    refuse_foreign_file,
+    unreadable_row,
+)
 from llmgw.server.storehealth import WriteHealth
 
 log = logging.getLogger(__name__)
@@ -193,6 +204,7 @@ class Store:
         self._path = path
         self._db: aiosqlite.Connection | None = None
         self.health = WriteHealth()
+        self._cluster_id = ""
 
     async def __aenter__(self) -> Store:
         await self.open()
@@ -207,19 +219,66 @@ class Store:
         await self.close()
 
     async def open(self) -> None:
-        """Open (creating if needed) the database and bring its schema up to date."""
+        """Open (creating if needed) the database and bring its schema up to date.
+
+        A file that is not an llmgw state database is refused before anything is written
+        to it (``llmgw.server.statefile``); a missing one is created whole.
+        """
         try:
             self._path.parent.mkdir(parents=True, exist_ok=True)
+            if not self._path.exists():
+                await self._create()
+            refuse_foreign_file(self._path)
             self._db = await aiosqlite.connect(self._path)
-            await self._db.execute("PRAGMA journal_mode=WAL")
-            await self._db.execute("PRAGMA synchronous=FULL")
-            await self._migrate(self._db)
+            await check_llmgw_tables(self._db, self._path, newest=SCHEMA_VERSION)
+            await self._prepare(self._db)
         except (OSError, aiosqlite.Error) as exc:
             await self.close()
             raise StoreError(f"cannot open the state database {self._path}: {exc}") from exc
         except BaseException:
             await self.close()
             raise
+
+    async def _prepare(self, db: aiosqlite.Connection) -> None:
+        await self._migrate(db)  # first: a newer file is refused before anything is written
+        await db.execute("PRAGMA journal_mode=WAL")
+        await db.execute("PRAGMA synchronous=FULL")
+        self._cluster_id = await ensure_cluster_id(db, self._path, created_ms=now_ms())
+
+    # --- identity (llmgw.server.statefile) ------------------------------------------------
+
+    @property
+    def path(self) -> Path:
+        """The database file."""
+        return self._path
+
+    @property
+    def cluster_id(self) -> str:
+        """The cluster id stored in the database (known once it is open)."""
+        if not self._cluster_id:
+            raise StoreError("the state database is not open")
+        return self._cluster_id
+
+    async def _create(self) -> None:
+        """Build a new database under a temporary name beside the path, then link it into
+        place: a start cut short leaves no half-made file at the path. Another process
+        that created it first wins; its file is used."""
+        temp = self._path.with_name(f".{self._path.name}.new-{os.getpid()}-{new_cluster_id()[:8]}")
+        try:
+            os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+            db = await aiosqlite.connect(temp)
+            try:
+                await self._prepare(db)
+            finally:
+                await db.close()
+            with contextlib.suppress(FileExistsError):
+                os.link(temp, self._path)
+            _sync_directory(self._path.parent)
+        finally:
+            for leftover in (temp, Path(f"{temp}-wal"), Path(f"{temp}-shm")):
+                leftover.unlink(missing_ok=True)
+        log.info("%s: a new state database (cluster %s)", self._path, self._cluster_id)
+        self._cluster_id = ""
 
     async def _migrate(self, db: aiosqlite.Connection) -> None:
         async with db.execute("PRAGMA user_version") as cursor:
@@ -344,7 +403,8 @@ class Store:
         return int(token_id)
 
     async def load_tokens(self) -> list[StoredToken]:
-        """Every stored token, by id; a row with an unknown role is skipped and logged."""
+        """Every stored token, by id; a row with an unknown role is a StoreError naming it
+        (skipped, it could leave no token and so turn authentication off)."""
         query = "SELECT id, role, hash, created, note FROM tokens ORDER BY id"
         async with self._conn.execute(query) as cursor:
             rows = await cursor.fetchall()
@@ -354,8 +414,8 @@ class Store:
                 tokens.append(
                     StoredToken(int(token_id), Role(role), str(digest), int(created), str(note))
                 )
-            except ValueError:
-                log.error("token %s: unknown role %r; the token is ignored", token_id, role)
+            except ValueError as exc:
+                raise unreadable_row(self._path, "tokens", str(token_id), exc) from exc
         return tokens
 
     @_write
@@ -424,10 +484,15 @@ class Store:
             await self._conn.commit()
 
     async def load_requests(self) -> list[tuple[str, str]]:
-        """Every stored replica request as ``(replica_id, kind)``, by id."""
+        """Every stored replica request as ``(replica_id, kind)``, by id; a kind this llmgw
+        does not know is a StoreError naming the row."""
         query = "SELECT replica_id, kind FROM replica_requests ORDER BY replica_id"
         async with self._conn.execute(query) as cursor:
             rows = await cursor.fetchall()
+        for replica_id, kind in rows:
+            if kind not in REQUEST_KINDS:
+                why = f"unknown request kind {str(kind)[:64]!r}"
+                raise unreadable_row(self._path, "replica_requests", str(replica_id), why)
         return [(str(r[0]), str(r[1])) for r in rows]
 
     @_write
@@ -473,17 +538,31 @@ class Store:
             raise
 
     async def load_replicas(self) -> list[ReplicaRecord]:
-        """Every stored replica record, by id; a row that cannot be read is logged."""
+        """Every stored replica record, by id; a row that cannot be read is a StoreError
+        naming it (``llmgw.server.statefile.unreadable_row``)."""
         query = "SELECT replica_id, record FROM replicas ORDER BY replica_id"
         async with self._conn.execute(query) as cursor:
             rows = await cursor.fetchall()
         records = []
         for replica_id, text in rows:
             try:
-                records.append(decode_replica(text))
-            except Exception as exc:  # a row we cannot read must not stop the server
-                log.error("replica %s: stored record unreadable (%s)", replica_id, exc)
+                record = decode_replica(text)
+            except Exception as exc:  # whatever the row holds, it is named, never dropped
+                raise unreadable_row(self._path, "replicas", str(replica_id), exc) from exc
+            if record.replica_id != replica_id:
+                why = f"it holds the record of replica {record.replica_id!r}"
+                raise unreadable_row(self._path, "replicas", str(replica_id), why)
+            records.append(record)
         return records
+
+
+def _sync_directory(folder: Path) -> None:
+    """Make a new name in ``folder`` durable."""
+    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 # --- replica records as JSON ----------------------------------------------------------------

@@ -331,6 +331,11 @@ class Cluster(betterproto2.Message):
     Later ones arrive on Watch as `audit` events.
     """
 
+    cluster_id: "str" = betterproto2.field(20, betterproto2.TYPE_STRING)
+    """
+    added with issue #13: this server's cluster id
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Cluster", Cluster)
 
@@ -1043,6 +1048,19 @@ class Node(betterproto2.Message):
         11, betterproto2.TYPE_MESSAGE, optional=True
     )
 
+    unadopted_shards: "list[str]" = betterproto2.field(20, betterproto2.TYPE_STRING, repeated=True)
+    """
+    Added with issue #13: the engines this node's agent runs for another cluster (its
+    remembered cluster id differs from this server's): neither adopted nor stopped, and
+    the node takes no new work, until an operator restarts the agent with
+    --join-cluster (this server's id) to hand them over.
+    """
+
+    unadopted_cluster_id: "str" = betterproto2.field(21, betterproto2.TYPE_STRING)
+    """
+    the cluster those engines belong to
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Node", Node)
 
@@ -1196,6 +1214,13 @@ class Register(betterproto2.Message):
     shards the agent already runs, to be adopted
     """
 
+    cluster_id: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+    """
+    Added with issue #13: the cluster the agent's engines belong to, as its state
+    directory remembers it ("" on a first start). A server of another cluster adopts none
+    of `shards` and stops none of them: it shows them in Node.unadopted_shards.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Register", Register)
 
@@ -1207,6 +1232,12 @@ class Registered(betterproto2.Message):
     heartbeat_interval_ms: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
 
     server_version: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+
+    cluster_id: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+    """
+    Added with issue #13: this server's cluster id (llmgw.server.statefile). An agent
+    with none remembered takes it; one that remembers another keeps its engines to itself.
+    """
 
 
 default_message_pool.register_message("llmgw.v1", "Registered", Registered)
