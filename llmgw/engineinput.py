@@ -25,9 +25,9 @@ the engine families of :data:`ENV_FAMILIES`:
 =================================  ==========================================================
 
 plus ``TOKENIZERS_PARALLELISM``, ``NVIDIA_TF32_OVERRIDE``, ``SAFETENSORS_FAST_GPU``,
-``PYTHONHASHSEED`` and ``PYTHONUNBUFFERED``. Inside the families, a name is refused when it
-makes the engine load code, or files that select code, or write where it is told
-(:data:`ENV_DENIED` names each with the reason; for example ``NCCL_NET_PLUGIN``,
+``DO_NOT_TRACK``, ``PYTHONHASHSEED`` and ``PYTHONUNBUFFERED``. Inside the families, a name
+is refused when it makes the engine load code, or files that select code, or write where it
+is told (:data:`ENV_DENIED` names each with the reason; for example ``NCCL_NET_PLUGIN``,
 ``CUDA_INJECTION64_PATH``, ``OMP_TOOL_LIBRARIES``, ``VLLM_LOGGING_CONFIG_PATH``, which
 ``logging.config.dictConfig`` turns into objects, ``VLLM_ALLOW_INSECURE_SERIALIZATION``,
 ``VLLM_SERVER_DEV_MODE``). Beyond those, every family name that ends in one of
@@ -84,7 +84,7 @@ ENV_FAMILIES: Final = (
 ENV_NAMES: Final = frozenset(
     {
         *("TOKENIZERS_PARALLELISM", "NVIDIA_TF32_OVERRIDE", "SAFETENSORS_FAST_GPU"),
-        *("PYTHONHASHSEED", "PYTHONUNBUFFERED"),
+        *("PYTHONHASHSEED", "PYTHONUNBUFFERED", "DO_NOT_TRACK"),
     }
 )
 ENV_LOADER_SUFFIXES: Final = (
