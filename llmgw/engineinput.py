@@ -119,7 +119,7 @@ ENV_DENIED: Final[Mapping[str, str]] = MappingProxyType(
 )
 _KEY_REASON = "the agent sets it from the replica's API key"
 _FABRIC_REASON = "the agent sets it from the multi-node placement"
-_FLAG_REASON = "llama-server takes it from the flag the agent sets"
+_FLAG_REASON = "the agent sets the llama-server flag it stands for"
 MANAGED_ENV: Final[Mapping[str, str]] = MappingProxyType(
     {
         "CUDA_VISIBLE_DEVICES": "the agent sets it from the shard's GPUs",
