@@ -300,7 +300,7 @@ class ConsoleApp(App[None]):
             self.notify("nothing selected to copy", severity="warning")
             return
         self.copy_to_clipboard(selected)
-        self.notify(f"copied {selected}")
+        self.notify(f"copied {selected}", markup=False)
 
     def action_sort(self) -> None:
         view = self.view()
