@@ -83,7 +83,7 @@ class LazyCell:
 
 
 def shown(value: object, style: str = "", **options: Any) -> Text:
-    """``value`` as plain text with its control characters escapes (``llmgw.printable``)."""
+    """``value`` as plain text, its control characters escaped (``llmgw.printable``)."""
     return Text(escape(str(value)), style=style, **options)
 
 
