@@ -30,6 +30,7 @@ from llmgw.agent.link import AgentLink, LinkConfig
 from llmgw.agent.shards import RestartPolicy
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
 from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo
+from llmgw.printable import text_problem
 from llmgw.protocol import NODE_ID_RULE, valid_node_id
 from llmgw.signals import stop_on_signals
 from llmgw.tls import ALPN_GRPC, TlsFileError, client_context
@@ -80,14 +81,24 @@ def parse_server(text: str) -> tuple[str, int]:
 
 
 def parse_labels(text: str) -> dict[str, str]:
-    """``k=v,k2=v2`` → dict; a pair without ``=`` or with an empty key is refused."""
+    """``k=v,k2=v2`` → dict; a pair without ``=``, with an empty key or with a control
+    character (which would forge rows where labels are printed) is refused."""
     labels: dict[str, str] = {}
     for pair in filter(None, (p.strip() for p in text.split(","))):
         key, sep, value = pair.partition("=")
         if not sep or not key.strip():
             raise AgentConfigError(f"--labels: {pair!r} is not key=value")
+        if why := text_problem(pair):
+            raise AgentConfigError(f"--labels: {pair!r} {why}")
         labels[key.strip()] = value.strip()
     return labels
+
+
+def parse_hostname(text: str) -> str:
+    """``--hostname``: any text without a control character."""
+    if not text or (why := text_problem(text)):
+        raise AgentConfigError(f"--hostname {text!r} {why or 'is empty'}")
+    return text
 
 
 def resolve_node_id(state_dir: Path, explicit: str | None) -> str:

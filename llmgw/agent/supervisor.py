@@ -10,6 +10,9 @@ Commands return at once; the work (spawning, probing, stopping with grace) runs 
 shard's own task (see ``llmgw.agent.runner``) and every state change is emitted as a
 ``ShardStatus``. A command that cannot be carried out (a profile the adapter refuses, an
 invalid shard id) is reported as FAILED with the reason; nothing is raised to the stream.
+Every profile is checked with ``llmgw.engineinput`` (environment names, flags, paths)
+before any command is built, whichever launcher builds it: the control server checked it
+too, and an engine with an environment or flags the check refuses is never started.
 
 ``StartShard`` for a shard that already runs the same command (same fingerprint: argv and
 added environment) changes nothing; with another command the old engine is stopped and
@@ -33,7 +36,7 @@ from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Self
 
-from llmgw.agent.engines.base import EngineError, LaunchSpec, ShardSpec
+from llmgw.agent.engines.base import EngineError, LaunchSpec, ShardSpec, check_profile
 from llmgw.agent.kvevents import KvEventHub
 from llmgw.agent.probe import EngineProbe
 from llmgw.agent.process import EngineProcess, is_running, kill_leftovers
@@ -276,6 +279,7 @@ class Supervisor:
         if spec.port == 0:
             chosen = port or (current.launch.port if current is not None else 0) or _free_port()
             spec = dataclasses.replace(spec, port=chosen)
+        check_profile(spec)  # whatever builds the command: the server checked, we check again
         try:
             launch = self._launcher(spec)
         except EngineError:

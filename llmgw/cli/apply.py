@@ -31,6 +31,7 @@ from llmgw.api.llmgw.v1 import (
 from llmgw.cli.get import _call, render_table
 from llmgw.cli.main import CliError
 from llmgw.client import ControlClient
+from llmgw.printable import escape
 
 # The desired-state helpers live with the server; this reads the document the same way.
 from llmgw.server.desired import parse_with_profiles
@@ -192,7 +193,7 @@ async def _follow(client: ControlClient) -> None:
                 key = bytes(record)
                 if key not in shown:
                     shown.add(key)
-                    sys.stdout.write("  ".join(_event_cells(record)) + "\n")
+                    sys.stdout.write("  ".join(map(escape, _event_cells(record))) + "\n")
                     sys.stdout.flush()
     finally:
         await stream.aclose()  # type: ignore[attr-defined]

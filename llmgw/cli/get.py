@@ -1,7 +1,7 @@
 """``llmgw get …`` and node actions: operator reads and writes over gRPC-web.
 
-Tables are for people (fixed columns, one row per thing); ``-o json`` prints the proto3
-JSON of the messages, for scripts.
+Tables are for people (fixed columns, one row per thing, control characters escaped);
+``-o json`` prints the proto3 JSON of the messages, for scripts.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import betterproto2
 from llmgw.api.llmgw.v1 import Cluster, Gpu, GpuHealth, GpuTelemetry, Node, Shard
 from llmgw.cli.main import CliError
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel, RpcError, ServerUnreachable
+from llmgw.printable import escape
 
 GiB = 1 << 30
 
@@ -80,7 +81,12 @@ def _gpus(node: Node) -> list[Gpu]:
 
 
 def render_table(rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned columns separated by two spaces; the first row is the header."""
+    """Left-aligned columns separated by two spaces; the first row is the header.
+
+    Every cell is escaped (``llmgw.printable.escape``): a newline or an escape sequence in a
+    hostname, a label or a reason prints as ``\\n``/``\\x1b``, never as a row of its own.
+    """
+    rows = [[escape(cell) for cell in row] for row in rows]
     if len(rows) <= 1:
         return "\n".join("  ".join(r) for r in rows) + ("\n(none)" if len(rows) == 1 else "")
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]

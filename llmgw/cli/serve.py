@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ from llmgw.agent.daemon import (
     AgentConfigError,
     default_state_dir,
     discover,
+    parse_hostname,
     parse_labels,
     parse_server,
     resolve_node_id,
@@ -82,8 +84,9 @@ def run_agent_command(args: argparse.Namespace) -> int:
             token=_token_file(args.token_file, "--token-file"),
             ca_file=args.ca_file,
             join_cluster=args.join_cluster,
-            **({"hostname": args.hostname} if args.hostname else {}),
         )
+        if args.hostname:
+            config = dataclasses.replace(config, hostname=parse_hostname(args.hostname))
         if args.discover:
             node = discover(config, resolve_node_id(state_dir, args.node_id))
             sys.stdout.write(json.dumps(node.to_dict(), indent=2) + "\n")

@@ -1,8 +1,10 @@
 """``AgentService.Connect``: one bidirectional stream per agent.
 
 The first message must be ``Register`` with a protocol version this server speaks; a
-registration that is missing, malformed or of another version is refused with a gRPC
-status that says what was wrong, and nothing is stored. Then each heartbeat is answered
+registration that is missing, malformed or of another version, or whose node facts hold a
+control character in any string (hostname, a label, a GPU name …: ``llmgw.printable``), is
+refused with a gRPC status that says what was wrong and names the field, and nothing is
+stored. Then each heartbeat is answered
 with an acknowledgement (the agent measures its round trip from it) and shard reports
 update the inventory. KV deltas are checked (``llmgw.server.kvblocks.decode_kv_delta``) and
 handed to the plane's block store; a malformed one is counted and logged, and the stream
@@ -34,6 +36,7 @@ from llmgw.api.llmgw.v1 import (
     Register,
     Registered,
 )
+from llmgw.printable import text_problems
 from llmgw.protocol import (
     MIN_PROTOCOL_VERSION,
     NODE_ID_RULE,
@@ -211,6 +214,8 @@ async def _receive_register(
             Status.INVALID_ARGUMENT,
             f"Register.node.node_id {quoted(node_id)} is not a valid node id ({NODE_ID_RULE})",
         )
+    if problems := text_problems(node, "Register.node"):  # they would forge printed rows
+        raise GRPCError(Status.INVALID_ARGUMENT, "registration refused: " + "; ".join(problems))
     return register, freeze_node_info(node, wire=node_wire)
 
 

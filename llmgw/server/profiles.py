@@ -28,8 +28,12 @@ Rules beyond types: names are DNS labels (``[a-z0-9]([-a-z0-9.]*[a-z0-9])?``, at
 characters; quote a dotted one, ``[profiles."chat.v2"]``); ``tp * pp == gpus_per_node *
 nodes``; a ``cpu`` profile has tp, pp and nodes 1, gpus_per_node 0, no min_gpu_memory and a
 positive cpu_threads; llama.cpp has no tensor or pipeline parallelism and runs on one node;
-env names are shell names and never ``CUDA_VISIBLE_DEVICES`` (the agent sets it from the
-shard's GPUs); an adapter's name is unique and differs from the served model name.
+``env``, ``args`` and ``model_path`` pass :func:`llmgw.engineinput.profile_problems`: env
+names of the engine families only (``VLLM_*``, ``NCCL_*``, ``HF_*`` …; never one that loads
+code, such as ``LD_PRELOAD`` or ``NCCL_NET_PLUGIN``, and never one the agent sets, such as
+``CUDA_VISIBLE_DEVICES``), no flag the agent sets (``--port`` …) in any spelling the engine
+accepts, no control characters; an adapter's name is unique and differs from the served
+model name.
 
 :func:`parse_document` refuses a bad document whole, with every problem named by its key
 path (:class:`~llmgw.server.errors.ProfileError`); nothing partial is returned. Each
@@ -52,6 +56,7 @@ from pathlib import PurePosixPath
 from types import MappingProxyType
 from typing import Any
 
+from llmgw import engineinput
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile, LoraAdapter
 from llmgw.server.errors import ProfileError
 
@@ -74,10 +79,8 @@ _NAME_RULE = (
     'lower-case letters, digits, "-" and "." only, starting and ending with a letter or '
     f"digit, at most {_NAME_MAX} characters"
 )
-_ENV_NAME = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 _LABEL_KEY = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_./]*[A-Za-z0-9])?")
 _BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
-_AGENT_ENV = {"CUDA_VISIBLE_DEVICES": "the agent sets it from the shard's GPUs"}
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -304,13 +307,17 @@ def _read_profile(name: str, t: _Table) -> EngineProfile | None:
         served_model_name=served or "",
         kv_events=kv_events is True,
         args=t.strings("args") or [],
-        env=t.string_table("env", _env_key_problem) or {},
+        env=t.string_table("env", _env_key_check(kv_events=kv_events is True)) or {},
         adapters=_read_adapters(t, served),
         cpu_threads=_read_cpu_threads(t, cpu=cpu),
         min_gpu_memory_bytes=_read_min_memory(t, cpu=cpu),
     )
     if shape is not None:
         profile.tp, profile.pp, profile.gpus_per_node, profile.nodes = shape
+    found = set(t.problems[before:])  # env names were checked as the table was read
+    for path, why in engineinput.profile_problems(profile):
+        if (problem := f"{_path(*t.path, *path)}: {why}") not in found:
+            t.problems.append(problem)
     return profile if len(t.problems) == before else None
 
 
@@ -377,12 +384,9 @@ def _model_name_problem(name: str) -> str | None:
     return f"must be printable, no spaces, at most {_MAX_TEXT} characters, got {_show(name)}"
 
 
-def _env_key_problem(key: str) -> str | None:
-    if not _ENV_NAME.fullmatch(key):
-        return "not an environment variable name (letters, digits and _, not first a digit)"
-    if key in _AGENT_ENV:
-        return f"must not be set by a profile: {_AGENT_ENV[key]}"
-    return None
+def _env_key_check(*, kv_events: bool) -> Callable[[str], str | None]:
+    """What is wrong with an env name, before its value is known (see engineinput)."""
+    return lambda key: engineinput.env_problem(key, "", kv_events=kv_events)
 
 
 def _label_key_problem(key: str) -> str | None:

@@ -41,12 +41,19 @@ shard there counts as stopped (fenced should the node return).
 
 A FAILED shard with restarts left and not given up is its agent's to restart: the
 reconciler waits.
+
+A profile that :func:`llmgw.engineinput.profile_problems` refuses (one stored by an older
+server, before the check existed) is started nowhere: its deployment places no replica and
+no shard of it is started, and ``unplaceable`` says which keys are refused. Shards of it that
+already run are left running; the stored profile and deployment are kept until an operator
+applies a good profile.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
+from llmgw import engineinput
 from llmgw.api.llmgw.v1 import (
     ControlMessage,
     Deployment,
@@ -280,6 +287,9 @@ class _Round:
         if profile is None:
             self.unplaceable[deployment.name] = f"profile {deployment.profile!r} is not defined"
             return
+        if why := self.refused(profile):
+            self.unplaceable[deployment.name] = why
+            return
         fingerprint = self.s.fingerprint(profile)
         current = _Current(deployment.profile, fingerprint, self.s.replace)
         self.settle_surges(deployment.name, current)
@@ -430,7 +440,17 @@ class _Round:
         shard = self.s.shards.get(plan.shard_id)
         return shard is None or _state(shard) is ShardState.STOPPED
 
+    def refused(self, profile: EngineProfile) -> str:
+        """Why no engine may run ``profile`` (see the module docstring), or ""."""
+        problems = engineinput.profile_problems(profile)
+        if not problems:
+            return ""
+        return f"profile {profile.name!r} is refused: {engineinput.describe(problems)}"
+
     def start(self, record: ReplicaRecord, plan: ShardPlan, leader_address: str) -> None:
+        if why := self.refused(record.profile):
+            self.unplaceable.setdefault(record.plan.deployment, why)
+            return
         message = start_message(record, plan, leader_address)
         what = f"start shard {plan.shard_id} on {plan.node_id}"
         why = (

@@ -24,7 +24,6 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from rich.markup import escape
-from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import BindingType
 from textual.command import Provider
@@ -56,6 +55,7 @@ from llmgw.tui.views.replicas import ReplicasView, ShardsView
 from llmgw.tui.views.table import TableView
 from llmgw.tui.views.topology import TopologyView
 from llmgw.tui.widgets.badge import LinkBadge
+from llmgw.tui.widgets.cells import shown
 from llmgw.tui.widgets.detail import DetailScreen
 from llmgw.tui.widgets.prompt import JumpPrompt
 
@@ -197,7 +197,7 @@ class ConsoleApp(App[None]):
         if self._views_ready:
             self._switcher.set_class(not status.live, "-stale")
             self._link_note.display = not status.live and bool(status.error)
-            self._link_note.update(Text(status.error, no_wrap=True, overflow="ellipsis"))
+            self._link_note.update(shown(status.error, no_wrap=True, overflow="ellipsis"))
             self._refresh_badge()
 
     def _apply_latest(self) -> None:
@@ -300,7 +300,7 @@ class ConsoleApp(App[None]):
             self.notify("nothing selected to copy", severity="warning")
             return
         self.copy_to_clipboard(selected)
-        self.notify(f"copied {selected}")
+        self.notify(f"copied {selected}", markup=False)
 
     def action_sort(self) -> None:
         view = self.view()

@@ -26,6 +26,7 @@ from textual.widgets.option_list import Option
 
 from llmgw.client import ClientError, ControlClient, RpcError, ServerUnreachable
 from llmgw.tui.actions import ActionUnavailable, Operation, send
+from llmgw.tui.widgets.cells import shown
 
 __all__ = [
     "Choice",
@@ -57,7 +58,7 @@ def _indented(mark: str, lines: Sequence[str]) -> Table:
     grid.add_column(no_wrap=True)
     grid.add_column()
     for line in lines:
-        grid.add_row(mark, Text(line))
+        grid.add_row(mark, shown(line))
     return grid
 
 
@@ -132,11 +133,11 @@ class ChoiceScreen(ModalScreen[str | None]):
         self.choices = tuple(choices)
 
     def compose(self) -> ComposeResult:
-        options = [Option(Text(c.label), id=c.value, disabled=c.disabled) for c in self.choices]
+        options = [Option(shown(c.label), id=c.value, disabled=c.disabled) for c in self.choices]
         with Vertical() as box:
             box.border_title = self._title
             box.border_subtitle = "enter: choose · esc: cancel"
-            yield Static(Text(self._note), id="choice-note")
+            yield Static(shown(self._note), id="choice-note")
             yield OptionList(*options, id="choices")
 
     def on_mount(self) -> None:

@@ -50,7 +50,7 @@ def main() -> None:
         with open(args.starts, "a") as file:
             file.write(f"{os.getpid()}\n")
     say(f"fake engine pid {os.getpid()}")
-    for name in ("CUDA_VISIBLE_DEVICES", "LLMGW_TEST_ENV"):
+    for name in ("CUDA_VISIBLE_DEVICES", "VLLM_TEST_ENV"):
         say(f"env {name}={os.environ.get(name, '<unset>')}")
     if args.child:
         child = subprocess.Popen([sys.executable, "-c", _CHILD], start_new_session=False)

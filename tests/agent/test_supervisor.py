@@ -184,9 +184,7 @@ async def harness(tmp_path: Path) -> AsyncIterator[Harness]:
 async def test_start_goes_through_every_state_to_ready(harness: Harness) -> None:
     sup = await harness.open()
     await sup.handle(
-        ControlMessage(
-            start_shard=start("s1", "--load-seconds", "0.8", env={"LLMGW_TEST_ENV": "x"})
-        )
+        ControlMessage(start_shard=start("s1", "--load-seconds", "0.8", env={"VLLM_TEST_ENV": "x"}))
     )
     ready = await harness.recorder.wait("s1", S.READY)
 
@@ -205,9 +203,9 @@ async def test_start_goes_through_every_state_to_ready(harness: Harness) -> None
     # the environment: the agent's, plus the profile's and CUDA_VISIBLE_DEVICES with UUIDs
     lines = sup.logs("s1")
     assert "env CUDA_VISIBLE_DEVICES=GPU-aaa,GPU-bbb" in lines
-    assert "env LLMGW_TEST_ENV=x" in lines
+    assert "env VLLM_TEST_ENV=x" in lines
     log_file = harness.root / "state" / "logs" / "s1.log"
-    assert "env LLMGW_TEST_ENV=x" in log_file.read_text()
+    assert "env VLLM_TEST_ENV=x" in log_file.read_text()
     # the record, with the key kept apart
     record = RecordStore(harness.root / "state" / "engines").load(
         harness.root / "state" / "engines" / "s1.json"
@@ -390,22 +388,22 @@ async def test_drain_stops_when_its_grace_runs_out(harness: Harness) -> None:
 
 async def test_start_twice_is_idempotent_and_a_new_command_replaces(harness: Harness) -> None:
     sup = await harness.open()
-    await sup.start(start("s1", env={"LLMGW_TEST_ENV": "a"}))
+    await sup.start(start("s1", env={"VLLM_TEST_ENV": "a"}))
     first = await harness.recorder.wait("s1", S.READY)
     count = len(harness.recorder.statuses)
-    await sup.start(start("s1", env={"LLMGW_TEST_ENV": "a"}))
+    await sup.start(start("s1", env={"VLLM_TEST_ENV": "a"}))
     await asyncio.sleep(0.5)
     assert len(harness.recorder.statuses) == count
     assert sup.status("s1").pid == first.pid  # type: ignore[union-attr]
 
-    await sup.start(start("s1", env={"LLMGW_TEST_ENV": "b"}))
+    await sup.start(start("s1", env={"VLLM_TEST_ENV": "b"}))
     second = await harness.recorder.wait("s1", S.READY, nth=2)
     assert harness.recorder.states("s1")[count:] == [
         *(S.DRAINING, S.STOPPED, S.PENDING, S.STARTING, S.LOADING, S.READY)
     ]
     assert second.pid != first.pid and gone(first.pid)
     assert second.endpoint == first.endpoint  # a port of 0 keeps the shard's port
-    assert "env LLMGW_TEST_ENV=b" in sup.logs("s1")
+    assert "env VLLM_TEST_ENV=b" in sup.logs("s1")
 
 
 async def test_bad_commands_are_reported_never_raised(harness: Harness) -> None:
@@ -567,14 +565,14 @@ async def test_an_engine_with_a_changed_command_is_replaced(harness: Harness) ->
 
     def changed(spec: ShardSpec) -> LaunchSpec:
         launch = fake_launcher(spec)
-        return dataclasses.replace(launch, env={**launch.env, "LLMGW_TEST_ENV": "new"})
+        return dataclasses.replace(launch, env={**launch.env, "VLLM_TEST_ENV": "new"})
 
     sup = await harness.open(launcher=changed)
     pending = await harness.recorder.wait("s1", S.PENDING, nth=2)
     assert "its command changed" in pending.reason
     new = await harness.recorder.wait("s1", S.READY, nth=2)
     assert new.pid != old.pid and gone(old.pid)
-    assert "env LLMGW_TEST_ENV=new" in sup.logs("s1")
+    assert "env VLLM_TEST_ENV=new" in sup.logs("s1")
 
 
 async def test_a_stop_cut_short_by_the_agent_is_finished_not_restarted(harness: Harness) -> None:

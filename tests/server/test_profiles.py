@@ -12,6 +12,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from llmgw import engineinput
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile, LoraAdapter
 from llmgw.server.errors import ProfileError, ServerError
 from llmgw.server.profiles import (
@@ -382,12 +383,17 @@ def test_unset_sizes_hash_as_their_defaults() -> None:
 
 # -- properties ----------------------------------------------------------------------------
 
-TEXT = st.text(st.characters(exclude_categories=("Cs",), exclude_characters="\0"), max_size=12)
-MODEL_NAME = st.text(st.characters(categories=("L", "N", "P", "S")), min_size=1, max_size=12)
+TEXT = st.text(st.characters(exclude_categories=("Cs", "Cc")), max_size=12)
+WORD = TEXT.filter(lambda t: not t.startswith("-"))  # an argument that is not a flag
+MODEL_NAME = st.text(
+    st.characters(categories=("L", "N", "P", "S")), min_size=1, max_size=12
+).filter(lambda t: not t.startswith("-"))
 NAME = st.from_regex(r"[a-z0-9]([-a-z0-9.]{0,20}[a-z0-9])?", fullmatch=True)
-ENV_KEY = st.from_regex(r"[A-Za-z_][A-Za-z0-9_]{0,8}", fullmatch=True).filter(
-    lambda k: k != "CUDA_VISIBLE_DEVICES"
-)
+ENV_KEY = st.builds(
+    str.__add__,
+    st.sampled_from([*engineinput.ENV_FAMILIES, *engineinput.ENV_NAMES]),
+    st.from_regex(r"[A-Z0-9_]{0,8}", fullmatch=True),
+).filter(lambda k: engineinput.env_problem(k, "", kv_events=True) is None)
 LABEL_KEY = st.from_regex(r"[A-Za-z0-9]([-A-Za-z0-9_./]{0,10}[A-Za-z0-9])?", fullmatch=True)
 
 
@@ -421,11 +427,11 @@ def valid_profiles(draw: st.DrawFn, name: str) -> EngineProfile:
         pp=pp,
         gpus_per_node=per_node,
         nodes=nodes,
-        args=draw(st.lists(TEXT, max_size=4)),
+        args=draw(st.lists(WORD, max_size=4)),
         env=draw(st.dictionaries(ENV_KEY, TEXT, max_size=3)),
-        model_path=draw(TEXT.filter(bool)),
+        model_path=draw(WORD.filter(bool)),
         served_model_name=served,
-        adapters=[LoraAdapter(n, draw(TEXT.filter(bool))) for n in names],
+        adapters=[LoraAdapter(n, draw(WORD.filter(bool))) for n in names],
         kv_events=draw(st.booleans()),
         cpu_threads=threads,
         min_gpu_memory_bytes=memory,

@@ -375,6 +375,22 @@ def test_unplaceable_and_undefined_profile_are_reported() -> None:
     assert reconcile(missing).unplaceable == {"chat": "profile 'p' is not defined"}
 
 
+def test_a_refused_profile_places_starts_and_stops_nothing_and_says_why() -> None:
+    hostile = replace(profile(), env={"LD_PRELOAD": "/tmp/x.so"})
+    decision = reconcile(one_deployment(2, hostile))
+    assert (decision.replicas, decision.commands) == ({}, ())
+    assert decision.unplaceable["chat"].startswith("profile 'p' is refused: env.LD_PRELOAD: ")
+    # a replica an older server placed with it: running, it is left alone; stopped, it is
+    # not started again
+    state, shards = settle(one_deployment(1))
+    record = replace(state.replicas["chat-1"], profile=hostile)
+    state = replace(state, replicas={"chat-1": record}, profiles={"p": hostile})
+    assert reconcile(state).commands == ()
+    stopped = {"chat-1.0": shard(record.plan.leader, "chat-1", ShardState.STOPPED)}
+    decision = reconcile(replace(state, shards=stopped))
+    assert decision.commands == () and "env.LD_PRELOAD" in decision.unplaceable["chat"]
+
+
 def test_replica_ids_continue_past_retired_ones() -> None:
     assert replica_id_for("chat", 7) == "chat-7"
     state, _ = settle(one_deployment(1))

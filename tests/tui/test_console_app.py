@@ -586,3 +586,32 @@ async def test_read_only_hides_mutating_actions_and_views_scope_theirs(
             await pilot.press("1")
             assert app.check_action("drain", ()) is False  # not a verb of the overview
             assert app.check_action("copy_id", ()) is False and app.check_action("pause", ())
+
+
+async def test_control_characters_from_the_wire_are_shown_escaped_never_sent() -> None:
+    forged = "a0\n\x1b[2Knode-forged  READY"
+    hostile = Node(
+        info=NodeInfo(
+            node_id="a0",
+            hostname=forged,
+            labels={"zone": forged},
+            discovery="nvml\x1b]52;c;cHduZWQ=\x07",  # OSC 52: would write the clipboard
+        ),
+        state=NodeState.READY,
+        connected=True,
+    )
+    feed = PushFeed()
+    app = ConsoleApp(feed, view="nodes")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await started(app, pilot, feed)
+        feed.apply(WatchEvent(node=hostile))
+        await pilot.pause()
+        await pilot.press("k", "c")
+        assert app.clipboard == "a0"
+        await pilot.press("enter")
+        assert isinstance(app.screen, DetailScreen)
+        text = screen_text(app)
+        assert "a0\\n\\x1b[2Knode-forged  READY" in text
+        assert "nvml\\x1b]52;c;cHduZWQ=\\x07" in text
+        painted = [s.text for strip in app.screen._compositor.render_strips() for s in strip]
+        assert not any(c in t for t in painted for c in "\x1b\x07\n")

@@ -18,12 +18,13 @@ from __future__ import annotations
 import hashlib
 import os
 import re
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from types import MappingProxyType
 from typing import Protocol
 
+from llmgw import engineinput
 from llmgw.api.llmgw.v1 import EngineProfile, MultiNode, StartShard
 
 LOOPBACK = "127.0.0.1"  # engines listen on loopback only (DESIGN.md → State, security)
@@ -298,31 +299,42 @@ def api_key_env(spec: ShardSpec, variable: str, *, serves_http: bool = True) -> 
 def merge_profile_env(
     spec: ShardSpec, env: Mapping[str, str], owned: Mapping[str, str] = AGENT_ENV
 ) -> dict[str, str]:
-    """``env`` with the profile's env merged over it; a key in ``owned`` is refused."""
+    """``env`` with the profile's env merged over it; a key in ``owned`` is refused, and so
+    is every name or value :func:`llmgw.engineinput.env_problem` refuses."""
     for key in sorted(spec.profile.env):
         if key in owned:
             raise refuse(spec, "env", f"{key} is set by the agent {owned[key]}")
-        if not key or "=" in key or "\0" in key or "\0" in spec.profile.env[key]:
-            raise refuse(spec, "env", f"{key!r} is not a variable name")
+        value = spec.profile.env[key]
+        if why := engineinput.env_problem(key, value, kv_events=spec.profile.kv_events):
+            raise refuse(spec, "env", f"{key!r}: {why}")
     return {**env, **spec.profile.env}
 
 
-def check_profile_args(spec: ShardSpec, managed: Iterable[str]) -> tuple[str, ...]:
-    """The profile's extra args, refused if one sets a flag the adapter manages.
+def check_profile_args(spec: ShardSpec) -> tuple[str, ...]:
+    """The profile's extra args, refused if one sets a flag the adapter manages or loads code.
 
-    ``--flag``, ``--flag=value`` and the underscore spelling ``--flag_name`` all count, and
-    so do dotted sub-keys (``--kv-events-config.endpoint``).
+    :func:`llmgw.engineinput.refused_flags` says which flags, and
+    :func:`~llmgw.engineinput.arg_problem` in which spellings (``--flag=value``,
+    ``--flag_name``, dotted sub-keys, argparse abbreviations).
     """
-    flags = frozenset(managed)
-    for arg in spec.profile.args:
-        if not arg.startswith("-"):
-            continue
-        name = arg.split("=", 1)[0].split(".", 1)[0]
-        if name.startswith("--"):
-            name = name.replace("_", "-")
-        if name in flags:
-            raise refuse(spec, "args", f"{name} is set by llmgw from the profile and shard")
-    return tuple(spec.profile.args)
+    profile = spec.profile
+    multinode = profile.nodes > 1 or (spec.multinode is not None and spec.multinode.nnodes > 1)
+    refused = engineinput.refused_flags(
+        profile.engine, kv_events=profile.kv_events, multinode=multinode
+    )
+    for i, arg in enumerate(profile.args):
+        if why := engineinput.arg_problem(profile.engine, arg, refused):
+            raise refuse(spec, "args", f"args[{i}] {arg!r}: {why}")
+    return tuple(profile.args)
+
+
+def check_profile(spec: ShardSpec) -> None:
+    """Refuse a profile that :func:`llmgw.engineinput.profile_problems` refuses, before any
+    adapter sees it: the control server checked it, and the agent checks again."""
+    multinode = spec.multinode is not None and spec.multinode.nnodes > 1
+    problems = engineinput.profile_problems(spec.profile, multinode=multinode)
+    if problems:
+        raise refuse(spec, str(problems[0][0][0]), engineinput.describe(problems))
 
 
 # A Unix socket path holds at most 107 bytes (sun_path is 108 with the NUL).

@@ -40,7 +40,6 @@ from llmgw.agent.engines.base import (
     shard_layout,
 )
 
-_MANAGED = ("-m", "--model", "--host", "--port", "-a", "--alias", "--api-key", "--api-key-file")
 API_KEY_ENV = "LLAMA_API_KEY"
 _OWNED_ENV: Mapping[str, str] = MappingProxyType({**AGENT_ENV, API_KEY_ENV: KEY_REASON})
 
@@ -64,7 +63,7 @@ class LlamaCppAdapter:
             *("--alias", served_model_name(spec)),
             *(("--threads", str(threads)) if threads else ()),
             "--metrics",
-            *check_profile_args(spec, _MANAGED),
+            *check_profile_args(spec),
         )
         env = merge_profile_env(spec, device_env(spec), _OWNED_ENV)
         return LaunchSpec(

@@ -54,11 +54,6 @@ from llmgw.agent.engines.base import (
     shard_layout,
 )
 
-_MANAGED = (
-    *("--model-path", "--model", "--host", "--port", "--served-model-name", "--api-key"),
-    *("--tp-size", "--tp", "--pp-size", "--nnodes", "--node-rank", "--dist-init-addr"),
-    *("--lora-paths", "--device"),
-)
 MODULE = "sglang.launch_server"
 API_KEY_ENV = "LLMGW_ENGINE_API_KEY"
 _OWNED_ENV: Mapping[str, str] = MappingProxyType({**AGENT_ENV, API_KEY_ENV: KEY_REASON})
@@ -104,7 +99,7 @@ class SglangAdapter:
             *_lora_args(spec),
             *_multinode_args(layout),
             *(("--device", "cpu") if spec.profile.gpu_class == CPU_CLASS else ()),
-            *check_profile_args(spec, _MANAGED),
+            *check_profile_args(spec),
         )
         env = merge_profile_env(spec, {**device_env(spec), **fabric_env(spec)}, _OWNED_ENV)
         return LaunchSpec(

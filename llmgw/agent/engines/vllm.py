@@ -80,15 +80,7 @@ KV_TOPIC = "kv-events"
 KV_HASH_ALGO = "sha256_cbor"
 KV_HASH_SEED = "0"
 
-# Flags the adapter always sets from the profile and shard; the profile's args may not.
-_MANAGED = (
-    *("--model", "--host", "--port", "--api-key", "--served-model-name", "--headless"),
-    *("--tensor-parallel-size", "-tp", "--pipeline-parallel-size", "-pp"),
-    *("--nnodes", "-n", "--node-rank", "-r", "--master-addr", "--master-port"),
-    *("--kv-events-config", "--lora-modules"),
-)
-_MANAGED_MULTINODE = ("--distributed-executor-backend", "--data-parallel-backend", "-dpb")
-_MANAGED_KV = ("--prefix-caching-hash-algo", "--no-enable-prefix-caching")
+# The flags a profile may not pass: llmgw.engineinput.refused_flags.
 API_KEY_ENV = "VLLM_API_KEY"
 _OWNED_ENV: Mapping[str, str] = MappingProxyType({**AGENT_ENV, API_KEY_ENV: KEY_REASON})
 _KV_OWNED_ENV: Mapping[str, str] = MappingProxyType(
@@ -121,7 +113,7 @@ class VllmAdapter:
             *_lora_args(spec),
             *_multinode_args(layout),
             *(_kv_args(kv) if kv is not None else ()),
-            *check_profile_args(spec, _managed(spec, layout)),
+            *check_profile_args(spec),
         )
         return LaunchSpec(
             engine=self.name,
@@ -188,14 +180,6 @@ def _kv_args(kv: KvEventEndpoints) -> tuple[str, ...]:
     return (
         *("--kv-events-config", kv_events_config(kv), "--enable-prefix-caching"),
         *("--prefix-caching-hash-algo", KV_HASH_ALGO),
-    )
-
-
-def _managed(spec: ShardSpec, layout: Layout) -> tuple[str, ...]:
-    return (
-        *_MANAGED,
-        *(_MANAGED_MULTINODE if layout.multinode else ()),
-        *(_MANAGED_KV if spec.profile.kv_events else ()),
     )
 
 

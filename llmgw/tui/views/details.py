@@ -8,6 +8,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from llmgw.printable import escape
 from llmgw.tui.model import ConsoleSnapshot
 from llmgw.tui.rows import EventRow, GpuRow, NodeRow, ReplicaRow, ShardRow
 from llmgw.tui.widgets.cells import (
@@ -20,6 +21,7 @@ from llmgw.tui.widgets.cells import (
     percent,
     ranges,
     shard_state_cell,
+    shown,
     temperature,
 )
 
@@ -40,7 +42,7 @@ def _grid(lines: Iterable[Line]) -> Table:
 def _text(value: object) -> Text:
     """A value as plain text (never markup); – when empty."""
     word = str(value) if value not in ("", None) else NOT_REPORTED
-    return Text(word)
+    return shown(word)
 
 
 def gpu_detail(gpu: GpuRow, snapshot: ConsoleSnapshot) -> tuple[str, RenderableType]:
@@ -79,7 +81,7 @@ def gpu_detail(gpu: GpuRow, snapshot: ConsoleSnapshot) -> tuple[str, RenderableT
 def _health_line(gpu: GpuRow) -> Text:
     text = health_cell(gpu.health)
     if gpu.problems:
-        text.append(": " + "; ".join(gpu.problems))
+        text.append(escape(": " + "; ".join(gpu.problems)))
     if gpu.info.ecc_uncorrected:
         text.append(f" (ECC uncorrected {gpu.info.ecc_uncorrected})")
     return text
@@ -88,7 +90,7 @@ def _health_line(gpu: GpuRow) -> Text:
 def _holder(gpu: GpuRow, shard: ShardRow | None) -> RenderableType:
     if shard is None:
         return _text("free")
-    text = Text(f"{shard.shard_id} (replica {shard.replica_id}) ")
+    text = shown(f"{shard.shard_id} (replica {shard.replica_id}) ")
     text.append_text(shard_state_cell(shard.state))
     return text
 
@@ -99,7 +101,7 @@ def _nvlinks(gpu: GpuRow) -> Text:
         return _text("")
     versions = "/".join(str(v) for v in info.nvlink_versions)
     summary = f"{info.nvlinks_active}/{len(info.nvlinks)} active, NVLink v{versions}"
-    return Text(f"{summary} → {', '.join(info.nvlink_remotes)}")
+    return shown(f"{summary} → {', '.join(info.nvlink_remotes)}")
 
 
 def _fabric(gpu: GpuRow) -> Text:
@@ -108,7 +110,7 @@ def _fabric(gpu: GpuRow) -> Text:
         return _text("")
     clique = f"clique {info.fabric_clique}" if info.fabric_clique else "no clique"
     speed = f", {info.fabric_gbps:g} Gb/s" if info.fabric_gbps else ""
-    return Text(f"{info.fabric_state}, {clique}{speed}")
+    return shown(f"{info.fabric_state}, {clique}{speed}")
 
 
 def _mig(gpu: GpuRow) -> str:
@@ -186,8 +188,8 @@ def replica_detail(replica: ReplicaRow, snapshot: ConsoleSnapshot) -> tuple[str,
     table = Table("SHARD", "NODE", "RANK", "STATE", "REASON", box=None, padding=(0, 1))
     for shard in shards:
         table.add_row(
-            Text(shard.shard_id), Text(shard.node_id), str(shard.rank),
-            shard_state_cell(shard.state), Text(shard.reason),
+            shown(shard.shard_id), shown(shard.node_id), str(shard.rank),
+            shard_state_cell(shard.state), shown(shard.reason),
         )  # fmt: skip
     return f"Replica {replica.replica_id}", Group(_grid(lines), Text(""), table)
 

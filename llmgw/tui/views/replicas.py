@@ -11,7 +11,6 @@ from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar
 
 from rich.console import RenderableType
-from rich.text import Text
 
 from llmgw.api.llmgw.v1 import ShardState
 from llmgw.tui.model import ConsoleSnapshot
@@ -24,6 +23,7 @@ from llmgw.tui.widgets.cells import (
     percent,
     plain,
     shard_state_cell,
+    shown,
 )
 
 __all__ = ["ReplicasView", "ShardsView"]
@@ -50,7 +50,7 @@ def _render_state(state: ShardState) -> RenderableType:
 
 def _render_profile(value: tuple[str, bool]) -> RenderableType:
     profile, out_of_date = value
-    text = Text(profile, no_wrap=True, overflow="ellipsis")
+    text = shown(profile, no_wrap=True, overflow="ellipsis")
     if out_of_date:
         text.append(" ↻old", style="bold yellow")
     return text

@@ -3,7 +3,8 @@
 Colours are the 16 ANSI names (green, yellow, red, …) so a 16-colour terminal shows them as
 meant, and every state also has its own glyph and word, so ``NO_COLOR`` loses nothing.
 Every function returns a ``rich.text.Text`` built from plain strings (never markup: an id
-with brackets stays an id).
+with brackets stays an id), with control characters escaped (:func:`shown`: a hostname with a
+newline or an escape sequence prints as ``\\n``/``\\x1b``, never drives the terminal).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from rich.console import RenderableType
 from rich.text import Text
 
 from llmgw.api.llmgw.v1 import Health, NodeState, ShardState
+from llmgw.printable import escape
 
 __all__ = [
     "NOT_REPORTED",
@@ -29,6 +31,7 @@ __all__ = [
     "percent",
     "plain",
     "ranges",
+    "shown",
     "shard_state_cell",
     "temperature",
 ]
@@ -79,8 +82,13 @@ class LazyCell:
         return f"LazyCell({self.value!r})"
 
 
+def shown(value: object, style: str = "", **options: Any) -> Text:
+    """``value`` as plain text, its control characters escaped (``llmgw.printable``)."""
+    return Text(escape(str(value)), style=style, **options)
+
+
 def plain(value: object, style: str = "") -> Text:
-    return Text(str(value), style=style, no_wrap=True, overflow="ellipsis")
+    return shown(value, style, no_wrap=True, overflow="ellipsis")
 
 
 def shard_state_cell(state: ShardState) -> Text:
