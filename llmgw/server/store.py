@@ -14,6 +14,10 @@ profiles and deployments tables; 3 adds the replicas table; 4 the replica reques
 Opening an older file migrates it forward step by step in one transaction; a newer one is
 refused.
 
+Secrets at rest: the file holds engine API keys and profile environments, so its directory
+is 0700 and the file, its ``-wal`` and ``-shm`` 0600 (``llmgw.statefiles``); looser modes
+found on open are tightened, and said so in the log.
+
 Durability: WAL with ``synchronous=FULL``, so a write that returned survives a kill -9 of
 the server at any later moment. Heartbeat times are written in batches (they are advisory:
 a restarted server waits for agents to reconnect anyway); registrations, cordons, audit
@@ -42,6 +46,7 @@ from llmgw.server.auth import Role, StoredToken
 from llmgw.server.errors import StoreError
 from llmgw.server.plan import ReplicaPlan, ShardPlan
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.statefiles import owner_only_umask, private_dir, private_files, sidecars
 
 log = logging.getLogger(__name__)
 
@@ -180,11 +185,14 @@ class Store:
     async def open(self) -> None:
         """Open (creating if needed) the database and bring its schema up to date."""
         try:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            self._db = await aiosqlite.connect(self._path)
-            await self._db.execute("PRAGMA journal_mode=WAL")
-            await self._db.execute("PRAGMA synchronous=FULL")
-            await self._migrate(self._db)
+            private_dir(self._path.parent)
+            private_files(sidecars(self._path))
+            with owner_only_umask():  # the file and its -wal/-shm are 0600 from the start
+                self._db = await aiosqlite.connect(self._path)
+                await self._db.execute("PRAGMA journal_mode=WAL")
+                await self._db.execute("PRAGMA synchronous=FULL")
+                await self._migrate(self._db)
+            private_files(sidecars(self._path))  # those made before (or by a lock) too
         except (OSError, aiosqlite.Error) as exc:
             await self.close()
             raise StoreError(f"cannot open the state database {self._path}: {exc}") from exc
