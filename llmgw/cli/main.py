@@ -21,6 +21,27 @@ GATEWAY_POLICIES = "prefix, round_robin, least_load or session"
 
 Command = Callable[[argparse.Namespace], int]
 
+LOGGER_FLOORS: dict[str, int] = {
+    # At DEBUG these log what passes through them: aiosqlite every statement with its
+    # parameters (replica rows with their API keys, profiles with their env values), hpack
+    # and h2 every header they code (``authorization`` too), grpclib and asyncio the
+    # messages and callbacks they handle. They stay at INFO (or WARNING) whatever
+    # --log-level says, so a debug log holds no secret.
+    "aiosqlite": logging.INFO,
+    "asyncio": logging.INFO,
+    "grpclib": logging.INFO,
+    "h2": logging.INFO,
+    "hpack": logging.WARNING,
+    "httptools": logging.INFO,
+    "uvicorn": logging.INFO,
+    "websockets": logging.INFO,
+    "zmq": logging.INFO,
+    # httpx logs every request at INFO: the CLI's own output is the answer, not its requests.
+    "httpx": logging.WARNING,
+    "httpcore": logging.WARNING,
+}
+"""The lowest level of each third-party logger (and its children), whatever --log-level."""
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``llmgw`` with ``argv`` (default: the process's arguments)."""
@@ -491,9 +512,8 @@ def _setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # httpx logs every request at INFO: the CLI's own output is the answer, not its requests.
-    for noisy in ("httpx", "httpcore", "hpack"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.root.level))
+    for name, floor in LOGGER_FLOORS.items():
+        logging.getLogger(name).setLevel(max(floor, logging.root.level))
 
 
 def _run_server(args: argparse.Namespace) -> int:
