@@ -25,6 +25,7 @@ from llmgw.cli.apikeys import gateway_api_keys
 from llmgw.cli.main import CliError, engine_ports_flag, tokenize_timeout
 from llmgw.cli.tls import listen_files
 from llmgw.engineports import DEFAULT_ENGINE_PORTS
+from llmgw.fdlimit import within_fd_limits
 from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
 from llmgw.server.errors import ServerError
 
@@ -51,7 +52,7 @@ def run_server_command(args: argparse.Namespace) -> int:
             tls=listen_files(args),
             engine_ports=engine_ports_flag(args.engine_ports) or DEFAULT_ENGINE_PORTS,
         )
-        asyncio.run(run_server(config))
+        asyncio.run(within_fd_limits(run_server(config)))
     except ServerError as exc:
         raise CliError(str(exc)) from exc
     except OSError as exc:
@@ -87,7 +88,7 @@ def run_agent_command(args: argparse.Namespace) -> int:
             node = discover(config, resolve_node_id(state_dir, args.node_id))
             sys.stdout.write(json.dumps(node.to_dict(), indent=2) + "\n")
             return 0
-        asyncio.run(Agent(config).run())
+        asyncio.run(within_fd_limits(Agent(config).run()))
     except (AgentConfigError, DiscoveryError, EngineError) as exc:
         raise CliError(str(exc)) from exc
     return 0
