@@ -178,8 +178,43 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="the ports new engines are given, the lowest free first (default: "
         "20000-29999); running replicas keep theirs when it changes",
     )
+    _add_grpc_limits(p)
     _add_listen_tls(p, "the gRPC, gRPC-web and gateway ports")
     p.set_defaults(command=_run_server)
+
+
+def _add_grpc_limits(p: argparse.ArgumentParser) -> None:
+    """The native port's connection limits (``llmgw.server.grpcport.ConnectionLimits``)."""
+    p.add_argument(
+        "--grpc-handshake-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a native gRPC connection that has not finished its TLS handshake and sent "
+        "the HTTP/2 preface this long after it was accepted is dropped (default: 10)",
+    )
+    p.add_argument(
+        "--grpc-idle-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="a native gRPC connection with no open call this long is closed (GOAWAY); an "
+        "agent's or gateway's stream keeps its connection (default: 300)",
+    )
+    p.add_argument(
+        "--grpc-max-connections",
+        type=int,
+        default=4096,
+        metavar="N",
+        help="native gRPC connections open at once; more are closed at once (default: 4096)",
+    )
+    p.add_argument(
+        "--grpc-max-connections-per-peer",
+        type=int,
+        default=256,
+        metavar="N",
+        help="native gRPC connections open at once from one IP address (default: 256)",
+    )
 
 
 def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
