@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import resource
 import socket
 import ssl
 import time
@@ -81,6 +82,7 @@ class LimitedServer(grpclib.server.Server):
             ssl_handshake_timeout=self.limits.handshake_timeout_s if ssl is not None else None,
         )
         self._server_closed_fut = self._loop.create_future()
+        _warn_if_above_open_files(self.limits.max_connections)
 
     def admit(self, peer: str) -> bool:
         """Count a new connection from ``peer`` in, or refuse it (False) over a cap."""
@@ -117,6 +119,17 @@ class LimitedServer(grpclib.server.Server):
             why,
         )
         self._refused, self._refused_logged_at = 0, now
+
+
+def _warn_if_above_open_files(cap: int) -> None:
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and cap > soft // 2:
+        log.warning(
+            "--grpc-max-connections %d is more than half the open files limit (%d): "
+            "descriptors may run out before the cap is reached",
+            cap,
+            soft,
+        )
 
 
 class _GuardedProtocol(asyncio.Protocol):
