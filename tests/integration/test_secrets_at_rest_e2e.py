@@ -257,3 +257,5 @@ def test_only_admins_read_profile_env_values(cluster: Cluster, tmp_path: Path) -
         expected = shown if role == "admin" else redacted
         assert (profile["env"], native) == (expected, expected), role
         assert profile["name"] == "chat" and profile["modelPath"] == "/models/chat"
+        table = cluster.cli("get", "profiles").stdout.splitlines()[1].split()
+        assert (table[-1] == "<redacted>") == (role != "admin"), table  # no made-up fingerprint
