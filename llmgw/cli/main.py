@@ -204,16 +204,17 @@ def _add_grpc_limits(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--grpc-max-connections",
         type=int,
-        default=4096,
+        default=16384,
         metavar="N",
-        help="native gRPC connections open at once; more are closed at once (default: 4096)",
+        help="native gRPC connections open at once; more are closed at once (default: 16384)",
     )
     p.add_argument(
         "--grpc-max-connections-per-peer",
         type=int,
-        default=256,
+        default=1024,
         metavar="N",
-        help="native gRPC connections open at once from one IP address (default: 256)",
+        help="native gRPC connections open at once from one IP address; agents behind one "
+        "NAT address count together (default: 1024)",
     )
 
 

@@ -47,8 +47,8 @@ class ConnectionLimits:
 
     handshake_timeout_s: float = 10.0  # TLS handshake and HTTP/2 preface, from accept
     idle_timeout_s: float = 300.0  # no open stream this long: GOAWAY and close
-    max_connections: int = 4096  # in all
-    max_per_peer: int = 256  # from one IP address
+    max_connections: int = 16384  # in all
+    max_per_peer: int = 1024  # from one IP address (agents behind one NAT address count)
 
 
 class LimitedServer(grpclib.server.Server):

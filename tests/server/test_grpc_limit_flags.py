@@ -23,7 +23,7 @@ def _limits(monkeypatch: pytest.MonkeyPatch, *flags: str) -> ConnectionLimits:
 
 
 def test_defaults_and_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    assert _limits(monkeypatch) == ConnectionLimits(10.0, 300.0, 4096, 256)
+    assert _limits(monkeypatch) == ConnectionLimits(10.0, 300.0, 16384, 1024)
     given = _limits(
         monkeypatch,
         *("--grpc-handshake-timeout", "2", "--grpc-idle-timeout", "30"),
