@@ -98,7 +98,11 @@ def _tighten(path: Path, most: int) -> None:
     mode = stat.S_IMODE(path.stat().st_mode)
     if mode & ~most:
         tightened = mode & most
-        os.chmod(path, tightened)
+        try:
+            os.chmod(path, tightened)
+        except OSError as exc:  # a read-only filesystem: say so, and go on with what is there
+            log.warning("%s is readable by others (mode %04o) and stays so: %s", path, mode, exc)
+            return
         log.warning(
             "%s was readable by others (mode %04o): tightened to %04o", path, mode, tightened
         )

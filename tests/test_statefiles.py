@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.statefiles import owner_only_umask, private_dir, private_tree, sidecars
+from llmgw.statefiles import owner_only_umask, private_dir, private_files, private_tree, sidecars
 
 
 def _mode(path: Path) -> int:
@@ -81,3 +81,19 @@ def test_the_umask_makes_new_files_owner_only_and_is_restored(tmp_path: Path) ->
     finally:
         os.umask(before)
     assert (_mode(tmp_path / "made"), _mode(tmp_path / "after")) == (0o600, 0o644)
+
+
+def test_a_mode_that_cannot_be_changed_is_said_and_not_fatal(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    db = tmp_path / "server.db"
+    db.touch()
+    db.chmod(0o644)
+
+    def read_only(path: object, mode: int) -> None:
+        raise OSError(30, "Read-only file system")
+
+    monkeypatch.setattr(os, "chmod", read_only)
+    with caplog.at_level(logging.WARNING, "llmgw.statefiles"):
+        private_files([db])
+    assert f"{db} is readable by others (mode 0644) and stays so" in caplog.text
