@@ -755,6 +755,10 @@ async def start_llmgw_server(children: Children, settings: Settings) -> tuple[Ch
         "10",
         "--heartbeat-interval",
         "1",
+        "--grpc-max-connections",  # every simulated agent connects from 127.0.0.1
+        "1000000",
+        "--grpc-max-connections-per-peer",
+        "1000000",
     ]
     child = await children.spawn("llmgw-server", argv, settings.server_cpu)
     await wait_listening(child, grpc_port)

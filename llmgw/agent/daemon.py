@@ -3,8 +3,10 @@
 The node id is chosen once and kept in the state directory (``node-id``), so an agent
 restarted with the same ``--state-dir`` comes back as the same node; so is the cluster its
 engines belong to (``cluster-id``, ``llmgw.agent.cluster``; ``--join-cluster`` replaces it).
-Discovery is the simulated backend when ``--simulate`` names a fixture; otherwise NVML
-describes the GPUs (with no driver the agent reports this host and no GPUs, saying why).
+The state directory holds engine API keys: it and everything in it are owner-only
+(0700/0600), tightened on start if found looser (``llmgw.statefiles``). Discovery is the
+simulated backend when ``--simulate`` names a fixture; otherwise NVML describes the GPUs
+(with no driver the agent reports this host and no GPUs, saying why).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo
 from llmgw.printable import text_problem
 from llmgw.protocol import NODE_ID_RULE, valid_node_id
 from llmgw.signals import stop_on_signals
+from llmgw.statefiles import FILE_MODE, private_tree
 from llmgw.tls import ALPN_GRPC, TlsFileError, client_context
 
 log = logging.getLogger(__name__)
@@ -112,8 +115,10 @@ def resolve_node_id(state_dir: Path, explicit: str | None) -> str:
         node_id = f"{socket.gethostname().split('.')[0]}-{uuid.uuid4().hex[:8]}"
     if not valid_node_id(node_id):
         raise AgentConfigError(f"node id {node_id!r} is not valid ({NODE_ID_RULE})")
-    state_dir.mkdir(parents=True, exist_ok=True)
-    path.write_text(node_id + "\n")
+    private_tree(state_dir)  # engine keys live here: 0700, its files 0600
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, FILE_MODE)
+    with os.fdopen(fd, "w") as file:
+        file.write(node_id + "\n")
     return node_id
 
 

@@ -41,7 +41,7 @@ class EngineLog:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         if self.path.exists() and self.path.stat().st_size > self.max_file_bytes:
             self.path.replace(self.path.with_name(self.path.name + ".1"))
-        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o640)
+        fd = os.open(self.path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
         stamp = time.strftime("%Y-%m-%dT%H:%M:%S%z")
         os.write(fd, f"=== llmgw {stamp}: {header}\n".encode())
         self.follow_from(os.fstat(fd).st_size)

@@ -32,6 +32,7 @@ from llmgw.cli.get import _call, render_table
 from llmgw.cli.main import CliError
 from llmgw.client import ControlClient
 from llmgw.printable import escape
+from llmgw.server.auth import REDACTED
 
 # The desired-state helpers live with the server; this reads the document the same way.
 from llmgw.server.desired import parse_with_profiles
@@ -149,7 +150,7 @@ def _deployment_rows(
                 d.name,
                 d.profile,
                 str(d.replicas),
-                profile_fingerprint(profile) if profile is not None else "-",
+                _fingerprint(profile) if profile is not None else "-",
                 d.pool or "-",
                 ",".join(f"{k}={v}" for k, v in sorted(d.labels.items())) or "-",
             ]
@@ -163,10 +164,16 @@ def _profile_rows(profiles: Sequence[EngineProfile]) -> list[list[str]]:
         shape = (
             f"threads {p.cpu_threads}" if p.gpu_class == CPU_CLASS else f"{p.tp}/{p.pp}/{p.nodes}"
         )
-        rows.append(
-            [p.name, p.engine, p.gpu_class, shape, p.served_model_name, profile_fingerprint(p)]
-        )
+        rows.append([p.name, p.engine, p.gpu_class, shape, p.served_model_name, _fingerprint(p)])
     return rows
+
+
+def _fingerprint(profile: EngineProfile) -> str:
+    """The profile's fingerprint; "redacted" when the server hid its env values from this
+    token (a fingerprint of the placeholders would match no running engine)."""
+    if REDACTED in profile.env.values():
+        return REDACTED
+    return profile_fingerprint(profile)
 
 
 # --- events --------------------------------------------------------------------------------

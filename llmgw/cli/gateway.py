@@ -201,17 +201,18 @@ def _run_on_uvloop(
 ) -> None:
     import uvloop
 
+    from llmgw.fdlimit import within_fd_limits
+
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
-        runner.run(
-            run_gateway(
-                server,
-                config,
-                token=token,
-                feed_tls=feed_tls,
-                gateway_id=report.gateway_id,
-                report_interval_s=report.interval_s,
-            )
+        main = run_gateway(
+            server,
+            config,
+            token=token,
+            feed_tls=feed_tls,
+            gateway_id=report.gateway_id,
+            report_interval_s=report.interval_s,
         )
+        runner.run(within_fd_limits(main))
 
 
 @dataclass(frozen=True, slots=True)

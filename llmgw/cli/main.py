@@ -21,6 +21,27 @@ GATEWAY_POLICIES = "prefix, round_robin, least_load or session"
 
 Command = Callable[[argparse.Namespace], int]
 
+LOGGER_FLOORS: dict[str, int] = {
+    # At DEBUG these log what passes through them: aiosqlite every statement with its
+    # parameters (replica rows with their API keys, profiles with their env values), hpack
+    # and h2 every header they code (``authorization`` too), grpclib and asyncio the
+    # messages and callbacks they handle. They stay at INFO (or WARNING) whatever
+    # --log-level says, so a debug log holds no secret.
+    "aiosqlite": logging.INFO,
+    "asyncio": logging.INFO,
+    "grpclib": logging.INFO,
+    "h2": logging.INFO,
+    "hpack": logging.WARNING,
+    "httptools": logging.INFO,
+    "uvicorn": logging.INFO,
+    "websockets": logging.INFO,
+    "zmq": logging.INFO,
+    # httpx logs every request at INFO: the CLI's own output is the answer, not its requests.
+    "httpx": logging.WARNING,
+    "httpcore": logging.WARNING,
+}
+"""The lowest level of each third-party logger (and its children), whatever --log-level."""
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run ``llmgw`` with ``argv`` (default: the process's arguments)."""
@@ -159,8 +180,44 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="the ports new engines are given, the lowest free first (default: "
         "20000-29999); running replicas keep theirs when it changes",
     )
+    _add_grpc_limits(p)
     _add_listen_tls(p, "the gRPC, gRPC-web and gateway ports")
     p.set_defaults(command=_run_server)
+
+
+def _add_grpc_limits(p: argparse.ArgumentParser) -> None:
+    """The native port's connection limits (``llmgw.server.grpcport.ConnectionLimits``)."""
+    p.add_argument(
+        "--grpc-handshake-timeout",
+        type=float,
+        default=10.0,
+        metavar="SECONDS",
+        help="a native gRPC connection that has not finished its TLS handshake and sent "
+        "the HTTP/2 preface this long after it was accepted is dropped (default: 10)",
+    )
+    p.add_argument(
+        "--grpc-idle-timeout",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="a native gRPC connection with no open call this long is closed (GOAWAY); an "
+        "agent's or gateway's stream keeps its connection (default: 300)",
+    )
+    p.add_argument(
+        "--grpc-max-connections",
+        type=int,
+        default=16384,
+        metavar="N",
+        help="native gRPC connections open at once; more are closed at once (default: 16384)",
+    )
+    p.add_argument(
+        "--grpc-max-connections-per-peer",
+        type=int,
+        default=1024,
+        metavar="N",
+        help="native gRPC connections open at once from one IP address; agents behind one "
+        "NAT address count together (default: 1024)",
+    )
 
 
 def _add_agent(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -502,9 +559,8 @@ def _setup_logging(level: str) -> None:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
-    # httpx logs every request at INFO: the CLI's own output is the answer, not its requests.
-    for noisy in ("httpx", "httpcore", "hpack"):
-        logging.getLogger(noisy).setLevel(max(logging.WARNING, logging.root.level))
+    for name, floor in LOGGER_FLOORS.items():
+        logging.getLogger(name).setLevel(max(floor, logging.root.level))
 
 
 def _run_server(args: argparse.Namespace) -> int:

@@ -27,8 +27,10 @@ from llmgw.cli.apikeys import gateway_api_keys
 from llmgw.cli.main import CliError, engine_ports_flag, tokenize_timeout
 from llmgw.cli.tls import listen_files
 from llmgw.engineports import DEFAULT_ENGINE_PORTS
+from llmgw.fdlimit import within_fd_limits
 from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
 from llmgw.server.errors import ServerError
+from llmgw.server.grpcport import ConnectionLimits
 
 
 def run_server_command(args: argparse.Namespace) -> int:
@@ -52,8 +54,9 @@ def run_server_command(args: argparse.Namespace) -> int:
             join_token=_token_file(args.join_token_file, "--join-token-file"),
             tls=listen_files(args),
             engine_ports=engine_ports_flag(args.engine_ports) or DEFAULT_ENGINE_PORTS,
+            grpc_limits=_grpc_limits(args),
         )
-        asyncio.run(run_server(config))
+        asyncio.run(within_fd_limits(run_server(config)))
     except ServerError as exc:
         raise CliError(str(exc)) from exc
     except OSError as exc:
@@ -91,10 +94,27 @@ def run_agent_command(args: argparse.Namespace) -> int:
             node = discover(config, resolve_node_id(state_dir, args.node_id))
             sys.stdout.write(json.dumps(node.to_dict(), indent=2) + "\n")
             return 0
-        asyncio.run(Agent(config).run())
+        asyncio.run(within_fd_limits(Agent(config).run()))
     except (AgentConfigError, DiscoveryError, EngineError) as exc:
         raise CliError(str(exc)) from exc
     return 0
+
+
+def _grpc_limits(args: argparse.Namespace) -> ConnectionLimits:
+    return ConnectionLimits(
+        handshake_timeout_s=_finite(args.grpc_handshake_timeout, "--grpc-handshake-timeout"),
+        idle_timeout_s=_finite(args.grpc_idle_timeout, "--grpc-idle-timeout"),
+        max_connections=int(_positive(args.grpc_max_connections, "--grpc-max-connections")),
+        max_per_peer=int(
+            _positive(args.grpc_max_connections_per_peer, "--grpc-max-connections-per-peer")
+        ),
+    )
+
+
+def _finite(value: float, flag: str) -> float:
+    if not 0 < value < float("inf"):  # NaN too
+        raise CliError(f"{flag} must be a positive number of seconds, not {value}")
+    return value
 
 
 def _token_file(path: Path | None, flag: str) -> str | None:

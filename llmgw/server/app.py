@@ -10,6 +10,10 @@ SIGTERM stop every port, flush heartbeat times and close the database. The recon
 on. The gRPC-web port also serves the server's own Prometheus metrics on ``/metrics``
 (``llmgw.server.metrics``: agents' KV event counters, the KV block store).
 
+The native port drops a connection that sends no HTTP/2 preface within a handshake timeout,
+closes one with no open stream for an idle timeout, and caps connections in all and per
+peer address (``llmgw.server.grpcport``).
+
 Every call on the native and the gRPC-web port is checked by one
 ``llmgw.server.auth.Authenticator`` (off, and said so loudly, while there are no tokens).
 
@@ -37,7 +41,6 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import grpclib.server
 import uvicorn
 
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
@@ -46,6 +49,7 @@ from llmgw.server.auth import Authenticator, install
 from llmgw.server.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.controlsvc import ControlService
 from llmgw.server.errors import ConfigError
+from llmgw.server.grpcport import ConnectionLimits, LimitedServer
 from llmgw.server.grpcweb import GrpcWebApp
 from llmgw.server.inventory import InventoryConfig
 from llmgw.server.metrics import server_metrics
@@ -117,6 +121,7 @@ class ServerConfig:
     join_token: str | None = field(default=None, repr=False)  # agents' token; never logged
     tls: TlsFiles | None = None  # --tls-cert/--tls-key: TLS on every port; None: plaintext
     engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports: the engines' port range
+    grpc_limits: ConnectionLimits = ConnectionLimits()  # the native port's timeouts and caps
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +182,10 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
         control = ControlService(plane, gateway=slot, reports=reports)
         agents = AgentService(plane, heartbeat_interval_ms=config.heartbeat_interval_ms)
         router = RouterService(plane, reports)  # API keys: native gRPC only, never gRPC-web
-        grpc = grpclib.server.Server(
+        grpc = LimitedServer(
             [agents, control, router],
             codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
+            limits=config.grpc_limits,
         )
         auth = Authenticator(store, join_token=config.join_token)
         await auth.enabled()  # reads the tokens now: an unreadable row stops the start, named

@@ -2,7 +2,9 @@
 
 Roles: ``viewer`` reads (GetCluster, Watch, ListProfiles, GetRouterStats); ``operator`` is a
 viewer that also acts on replicas and nodes; ``admin`` is an operator that also applies and
-deletes deployments (and manages tokens, through ``llmgw token`` on the server's file).
+deletes deployments (and manages tokens, through ``llmgw token`` on the server's file);
+only an admin reads profiles' env values: other roles see their names, each value
+:data:`REDACTED` (:func:`sees_secrets`).
 ``agent`` may only join (``AgentService.Connect``) and ``gateway`` may only follow the router
 feed (``RouterService.Feed``, which carries replica API keys) and report its routing figures
 (``RouterService.Report``); an admin is neither.
@@ -64,6 +66,9 @@ ANONYMOUS_ACTOR = "operator"
 """The audit actor when authentication is off."""
 REVOKED = "the bearer token was revoked"
 """The message of UNAUTHENTICATED for a call cut because its token was revoked."""
+
+REDACTED = "<redacted>"
+"""What a caller that may not read secrets sees instead of each profile env value."""
 
 HandlerFunc = Callable[[Any], Coroutine[Any, Any, None]]
 """A grpclib handler function (``Handler.func``): it serves one call on its stream."""
@@ -170,6 +175,13 @@ def current_actor() -> str:
     """The audit actor of the call being served (``operator`` when authentication is off)."""
     principal = _principal.get()
     return ANONYMOUS_ACTOR if principal is None else principal.actor
+
+
+def sees_secrets() -> bool:
+    """Whether the caller being served may read secrets: profile env values (HF tokens go
+    there). Admins only, and anyone while authentication is off (anyone may apply then)."""
+    principal = _principal.get()
+    return principal is None or principal.role is Role.ADMIN
 
 
 class TokenSource(Protocol):

@@ -12,6 +12,10 @@ Operator actions on replicas and nodes (start, drain, reprofile, drain a node) a
 and a refusal answers the action's status and changes nothing. The audit actor is the
 caller's token (``llmgw.server.auth.current_actor``), or ``operator`` with authentication off.
 
+``ListProfiles`` shows profiles' env values (where HF tokens go) to admins only: any other
+caller gets each value as ``<redacted>``, its name kept (``llmgw.server.auth.sees_secrets``).
+Profiles reach clients through ListProfiles only (Watch and GetCluster carry none).
+
 ``GetRouterStats`` answers the fleet's routing figures: the in-server gateway's counters,
 read through ``gateway`` (a provider set by ``llmgw.server.app``; None, or a provider
 answering None: the server runs no gateway), added to what separate gateways reported
@@ -27,6 +31,7 @@ import logging
 import math
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine
+from dataclasses import replace
 from typing import Any
 
 from grpclib.const import Status
@@ -38,6 +43,7 @@ from llmgw.api.llmgw.v1 import (
     Cluster,
     ControlServiceBase,
     DeleteDeploymentRequest,
+    EngineProfile,
     GetClusterRequest,
     GetRouterStatsRequest,
     ListProfilesRequest,
@@ -50,7 +56,7 @@ from llmgw.api.llmgw.v1 import (
     WatchRequest,
 )
 from llmgw.server import actions
-from llmgw.server.auth import ANONYMOUS_ACTOR, current_actor
+from llmgw.server.auth import ANONYMOUS_ACTOR, REDACTED, current_actor, sees_secrets
 from llmgw.server.desired import Change, check_apply, plan_text, refusal
 from llmgw.server.errors import ProfileError, UnknownNode, quoted
 from llmgw.server.plane import ControlPlane
@@ -175,7 +181,10 @@ class ControlService(ControlServiceBase):
 
     async def list_profiles(self, message: ListProfilesRequest) -> ListProfilesResponse:
         profiles = self.plane.desired.profiles
-        return ListProfilesResponse(profiles=[profiles[name] for name in sorted(profiles)])
+        shown = [profiles[name] for name in sorted(profiles)]
+        if not sees_secrets():
+            shown = [_redacted(p) for p in shown]
+        return ListProfilesResponse(profiles=shown)
 
     async def get_router_stats(self, message: GetRouterStatsRequest) -> RouterStats:
         gateway = self.gateway()
@@ -186,6 +195,13 @@ class ControlService(ControlServiceBase):
         if gateway is not None:  # read now: the freshest figures there are
             parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
         return combine(parts, now_ms)
+
+
+def _redacted(profile: EngineProfile) -> EngineProfile:
+    """``profile`` with every env value replaced by ``REDACTED`` (a copy: the plane's stays)."""
+    if not profile.env:
+        return profile
+    return replace(profile, env=dict.fromkeys(profile.env, REDACTED))
 
 
 def _replica_target(deployment: str, replica_id: str) -> str:

@@ -25,6 +25,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from llmgw.server.errors import StoreError
+from llmgw.statefiles import private_dir
 
 
 def lock_path(db_path: Path) -> Path:
@@ -38,7 +39,7 @@ def hold_state_lock(db_path: Path) -> Iterator[Path]:
     when another process has it. Yields the lock file's path."""
     path = lock_path(db_path)
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
+        private_dir(path.parent)  # the state directory is owner-only from the start
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         raise StoreError(f"cannot create the lock {path} of {db_path}: {exc}") from exc

@@ -16,6 +16,10 @@ refused. Beside the versioned schema, the ``llmgw_meta`` table holds the databas
 identity (its cluster id: ``llmgw.server.statefile``, which also says which files are
 refused and how a new one is made).
 
+Secrets at rest: the file holds engine API keys and profile environments, so its directory
+is 0700 and the file, its ``-wal`` and ``-shm`` 0600 (``llmgw.statefiles``); looser modes
+found on open are tightened, and said so in the log.
+
 Durability: WAL with ``synchronous=FULL``, so a write that returned survives a kill -9 of
 the server at any later moment. Heartbeat times are written in batches (they are advisory:
 a restarted server waits for agents to reconnect anyway); registrations, cordons, audit
@@ -59,6 +63,7 @@ from llmgw.server.statefile import (
     unreadable_row,
 )
 from llmgw.server.storehealth import WriteHealth
+from llmgw.statefiles import owner_only_umask, private_dir, private_files, sidecars
 
 log = logging.getLogger(__name__)
 
@@ -225,13 +230,16 @@ class Store:
         to it (``llmgw.server.statefile``); a missing one is created whole.
         """
         try:
-            self._path.parent.mkdir(parents=True, exist_ok=True)
-            if not self._path.exists():
-                await self._create()
-            refuse_foreign_file(self._path)
-            self._db = await aiosqlite.connect(self._path)
-            await check_llmgw_tables(self._db, self._path, newest=SCHEMA_VERSION)
-            await self._prepare(self._db)
+            private_dir(self._path.parent)
+            with owner_only_umask():  # the file and its -wal/-shm are 0600 from the start
+                if not self._path.exists():
+                    await self._create()
+                refuse_foreign_file(self._path)  # before anything touches a foreign file
+                private_files(sidecars(self._path))
+                self._db = await aiosqlite.connect(self._path)
+                await check_llmgw_tables(self._db, self._path, newest=SCHEMA_VERSION)
+                await self._prepare(self._db)
+            private_files(sidecars(self._path))  # those made before (or by the lock) too
         except (OSError, aiosqlite.Error) as exc:
             await self.close()
             raise StoreError(f"cannot open the state database {self._path}: {exc}") from exc

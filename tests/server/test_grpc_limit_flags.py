@@ -1,0 +1,50 @@
+"""``llmgw server --grpc-*``: the native port's connection limits, from flags to the config."""
+
+from __future__ import annotations
+
+import pytest
+
+from llmgw.cli import serve
+from llmgw.cli.main import build_parser, main
+from llmgw.server.app import ServerConfig
+from llmgw.server.grpcport import ConnectionLimits
+
+
+def _limits(monkeypatch: pytest.MonkeyPatch, *flags: str) -> ConnectionLimits:
+    configs: list[ServerConfig] = []
+
+    async def fake_run_server(config: ServerConfig) -> None:
+        configs.append(config)
+
+    monkeypatch.setattr(serve, "run_server", fake_run_server)
+    assert serve.run_server_command(build_parser().parse_args(["server", *flags])) == 0
+    (config,) = configs
+    return config.grpc_limits
+
+
+def test_defaults_and_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _limits(monkeypatch) == ConnectionLimits(10.0, 300.0, 16384, 1024)
+    given = _limits(
+        monkeypatch,
+        *("--grpc-handshake-timeout", "2", "--grpc-idle-timeout", "30"),
+        *("--grpc-max-connections", "100", "--grpc-max-connections-per-peer", "5"),
+    )
+    assert given == ConnectionLimits(2.0, 30.0, 100, 5)
+
+
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--grpc-handshake-timeout", "0"),
+        ("--grpc-idle-timeout", "inf"),
+        ("--grpc-idle-timeout", "nan"),
+        ("--grpc-max-connections", "0"),
+        ("--grpc-max-connections-per-peer", "-1"),
+    ],
+)
+def test_a_bad_value_is_refused_naming_the_flag(
+    flag: str, value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["server", flag, value]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"llmgw: {flag} must be") and "Traceback" not in err
