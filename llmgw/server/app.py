@@ -12,6 +12,11 @@ on. The gRPC-web port also serves the server's own Prometheus metrics on ``/metr
 
 Every call on the native and the gRPC-web port is checked by one
 ``llmgw.server.auth.Authenticator`` (off, and said so loudly, while there are no tokens).
+While it is off the server refuses to listen on any address beyond loopback, before
+anything binds, unless told ``--insecure-no-auth`` (:func:`unauthenticated_exposure`).
+
+The gRPC-web and gateway ports answer no cross-origin page and no unknown Host (DNS
+rebinding) unless opened with ``--cors-origin``/``--allowed-host`` (``llmgw.httpguard``).
 
 With a certificate and its key (``ServerConfig.tls``, ``--tls-cert``/``--tls-key``) every
 port serves TLS only (``llmgw.tls``: ALPN h2 on the native port, http/1.1 on the others);
@@ -33,12 +38,13 @@ import grpclib.server
 import uvicorn
 
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
+from llmgw.httpguard import BrowserAccess, HttpGuard, is_loopback_host
 from llmgw.server.agentsvc import AgentService
 from llmgw.server.auth import Authenticator, install
 from llmgw.server.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.controlsvc import ControlService
 from llmgw.server.errors import ConfigError
-from llmgw.server.grpcweb import GrpcWebApp
+from llmgw.server.grpcweb import BrowserGate, GrpcWebApp
 from llmgw.server.inventory import InventoryConfig
 from llmgw.server.metrics import server_metrics
 from llmgw.server.plane import ControlPlane
@@ -106,6 +112,8 @@ class ServerConfig:
     join_token: str | None = field(default=None, repr=False)  # agents' token; never logged
     tls: TlsFiles | None = None  # --tls-cert/--tls-key: TLS on every port; None: plaintext
     engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports: the engines' port range
+    browsers: BrowserAccess = BrowserAccess()  # --cors-origin, --allowed-host (HTTP ports)
+    insecure_no_auth: bool = False  # --insecure-no-auth: beyond loopback with no tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -166,6 +174,9 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
             codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
         )
         auth = Authenticator(store, join_token=config.join_token)
+        exposure = unauthenticated_exposure(config, auth_on=await auth.enabled())
+        if exposure is not None:
+            raise ConfigError(exposure)
         install(grpc, auth)
         await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
         web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents, auth, tls.http))
@@ -198,6 +209,31 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
     log.info("llmgw server stopped")
 
 
+def unauthenticated_exposure(config: ServerConfig, *, auth_on: bool) -> str | None:
+    """Why the server must not start: it would serve beyond loopback with authentication
+    off and without ``--insecure-no-auth``; None when it may."""
+    if auth_on or config.insecure_no_auth:
+        return None
+    listens = [
+        (config.grpc_listen, "--grpc-listen"),
+        (config.http_listen, "--http-listen"),
+        (config.gateway_listen, "--gateway-listen"),
+    ]
+    exposed = [f"{flag} {listen}" for listen, flag in listens if _beyond_loopback(listen)]
+    if not exposed:
+        return None
+    return (
+        f"refusing to listen on {', '.join(exposed)} without authentication: no token "
+        "exists, so anyone who reaches the port may act; create an admin token first "
+        f"(`llmgw token create --role admin --db {config.db_path}`), or pass "
+        "--insecure-no-auth to serve without authentication anyway"
+    )
+
+
+def _beyond_loopback(listen: Listen | None) -> bool:
+    return listen is not None and not is_loopback_host(listen.host)
+
+
 def _gateway(
     config: ServerConfig, plane: ControlPlane, tls: ssl.SSLContext | None
 ) -> contextlib.AbstractAsyncContextManager[object]:
@@ -212,6 +248,7 @@ def _gateway(
         tls=tls,
         api_keys=config.gateway_api_keys,
         tokenize_timeout_s=config.gateway_tokenize_timeout_s,
+        browsers=config.browsers,
     )
     return serve_gateway(plane, gateway)
 
@@ -235,9 +272,11 @@ def _uvicorn_config(
     auth: Authenticator,
     tls: ssl.SSLContext | None,
 ) -> uvicorn.Config:
-    app: GrpcWebApp | AgentCommandHook
+    browsers = HttpGuard(config.browsers, config.http_listen.host, tls=tls is not None)
+    app: GrpcWebApp | BrowserGate
     app = GrpcWebApp(
         services=[control],
+        browsers=browsers,
         max_message_bytes=config.max_message_bytes,
         authorize=auth.check,
         guard=auth.guard,  # a revoked token's open calls end (llmgw.server.auth)
@@ -245,7 +284,7 @@ def _uvicorn_config(
     )
     if config.test_hooks:
         log.warning("test hooks on: POST /debug/agents/NODE/command sends commands to agents")
-        app = AgentCommandHook(app, agents.send)
+        app = BrowserGate(AgentCommandHook(app, agents.send), browsers)
     return uvicorn.Config(
         app,
         host=config.http_listen.host,
