@@ -52,6 +52,7 @@ __all__ = [
 
 _DEFAULT_PORTS: Final = {"http": 80, "https": 443}
 _WILDCARDS: Final = frozenset({"", "0.0.0.0", "::"})
+_MAX_REMEMBERED: Final = 1024
 _LABEL: Final = r"[a-z0-9_]([a-z0-9_-]*[a-z0-9_])?"
 _NAME: Final = re.compile(rf"{_LABEL}(\.{_LABEL})*")
 
@@ -135,6 +136,9 @@ class HttpGuard:
     listen_host: str = "127.0.0.1"  # the address the port is bound to
     tls: bool = False  # the port serves https (the default port of its own origin)
     _listen: str | None = field(init=False, repr=False, compare=False, default=None)
+    _hosts: dict[str, tuple[str, int | None] | None] = field(
+        init=False, repr=False, compare=False, default_factory=dict
+    )  # Host header → what _allowed_host said: a port sees few, each on every request
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "_listen", _host_name(self.listen_host))
@@ -145,8 +149,11 @@ class HttpGuard:
         """None when the request may be answered; else why not."""
         if host is None:
             return Refusal(400, "a Host header is required") if http11 else None
-        parsed = _split_host(host)
-        if parsed is None or not self._host_allowed(parsed[0]):
+        try:
+            parsed = self._hosts[host]
+        except KeyError:
+            parsed = self._remember_host(host)
+        if parsed is None:
             return Refusal(
                 403,
                 f"Host {host!r} is not an address of this server (a DNS rebinding guard); "
@@ -167,10 +174,16 @@ class HttpGuard:
         ``Access-Control-Allow-Origin``)."""
         if origin is None or not self.access.cors_origins:
             return False
-        try:
-            return normalise_origin(origin) in self.access.cors_origins
-        except ValueError:
-            return False
+        return _normalised_or_none(origin) in self.access.cors_origins
+
+    def _remember_host(self, host: str) -> tuple[str, int | None] | None:
+        if len(self._hosts) >= _MAX_REMEMBERED:
+            self._hosts.clear()  # a client making up names; start over
+        parsed = _split_host(host)
+        if parsed is not None and not self._host_allowed(parsed[0]):
+            parsed = None
+        self._hosts[host] = parsed
+        return parsed
 
     def _host_allowed(self, name: str) -> bool:
         if is_loopback_host(name) or name in self.access.allowed_hosts:
@@ -180,16 +193,20 @@ class HttpGuard:
         return self.listen_host in _WILDCARDS and _ip(name) is not None
 
     def _own_origin(self, origin: str, host: tuple[str, int | None]) -> bool:
-        try:
-            normalised = normalise_origin(origin)
-        except ValueError:
-            return False
+        normalised = _normalised_or_none(origin)
         scheme = "https" if self.tls else "http"
         own_port = host[1] or _DEFAULT_PORTS[scheme]
         return normalised == f"{scheme}://{_bracketed(host[0])}:{own_port}"
 
 
-@functools.lru_cache(maxsize=1024)  # a port sees few Host values, each on every request
+@functools.lru_cache(maxsize=256)  # the same few origins on every request
+def _normalised_or_none(origin: str) -> str | None:
+    try:
+        return normalise_origin(origin)
+    except ValueError:
+        return None
+
+
 def _split_host(value: str) -> tuple[str, int | None] | None:
     """A Host header's (name, port); None when it is malformed."""
     value = value.strip()

@@ -56,6 +56,7 @@ DRAIN_LIMIT = 1 << 20
 JSON_TYPE = b"application/json"
 _TOKEN_LIST = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_, ")
 _PREFLIGHT_MAX_AGE = 86400
+_TWO_HOSTS = Refusal(400, "a request carries at most one Host and one Origin header")
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +133,7 @@ class HttpConnection(asyncio.Protocol):
         self.lost = False
         self.started = False  # a byte of the current response was written
         self._current_cors: bytes | None = None  # the current request's --cors-origin
+        self._origin: str | None = None  # the Origin of the request being read
         self.deadline = math.inf  # loop time after which the server's sweep closes us
 
     # asyncio.Protocol
@@ -382,21 +384,26 @@ class HttpConnection(asyncio.Protocol):
         self.deadline = self._loop.time() + self._limits.keepalive_timeout_s
 
     def _browser_refusal(self) -> Refusal | None:
-        hosts = [v for k, v in self._headers if k == b"host"]
-        origins = [v for k, v in self._headers if k == b"origin"]
-        if len(hosts) > 1 or len(origins) > 1:
-            return Refusal(400, "a request carries at most one Host and one Origin header")
+        host = origin = None
+        for name, value in self._headers:
+            if name == b"host":
+                if host is not None:
+                    return _TWO_HOSTS
+                host = value.decode("latin-1")
+            elif name == b"origin":
+                if origin is not None:
+                    return _TWO_HOSTS
+                origin = value.decode("latin-1")
+        self._origin = origin
         return self._server.guard.refusal(
-            hosts[0].decode("latin-1") if hosts else None,
-            origins[0].decode("latin-1") if origins else None,
-            http11=self._parser.get_http_version() != "1.0",
+            host, origin, http11=self._parser.get_http_version() != "1.0"
         )
 
     def _cors_origin(self) -> bytes | None:
-        origin = next((v for k, v in self._headers if k == b"origin"), None)
-        if origin is None or not self._server.guard.cors_allows(origin.decode("latin-1")):
+        origin = self._origin
+        if origin is None or not self._server.guard.cors_allows(origin):
             return None
-        return origin
+        return origin.encode("latin-1")
 
     def _answer_preflight(self, request: Request) -> None:
         asked = request.header(b"access-control-request-headers") or b""
