@@ -150,6 +150,18 @@ def test_the_gateway_port_refuses_foreign_pages(served: Cluster) -> None:
             assert sock.recv(64).split(b" ")[1] in (b"400", b"403")
 
 
+def test_the_test_hooks_refuse_foreign_pages_too(cluster: Cluster) -> None:
+    """--test-hooks sends engine commands to agents (a StartShard runs a command line)."""
+    cluster.start_server("--test-hooks")
+    stop = json.dumps({"stopShard": {"shardId": "s1"}}).encode()
+    hook = "/debug/agents/n1/command"
+    for headers in ({"origin": EVIL}, {"host": f"evil.example:{cluster.http_port}"}):
+        refused = request(cluster.http_port, "POST", hook, headers, stop)
+        assert refused.status == 403, headers
+    # without them it answers (404: no agent n1 is connected)
+    assert request(cluster.http_port, "POST", hook, {}, stop).status == 404
+
+
 @pytest.mark.parametrize(
     "flags",
     [

@@ -27,7 +27,7 @@ from llmgw.api.llmgw.v1 import (
     WatchRequest,
 )
 from llmgw.httpguard import BrowserAccess, HttpGuard
-from llmgw.server.grpcweb import GrpcWebApp
+from llmgw.server.grpcweb import BrowserGate, GrpcWebApp
 
 GET_CLUSTER = "/llmgw.v1.ControlService/GetCluster"
 CORDON_NODE = "/llmgw.v1.ControlService/CordonNode"
@@ -430,6 +430,25 @@ async def test_default_refuses_every_origin_and_foreign_host(client: httpx.Async
         ("content-type", BINARY["content-type"]),
     ]
     assert (await client.post(GET_CLUSTER, content=body, headers=twice)).status_code == 400
+
+
+async def test_browser_gate_guards_what_it_wraps() -> None:
+    reached: list[str] = []
+
+    async def inner(scope: dict[str, Any], receive: object, send: Any) -> None:
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 299, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    gate = BrowserGate(inner, HttpGuard())
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gate), base_url="http://[::1]"
+    ) as c:
+        assert (await c.post("/x", headers={"origin": "http://evil.example"})).status_code == 403
+        assert (await c.post("/x", headers={"host": "evil.example"})).status_code == 403
+        assert reached == []
+        assert (await c.post("/x")).status_code == 299
+    assert reached == ["/x"]
 
 
 @pytest.mark.parametrize(

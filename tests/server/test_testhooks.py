@@ -36,7 +36,7 @@ async def client_and_agents() -> AsyncIterator[tuple[httpx.AsyncClient, Agents]]
     agents = Agents("n1")
     app = AgentCommandHook(downstream, agents.send)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://hooks") as client:
         yield client, agents
 
 
