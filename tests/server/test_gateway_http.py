@@ -763,13 +763,16 @@ async def test_a_foreign_page_reaches_no_replica() -> None:
             assert len(a1.requests) == 2
 
 
-async def test_a_refused_request_body_is_not_read_whole() -> None:
+@pytest.mark.parametrize(
+    "framing", [b"content-length: 100000000", b"content-length: 10\r\nexpect: 100-continue"]
+)
+async def test_a_refused_request_body_is_not_read_whole(framing: bytes) -> None:
     async with running([]) as (_, url):
         host, _, port = url.removeprefix("http://").partition(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(
             b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\norigin: http://evil.example\r\n"
-            b"content-length: 100000000\r\n\r\n"
+            b"%s\r\n\r\n" % framing
         )
         await writer.drain()
         head = await asyncio.wait_for(reader.read(12), 5)  # answered before any body byte

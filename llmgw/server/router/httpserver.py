@@ -281,18 +281,18 @@ class HttpConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         declared = next((v for k, v in self._headers if k == b"content-length"), None)
+        expect = next((v for k, v in self._headers if k == b"expect"), None)
         refusal = self._browser_refusal()
         if refusal is not None:
             self._refused = (refusal.status, refusal.message)
-            if declared is None or int(declared) > DRAIN_LIMIT:
+            if declared is None or int(declared) > DRAIN_LIMIT or expect is not None:
                 raise ValueError(refusal.message)  # answered at once, connection closed
-            return
+            return  # a small body is read and dropped, so that the client reads the answer
         too_large = declared is not None and int(declared) > self._limits.max_body_bytes
         if too_large:
             self._refused = (413, self._too_large_message())
             if int(declared or 0) > self._limits.max_body_bytes + DRAIN_LIMIT:
                 raise ValueError(self._refused[1])  # answered at once, connection closed
-        expect = next((v for k, v in self._headers if k == b"expect"), None)
         if expect is not None and expect.lower() == b"100-continue":
             if too_large:
                 raise ValueError(self._refused[1] if self._refused else "")
