@@ -238,7 +238,7 @@ def _seeds(name: str) -> list[bytes]:
     if name in ("openai", "tokenize"):
         return [*_REQUESTS, b'{"tokens": [1, 2, 3], "count": 3, "max_model_len": 8192}']
     if name == "http":
-        return [b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n%s"
+        return [b"POST /v1/completions HTTP/1.1\r\nhost: [::1]\r\ncontent-length: %d\r\n\r\n%s"
                 % (len(r), r) for r in _REQUESTS]  # fmt: skip
     if name == "kv-events":
         import json

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmgw.cli.apikeys import add_key_file_flag, gateway_api_keys
+from llmgw.cli.browsers import add_browser_flags, browser_access
 from llmgw.cli.main import (
     GATEWAY_POLICIES,
     CliError,
@@ -98,6 +99,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     )
     add_ca_flag(p, "the control server's router feed")
     add_listen_flags(p, "the OpenAI port")
+    add_browser_flags(p, "the OpenAI port")
     p.add_argument(
         "--debug-kv-index",
         action="store_true",
@@ -167,6 +169,7 @@ def run_gateway_command(args: argparse.Namespace) -> int:
         debug_kv_index=args.debug_kv_index,
         tls=_listen_context(args),
         tokenize_timeout_s=tokenize_timeout(args.tokenize_timeout, "--tokenize-timeout"),
+        browsers=browser_access(args),
     )
     feed_tls = connect_context(args.ca_file, ALPN_GRPC)
     token = None

@@ -182,6 +182,14 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     _add_grpc_limits(p)
     _add_listen_tls(p, "the gRPC, gRPC-web and gateway ports")
+    _add_browser_flags(p, "the gRPC-web and gateway ports")
+    p.add_argument(
+        "--insecure-no-auth",
+        action="store_true",
+        help="listen beyond loopback even while no token exists (anyone who reaches a port "
+        "may then act); without it such a server refuses to start until `llmgw token "
+        "create --role admin` has made a token",
+    )
     p.set_defaults(command=_run_server)
 
 
@@ -525,6 +533,12 @@ def _add_listen_tls(p: argparse.ArgumentParser, ports: str) -> None:
     from llmgw.cli.tls import add_listen_flags
 
     add_listen_flags(p, ports)
+
+
+def _add_browser_flags(p: argparse.ArgumentParser, ports: str) -> None:
+    from llmgw.cli.browsers import add_browser_flags
+
+    add_browser_flags(p, ports)
 
 
 def _add_ca(p: argparse.ArgumentParser, what: str) -> None:

@@ -24,6 +24,7 @@ from llmgw.agent.discovery import DiscoveryError
 from llmgw.agent.engines import EngineError, engine_binaries
 from llmgw.agent.shards import RestartPolicy
 from llmgw.cli.apikeys import gateway_api_keys
+from llmgw.cli.browsers import browser_access
 from llmgw.cli.main import CliError, engine_ports_flag, tokenize_timeout
 from llmgw.cli.tls import listen_files
 from llmgw.engineports import DEFAULT_ENGINE_PORTS
@@ -55,6 +56,8 @@ def run_server_command(args: argparse.Namespace) -> int:
             tls=listen_files(args),
             engine_ports=engine_ports_flag(args.engine_ports) or DEFAULT_ENGINE_PORTS,
             grpc_limits=_grpc_limits(args),
+            browsers=browser_access(args),
+            insecure_no_auth=args.insecure_no_auth,
         )
         asyncio.run(within_fd_limits(run_server(config)))
     except ServerError as exc:

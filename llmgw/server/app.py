@@ -16,6 +16,11 @@ peer address (``llmgw.server.grpcport``).
 
 Every call on the native and the gRPC-web port is checked by one
 ``llmgw.server.auth.Authenticator`` (off, and said so loudly, while there are no tokens).
+While it is off the server refuses to listen on any address beyond loopback, before
+anything binds, unless told ``--insecure-no-auth`` (:func:`unauthenticated_exposure`).
+
+The gRPC-web and gateway ports answer no cross-origin page and no unknown Host (DNS
+rebinding) unless opened with ``--cors-origin``/``--allowed-host`` (``llmgw.httpguard``).
 
 A state database that cannot be written (full or read-only disk) does not stop the server:
 ``/healthz`` answers 503 with the reason, calls that write answer UNAVAILABLE on both ports,
@@ -44,13 +49,14 @@ from pathlib import Path
 import uvicorn
 
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
+from llmgw.httpguard import BrowserAccess, HttpGuard, is_loopback_host
 from llmgw.server.agentsvc import AgentService
 from llmgw.server.auth import Authenticator, install
 from llmgw.server.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.controlsvc import ControlService
 from llmgw.server.errors import ConfigError
 from llmgw.server.grpcport import ConnectionLimits, LimitedServer
-from llmgw.server.grpcweb import GrpcWebApp
+from llmgw.server.grpcweb import BrowserGate, GrpcWebApp
 from llmgw.server.inventory import InventoryConfig
 from llmgw.server.metrics import server_metrics
 from llmgw.server.plane import ControlPlane
@@ -122,6 +128,8 @@ class ServerConfig:
     tls: TlsFiles | None = None  # --tls-cert/--tls-key: TLS on every port; None: plaintext
     engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports: the engines' port range
     grpc_limits: ConnectionLimits = ConnectionLimits()  # the native port's timeouts and caps
+    browsers: BrowserAccess = BrowserAccess()  # --cors-origin, --allowed-host (HTTP ports)
+    insecure_no_auth: bool = False  # --insecure-no-auth: beyond loopback with no tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -188,7 +196,10 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
             limits=config.grpc_limits,
         )
         auth = Authenticator(store, join_token=config.join_token)
-        await auth.enabled()  # reads the tokens now: an unreadable row stops the start, named
+        # reads the tokens now: an unreadable row stops the start, named
+        exposure = unauthenticated_exposure(config, auth_on=await auth.enabled())
+        if exposure is not None:
+            raise ConfigError(exposure)
         install(grpc, auth)
         install_store_health(grpc)
         await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
@@ -222,6 +233,31 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
     log.info("llmgw server stopped")
 
 
+def unauthenticated_exposure(config: ServerConfig, *, auth_on: bool) -> str | None:
+    """Why the server must not start: it would serve beyond loopback with authentication
+    off and without ``--insecure-no-auth``; None when it may."""
+    if auth_on or config.insecure_no_auth:
+        return None
+    listens = [
+        (config.grpc_listen, "--grpc-listen"),
+        (config.http_listen, "--http-listen"),
+        (config.gateway_listen, "--gateway-listen"),
+    ]
+    exposed = [f"{flag} {listen}" for listen, flag in listens if _beyond_loopback(listen)]
+    if not exposed:
+        return None
+    return (
+        f"refusing to listen on {', '.join(exposed)} without authentication: no token "
+        "exists, so anyone who reaches the port may act; create an admin token first "
+        f"(`llmgw token create --role admin --db {config.db_path}`), or pass "
+        "--insecure-no-auth to serve without authentication anyway"
+    )
+
+
+def _beyond_loopback(listen: Listen | None) -> bool:
+    return listen is not None and not is_loopback_host(listen.host)
+
+
 def _gateway(
     config: ServerConfig, plane: ControlPlane, tls: ssl.SSLContext | None
 ) -> contextlib.AbstractAsyncContextManager[object]:
@@ -236,6 +272,7 @@ def _gateway(
         tls=tls,
         api_keys=config.gateway_api_keys,
         tokenize_timeout_s=config.gateway_tokenize_timeout_s,
+        browsers=config.browsers,
     )
     return serve_gateway(plane, gateway)
 
@@ -259,9 +296,11 @@ def _uvicorn_config(
     auth: Authenticator,
     tls: ssl.SSLContext | None,
 ) -> uvicorn.Config:
-    app: GrpcWebApp | AgentCommandHook
+    browsers = HttpGuard(config.browsers, config.http_listen.host, tls=tls is not None)
+    app: GrpcWebApp | BrowserGate
     app = GrpcWebApp(
         services=[control],
+        browsers=browsers,
         max_message_bytes=config.max_message_bytes,
         authorize=auth.check,
         guard=lambda func: unavailable_when_unwritable(auth.guard(func)),  # revoked: ends
@@ -270,7 +309,7 @@ def _uvicorn_config(
     )
     if config.test_hooks:
         log.warning("test hooks on: POST /debug/agents/NODE/command sends commands to agents")
-        app = AgentCommandHook(app, agents.send)
+        app = BrowserGate(AgentCommandHook(app, agents.send), browsers)
     return uvicorn.Config(
         app,
         host=config.http_listen.host,

@@ -17,6 +17,12 @@ its ``authorization`` header before its body is read; a refusal answers its stat
 ``guard`` (``Authenticator.guard``) every handler runs wrapped in it (it ends a call whose
 token is revoked, with the status the wrapper raises).
 
+**Browsers.** Before anything else, every request is put to ``browsers``
+(``llmgw.httpguard.HttpGuard``): one with a Host that is not an address of this server
+(DNS rebinding) or with an Origin that is neither ``--cors-origin`` nor the port's own is
+answered 403 (a missing or repeated Host or Origin 400) and goes no further. Only the
+``--cors-origin`` origins get CORS headers and preflights (204); other preflights get 403.
+
 With ``metrics`` (``llmgw.server.metrics.server_metrics``), ``GET /metrics`` answers what it
 returns as Prometheus text; like ``/healthz`` it needs no token (it carries no secrets).
 With ``health``, ``GET /healthz`` answers 503 ``unhealthy: REASON`` while it returns a
@@ -40,7 +46,6 @@ from collections.abc import (
     Iterable,
     Mapping,
     MutableMapping,
-    Sequence,
 )
 from dataclasses import dataclass
 from typing import Any, Final, Protocol
@@ -50,9 +55,10 @@ from grpclib.exceptions import GRPCError
 from grpclib.metadata import Deadline, decode_metadata, encode_grpc_message
 from multidict import MultiDict
 
+from llmgw.httpguard import LOOPBACK_ONLY, HttpGuard, Refusal
 from llmgw.server.codec import DEFAULT_MAX_MESSAGE_BYTES, decode_message
 
-__all__ = ["GrpcWebApp"]
+__all__ = ["BrowserGate", "GrpcWebApp"]
 
 logger = logging.getLogger(__name__)
 
@@ -114,7 +120,7 @@ class GrpcWebApp:
         services: Iterable[Servable],
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
-        cors_allow_origins: Sequence[str] = ("*",),
+        browsers: HttpGuard = LOOPBACK_ONLY,
         health: Callable[[], Awaitable[str | None]] | None = None,
         authorize: Authorize | None = None,
         guard: Guard | None = None,
@@ -127,7 +133,7 @@ class GrpcWebApp:
                     raise ValueError(f"two services serve {path}")
                 self._handlers[path] = handler
         self._max_message_bytes = max_message_bytes
-        self._origins = frozenset(cors_allow_origins)
+        self._browsers = browsers
         self._health = health
         self._authorize = authorize
         self._guard = guard
@@ -140,6 +146,10 @@ class GrpcWebApp:
             await self._serve_http(scope, receive, send)
 
     async def _serve_http(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = browser_refusal(self._browsers, scope)
+        if refusal is not None:
+            await _refuse(send, refusal)
+            return
         headers = _header_dict(scope)
         cors = self._cors_headers(headers.get("origin"))
         method, path = scope["method"], scope["path"]
@@ -159,24 +169,19 @@ class GrpcWebApp:
     # --- CORS and health -------------------------------------------------------------------
 
     def _cors_headers(self, origin: str | None) -> Headers:
-        """CORS response headers; none when the origin is not allowed (the browser refuses)."""
-        if origin is None:
-            allowed = "*" if "*" in self._origins else None
-        else:
-            allowed = origin if "*" in self._origins or origin in self._origins else None
-        if allowed is None:
+        """CORS response headers for a ``--cors-origin`` origin; none for any other."""
+        if origin is None or not self._browsers.cors_allows(origin):
             return []
-        headers = [
-            (b"access-control-allow-origin", allowed.encode("latin-1")),
+        return [
+            (b"access-control-allow-origin", origin.encode("latin-1")),
             (b"access-control-expose-headers", _EXPOSE_HEADERS),
+            (b"vary", b"origin"),
         ]
-        if allowed != "*":
-            headers.append((b"vary", b"origin"))
-        return headers
 
     async def _preflight(self, send: Send, cors: Headers) -> None:
         if not cors:
-            await _plain(send, 403, "origin not allowed", [])
+            message = "only a CORS preflight from a --cors-origin origin is answered"
+            await _plain(send, 403, message, [])
             return
         headers = [
             *cors,
@@ -254,6 +259,39 @@ class GrpcWebApp:
                 "gRPC-web does not carry client streams; use the native gRPC port",
             )
         return handler
+
+
+class BrowserGate:
+    """An ASGI application behind the same browser checks as ``GrpcWebApp`` (for what the
+    gRPC-web port serves beside it: the test hooks)."""
+
+    def __init__(
+        self, app: Callable[[Scope, Receive, Send], Awaitable[None]], browsers: HttpGuard
+    ) -> None:
+        self._app = app
+        self._browsers = browsers
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        refusal = browser_refusal(self._browsers, scope) if scope["type"] == "http" else None
+        if refusal is not None:
+            await _refuse(send, refusal)
+        else:
+            await self._app(scope, receive, send)
+
+
+def browser_refusal(browsers: HttpGuard, scope: Scope) -> Refusal | None:
+    """Why the request of ``scope`` is not answered (``HttpGuard.refusal``), or None."""
+    hosts = [v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"host"]
+    origins = [v.decode("latin-1") for k, v in scope["headers"] if k.lower() == b"origin"]
+    if len(hosts) > 1 or len(origins) > 1:
+        return Refusal(400, "a request carries at most one Host and one Origin header")
+    http11 = scope.get("http_version", "1.1") != "1.0"
+    host, origin = (hosts[0] if hosts else None), (origins[0] if origins else None)
+    return browsers.refusal(host, origin, http11=http11)
+
+
+async def _refuse(send: Send, refusal: Refusal) -> None:
+    await _plain(send, refusal.status, refusal.message, [(b"vary", b"origin")])
 
 
 # --- the stream handed to generated handlers ---------------------------------------------

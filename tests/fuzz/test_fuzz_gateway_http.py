@@ -31,7 +31,7 @@ from llmgw.server.router.upstream import UpstreamPool
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 
-ANSWERED = {100, 200, 400, 404, 405, 408, 413, 431, 502, 503, 504}
+ANSWERED = {100, 200, 400, 403, 404, 405, 408, 413, 431, 502, 503, 504}
 COMPLETION = json.dumps({"id": "c", "choices": [{"text": "Paris"}]}).encode()
 COMPLETED = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n"
 COMPLETED = COMPLETED % len(COMPLETION) + COMPLETION
@@ -161,12 +161,13 @@ def responses(data: bytes) -> list[int]:
 
 def post(body: bytes, headers: bytes = b"") -> bytes:
     """A well-formed completions request carrying ``body``."""
-    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\n%scontent-length: %d\r\n\r\n"
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: [::1]\r\n%scontent-length: %d\r\n\r\n"
     return head % (headers, len(body)) + body
 
 
 async def healthy(port: int) -> None:
-    reply = await exchange(port, [b"GET /healthz HTTP/1.1\r\nhost: x\r\nconnection: close\r\n\r\n"])
+    request = b"GET /healthz HTTP/1.1\r\nhost: [::1]\r\nconnection: close\r\n\r\n"
+    reply = await exchange(port, [request])
     assert responses(reply) == [200], reply
 
 
@@ -179,7 +180,7 @@ _TARGETS = st.sampled_from(
 ) | st.binary(max_size=8)  # fmt: skip
 _VERSIONS = st.sampled_from([b"HTTP/1.1", b"HTTP/1.0", b"HTTP/2.0", b"HTTP/1.1x", b"", b"http/1.1"])
 _GOOD_HEADERS = st.sampled_from(
-    [b"host: x", b"connection: close", b"connection: keep-alive", b"expect: 100-continue",
+    [b"host: [::1]", b"connection: close", b"connection: keep-alive", b"expect: 100-continue",
      b"x-session-id: s\xff", b"x-session-id: a", b"content-type: application/json",
      b"accept: */*", b"user-agent: fuzz", b"x-a:\tb "]
 )  # fmt: skip
@@ -234,7 +235,7 @@ def conversations(draw: st.DrawFn) -> list[bytes]:
 @given(conversations())
 @example([post(b'{"model":"m","prompt":"a","user":"\\udc00"}')])
 @example([post(b'{"model":"m","prompt":"\\ud800"}', b"connection: close\r\n")])
-@example([b"POST /v1/completions HTTP/1.1\r\ntransfer-encoding: chunked\r\n\r\n"
+@example([b"POST /v1/completions HTTP/1.1\r\nhost: [::1]\r\ntransfer-encoding: chunked\r\n\r\n"
           b"ffffffffffffffffffff\r\n"])  # fmt: skip
 async def test_any_bytes_get_documented_answers_and_the_gateway_keeps_serving(
     running: Running, pieces: list[bytes]
@@ -263,13 +264,15 @@ async def test_clients_that_never_finish_do_not_stop_others_being_served(
     running: Running,
 ) -> None:
     stalled = []
+    started = b"POST /v1/completions HTTP/1.1\r\nhost: [::1]\r\ncontent-length: 100\r\n\r\n{"
     for i in range(20):
         _, writer = await asyncio.open_connection("127.0.0.1", running.port)
-        writer.write(b"POST /v1/completions HTTP/1.1\r\ncontent-length: 100\r\n\r\n{" * (i % 2))
+        writer.write(started * (i % 2))
         stalled.append(writer)
     try:
         body = b'{"model":"m","prompt":"hi"}'
-        head = b"POST /v1/completions HTTP/1.1\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: [::1]\r\nconnection: close\r\n"
+        head += b"content-length: %d\r\n\r\n"
         reply = await exchange(running.port, [head % len(body) + body], idle_s=5)
         assert responses(reply) == [200] and reply.endswith(COMPLETION)
     finally:

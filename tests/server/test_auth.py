@@ -272,7 +272,7 @@ async def test_native_port_checks_every_call(store: Store, native: int) -> None:
 async def web_drain(app: GrpcWebApp, token: str | None) -> ActionResult:
     headers = {"authorization": f"Bearer {token}"} if token else None
     transport = httpx.ASGITransport(app=app)
-    async with GrpcWebChannel("http://web", headers=headers, transport=transport) as channel:
+    async with GrpcWebChannel("http://localhost", headers=headers, transport=transport) as channel:
         return await channel.unary(
             CONTROL + "DrainReplica", ReplicaRequest(replica_id="r1"), ActionResult
         )

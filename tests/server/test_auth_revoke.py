@@ -307,7 +307,7 @@ async def test_revoking_a_token_ends_its_watch_on_the_grpc_web_port(
     revisions: list[int] = []
 
     async def watch() -> None:
-        async with GrpcWebChannel("http://web", headers=headers, transport=transport) as ch:
+        async with GrpcWebChannel("http://localhost", headers=headers, transport=transport) as ch:
             async for event in ch.server_stream(WATCH, *WATCH_TYPES):
                 revisions.append(event.revision)  # noqa: PERF401 - kept until the error
 
@@ -320,6 +320,6 @@ async def test_revoking_a_token_ends_its_watch_on_the_grpc_web_port(
     assert (caught.value.status, caught.value.message) == (Status.UNAUTHENTICATED, REVOKED)
     assert revisions == [1] and streams.cancelled == 1
     with pytest.raises(RpcError) as refused:
-        async with GrpcWebChannel("http://web", headers=headers, transport=transport) as ch:
+        async with GrpcWebChannel("http://localhost", headers=headers, transport=transport) as ch:
             await ch.unary(DRAIN, ReplicaRequest(replica_id="r1"), ActionResult)
     assert refused.value.status is Status.UNAUTHENTICATED

@@ -17,6 +17,7 @@ import httpx
 import pytest
 from simserve import free_port, sim_engine
 
+from llmgw.httpguard import BrowserAccess
 from llmgw.server.router.gateway import Gateway, GatewayConfig
 from llmgw.server.router.policy import make_policy
 from llmgw.server.router.table import RoutingTable, Target
@@ -235,7 +236,8 @@ async def test_adds_the_replica_key_and_drops_hop_by_hop_headers() -> None:
             body = json.dumps(COMPLETION).encode()
             reader, writer = await asyncio.open_connection(host, int(port))
             writer.write(
-                b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: gw\r\nAuthorization: Bearer client\r\n"
+                b"POST /v1/completions?x=1 HTTP/1.1\r\nHost: [::1]\r\n"
+                b"Authorization: Bearer client\r\n"
                 b"Connection: keep-alive, x-private\r\nX-Private: secret\r\nKeep-Alive: 5\r\n"
                 b"X-Request-Id: abc\r\nContent-Type: application/json\r\n"
                 b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
@@ -536,7 +538,7 @@ async def test_a_slow_client_pauses_the_upstream_and_the_connection_is_reused() 
             for _ in range(2):
                 reader, writer = await asyncio.open_connection(host, int(port))
                 writer.write(
-                    b"POST /v1/completions HTTP/1.1\r\nhost: g\r\ncontent-length: %d\r\n\r\n%s"
+                    b"POST /v1/completions HTTP/1.1\r\nhost: [::1]\r\ncontent-length: %d\r\n\r\n%s"
                     % (len(body), body)
                 )
                 await asyncio.sleep(0.3)  # read nothing meanwhile: the gateway must hold off
@@ -591,8 +593,8 @@ async def test_pipelined_requests_are_answered_in_order() -> None:
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
         one = json.dumps(COMPLETION).encode()
-        request = b"POST /v1/completions HTTP/1.1\r\nhost: g\r\ncontent-length: %d\r\n\r\n%s"
-        writer.write(request % (len(one), one) + b"GET /healthz HTTP/1.1\r\nhost: g\r\n\r\n")
+        request = b"POST /v1/completions HTTP/1.1\r\nhost: [::1]\r\ncontent-length: %d\r\n\r\n%s"
+        writer.write(request % (len(one), one) + b"GET /healthz HTTP/1.1\r\nhost: [::1]\r\n\r\n")
         first = await reader.readuntil(b"\r\n\r\n")
         length = int(first.lower().split(b"content-length: ")[1].split(b"\r\n")[0])
         assert json.loads(await reader.readexactly(length))["engine"] == "e"
@@ -624,7 +626,7 @@ async def test_expect_100_continue_gets_its_interim_answer() -> None:
         body = json.dumps(COMPLETION).encode()
         reader, writer = await asyncio.open_connection(host, int(port))
         writer.write(
-            b"POST /v1/completions HTTP/1.1\r\nhost: g\r\nexpect: 100-continue\r\n"
+            b"POST /v1/completions HTTP/1.1\r\nhost: [::1]\r\nexpect: 100-continue\r\n"
             b"content-length: %d\r\n\r\n" % len(body)
         )
         assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
@@ -641,7 +643,7 @@ async def test_a_request_that_arrives_too_slowly_is_408() -> None:
     async with running([], config) as (_, url):
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))
-        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: g\r\n")  # and no more
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: [::1]\r\n")  # and no more
         answer = await asyncio.wait_for(reader.read(), 5)
         assert answer.startswith(b"HTTP/1.1 408 ")
         writer.close()
@@ -713,3 +715,66 @@ async def test_a_replica_cannot_name_itself_in_the_replica_header() -> None:
             async with httpx.AsyncClient(base_url=url) as client:
                 reply = await client.post("/v1/completions", json=COMPLETION)
     assert reply.headers.get_list("x-llmgw-replica") == ["r1"]
+
+
+# --- browsers: foreign pages and foreign Host names (llmgw.httpguard) --------------------
+
+
+async def test_a_foreign_page_reaches_no_replica() -> None:
+    console = "https://console.example"
+    opened = GatewayConfig(port=0, browsers=BrowserAccess.parse([console], []))
+    async with engines("a1") as (a1,), running([Target("r1", "m", a1.url)], opened) as (_, url):
+        host = url.removeprefix("http://")
+        async with httpx.AsyncClient(base_url=url) as client:
+            for headers in (
+                {"origin": "http://evil.example"},
+                {"origin": "http://127.0.0.1:3000"},  # another port is another origin
+                {"host": f"evil.example:{host.partition(':')[2]}"},  # DNS rebinding
+            ):
+                reply = await client.post("/v1/chat/completions", json=CHAT, headers=headers)
+                assert reply.status_code == 403, headers
+                assert reply.json()["error"]["type"] == "ForbiddenError"
+                assert "access-control-allow-origin" not in reply.headers
+            assert a1.requests == []  # nothing was forwarded
+
+            ask = {"origin": "http://evil.example", "access-control-request-method": "POST"}
+            assert (await client.options("/v1/chat/completions", headers=ask)).status_code == 403
+            ask = {
+                "origin": console,
+                "access-control-request-method": "POST",
+                "access-control-request-headers": "authorization, content-type",
+            }
+            preflight = await client.options("/v1/chat/completions", headers=ask)
+            assert preflight.status_code == 204
+            assert preflight.headers["access-control-allow-origin"] == console
+            assert (
+                preflight.headers["access-control-allow-headers"]
+                == ask["access-control-request-headers"]
+            )
+
+            proxied = await client.post(
+                "/v1/completions", json=COMPLETION, headers={"origin": console}
+            )
+            assert proxied.status_code == 200 and proxied.json()["engine"] == "a1"
+            assert proxied.headers["access-control-allow-origin"] == console
+            assert proxied.headers["vary"] == "origin"
+            plain = await client.post("/v1/completions", json=COMPLETION)  # SDKs send no Origin
+            assert plain.status_code == 200 and "access-control-allow-origin" not in plain.headers
+            assert len(a1.requests) == 2
+
+
+@pytest.mark.parametrize(
+    "framing", [b"content-length: 100000000", b"content-length: 10\r\nexpect: 100-continue"]
+)
+async def test_a_refused_request_body_is_not_read_whole(framing: bytes) -> None:
+    async with running([]) as (_, url):
+        host, _, port = url.removeprefix("http://").partition(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nhost: 127.0.0.1\r\norigin: http://evil.example\r\n"
+            b"%s\r\n\r\n" % framing
+        )
+        await writer.drain()
+        head = await asyncio.wait_for(reader.read(12), 5)  # answered before any body byte
+        assert head == b"HTTP/1.1 403"
+        writer.close()

@@ -26,7 +26,8 @@ from llmgw.api.llmgw.v1 import (
     WatchEvent,
     WatchRequest,
 )
-from llmgw.server.grpcweb import GrpcWebApp
+from llmgw.httpguard import BrowserAccess, HttpGuard
+from llmgw.server.grpcweb import BrowserGate, GrpcWebApp
 
 GET_CLUSTER = "/llmgw.v1.ControlService/GetCluster"
 CORDON_NODE = "/llmgw.v1.ControlService/CordonNode"
@@ -44,8 +45,10 @@ class Control(ControlServiceBase):
         self.watch_forever = False
         self.release = asyncio.Event()
         self.cancelled = asyncio.Event()
+        self.calls = 0  # GetCluster calls that reached the handler
 
     async def get_cluster(self, message: GetClusterRequest) -> Cluster:
+        self.calls += 1
         return Cluster(revision=7)
 
     async def cordon_node(self, message: NodeRequest) -> ActionResult:
@@ -152,7 +155,7 @@ def control() -> Control:
 async def client(control: Control) -> AsyncIterator[httpx.AsyncClient]:
     app = GrpcWebApp([control, Inspect()], max_message_bytes=LIMIT)
     transport = httpx.ASGITransport(app=app)
-    async with httpx.AsyncClient(transport=transport, base_url="http://console.test") as client:
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
         yield client
 
 
@@ -172,8 +175,7 @@ async def test_unary_binary(client: httpx.AsyncClient) -> None:
     assert reply.status is Status.OK
     assert [Cluster.parse(m) for m in reply.messages] == [Cluster(revision=7)]
     assert reply.response.headers["content-type"] == "application/grpc-web+proto"
-    assert reply.response.headers["access-control-allow-origin"] == "*"
-    assert reply.response.headers["access-control-expose-headers"] == "grpc-status, grpc-message"
+    assert "access-control-allow-origin" not in reply.response.headers  # no CORS by default
 
 
 async def test_unary_text(client: httpx.AsyncClient) -> None:
@@ -317,7 +319,7 @@ async def test_oversized_body_is_refused_without_reading_it_all(control: Control
         "type": "http",
         "method": "POST",
         "path": CORDON_NODE,
-        "headers": [(b"content-type", b"application/grpc-web")],
+        "headers": [(b"host", b"127.0.0.1:8080"), (b"content-type", b"application/grpc-web")],
         "client": ("127.0.0.1", 5),
     }
     await app(scope, receive, send)
@@ -356,7 +358,6 @@ async def test_invalid_timeout_header(client: httpx.AsyncClient) -> None:
 async def test_wrong_content_type_is_415(client: httpx.AsyncClient) -> None:
     response = await client.post(GET_CLUSTER, content=frame(b""), headers={"content-type": "x/y"})
     assert response.status_code == 415
-    assert response.headers["access-control-allow-origin"] == "*"
 
 
 async def test_get_on_a_method_is_405(client: httpx.AsyncClient) -> None:
@@ -364,13 +365,24 @@ async def test_get_on_a_method_is_405(client: httpx.AsyncClient) -> None:
     assert response.status_code == 405
 
 
-async def test_cors_preflight(client: httpx.AsyncClient) -> None:
+@asynccontextmanager
+async def opened_to(control: Control, origin: str) -> AsyncIterator[httpx.AsyncClient]:
+    """A client of the app opened with ``--cors-origin origin``."""
+    browsers = HttpGuard(BrowserAccess.parse([origin], []))
+    app = GrpcWebApp([control], max_message_bytes=LIMIT, browsers=browsers)
+    transport = httpx.ASGITransport(app=app)
+    async with httpx.AsyncClient(transport=transport, base_url="http://localhost") as client:
+        yield client
+
+
+async def test_cors_preflight(control: Control) -> None:
     headers = {
         "origin": "https://console.example",
         "access-control-request-method": "POST",
         "access-control-request-headers": "content-type,x-grpc-web,authorization",
     }
-    response = await client.options(GET_CLUSTER, headers=headers)
+    async with opened_to(control, "https://console.example:443") as client:
+        response = await client.options(GET_CLUSTER, headers=headers)
     assert response.status_code == 204
     assert response.headers["access-control-allow-origin"] == "https://console.example"
     assert response.headers["access-control-allow-methods"] == "POST, OPTIONS"
@@ -387,8 +399,7 @@ async def test_cors_preflight(client: httpx.AsyncClient) -> None:
 
 
 async def test_cors_with_an_allow_list(control: Control) -> None:
-    app = GrpcWebApp([control], max_message_bytes=LIMIT, cors_allow_origins=["https://ok.test"])
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+    async with opened_to(control, "https://ok.test") as c:
         ok = await c.post(
             GET_CLUSTER, content=frame(b""), headers={**BINARY, "origin": "https://ok.test"}
         )
@@ -396,9 +407,48 @@ async def test_cors_with_an_allow_list(control: Control) -> None:
         assert ok.headers["vary"] == "origin"
         evil = {**BINARY, "origin": "https://evil.test"}
         refused = await c.post(GET_CLUSTER, content=frame(b""), headers=evil)
+        assert refused.status_code == 403 and "--cors-origin" in refused.text
         assert "access-control-allow-origin" not in refused.headers
         preflight = await c.options(GET_CLUSTER, headers={"origin": "https://evil.test"})
         assert preflight.status_code == 403
+    assert control.calls == 1  # the refused call reached no handler
+
+
+async def test_default_refuses_every_origin_and_foreign_host(client: httpx.AsyncClient) -> None:
+    ask = {"origin": "https://console.example", "access-control-request-method": "POST"}
+    assert (await client.options(GET_CLUSTER, headers=ask)).status_code == 403
+    body = frame(bytes(GetClusterRequest()))
+    for headers in ({"origin": "null"}, {"host": "evil.example:8080"}, {"host": "10.0.0.1"}):
+        response = await client.post(GET_CLUSTER, content=body, headers={**BINARY, **headers})
+        assert response.status_code == 403, headers
+        assert "access-control-allow-origin" not in response.headers
+    own = {**BINARY, "host": "127.0.0.1:8080", "origin": "http://127.0.0.1:8080"}
+    assert (await client.post(GET_CLUSTER, content=body, headers=own)).status_code == 200
+    twice = [
+        ("host", "localhost"),
+        ("host", "evil.example"),
+        ("content-type", BINARY["content-type"]),
+    ]
+    assert (await client.post(GET_CLUSTER, content=body, headers=twice)).status_code == 400
+
+
+async def test_browser_gate_guards_what_it_wraps() -> None:
+    reached: list[str] = []
+
+    async def inner(scope: dict[str, Any], receive: object, send: Any) -> None:
+        reached.append(scope["path"])
+        await send({"type": "http.response.start", "status": 299, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    gate = BrowserGate(inner, HttpGuard())
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=gate), base_url="http://[::1]"
+    ) as c:
+        assert (await c.post("/x", headers={"origin": "http://evil.example"})).status_code == 403
+        assert (await c.post("/x", headers={"host": "evil.example"})).status_code == 403
+        assert reached == []
+        assert (await c.post("/x")).status_code == 299
+    assert reached == ["/x"]
 
 
 @pytest.mark.parametrize(
@@ -410,10 +460,11 @@ async def test_healthz(control: Control, problem: str | None, code: int, text: s
         return problem
 
     app = GrpcWebApp([control], max_message_bytes=LIMIT, health=health)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+    ) as c:
         response = await c.get("/healthz")
     assert (response.status_code, response.text) == (code, text)
-    assert response.headers["access-control-allow-origin"] == "*"
 
 
 async def test_healthz_failing_check_is_503(
@@ -423,7 +474,9 @@ async def test_healthz_failing_check_is_503(
         raise OSError("database gone")
 
     app = GrpcWebApp([control], max_message_bytes=LIMIT, health=health)
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app), base_url="http://s") as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://localhost"
+    ) as c:
         assert (await c.get("/healthz")).status_code == 503
     assert "database gone" in caplog.text
 

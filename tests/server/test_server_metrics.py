@@ -138,8 +138,12 @@ async def test_the_web_port_serves_metrics_without_a_token() -> None:
     served = GrpcWebApp([_Control()], authorize=_refuse, metrics=lambda: b"llmgw_x 1\n")
     bare = GrpcWebApp([_Control()], authorize=_refuse)
     async with (
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=served), base_url="http://s") as c,
-        httpx.AsyncClient(transport=httpx.ASGITransport(app=bare), base_url="http://s") as b,
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=served), base_url="http://localhost"
+        ) as c,
+        httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=bare), base_url="http://localhost"
+        ) as b,
     ):
         response = await c.get("/metrics")
         assert response.status_code == 200 and response.text == "llmgw_x 1\n"
@@ -189,7 +193,9 @@ class _Blocks:
 
 
 async def scrape(web: GrpcWebApp) -> Samples:
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=web), base_url="http://s") as c:
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=web), base_url="http://localhost"
+    ) as c:
         return parse((await c.get("/metrics")).text)
 
 

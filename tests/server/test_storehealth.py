@@ -311,7 +311,7 @@ async def test_both_ports_answer_unavailable_and_keep_reading(plane: ControlPlan
 
     app = GrpcWebApp([control], guard=unavailable_when_unwritable)
     transport = httpx.ASGITransport(app=app)
-    async with GrpcWebChannel("http://web", transport=transport) as web:
+    async with GrpcWebChannel("http://127.0.0.1", transport=transport) as web:
         client = ControlClient(web)
         with pytest.raises(RpcError) as refused:
             await client.apply_deployment(_apply_request())

@@ -58,6 +58,7 @@ import ssl
 import time
 from dataclasses import dataclass, field
 
+from llmgw.httpguard import BrowserAccess, HttpGuard
 from llmgw.server.router.apikeys import UNAUTHORIZED_BODY, ApiKeys
 from llmgw.server.router.engines import EnginePoller, PollerConfig
 from llmgw.server.router.errors import (
@@ -125,6 +126,7 @@ class GatewayConfig:
     engine_poll_s: float = 5.0  # how often replicas' /metrics are read (0: never)
     api_keys: ApiKeys = ApiKeys()  # clients' keys for /v1 (apikeys.py); none: open to all
     debug_kv_index: bool = False  # serve GET /debug/kv_index (see the module docstring)
+    browsers: BrowserAccess = BrowserAccess()  # --cors-origin, --allowed-host (httpguard)
     tls: ssl.SSLContext | None = field(default=None, repr=False, compare=False)  # None: http
 
 
@@ -198,8 +200,13 @@ class Gateway:
             read_timeout_s=self.config.read_timeout_s,
             keepalive_timeout_s=self.config.keepalive_timeout_s,
         )
+        guard = HttpGuard(self.config.browsers, self.config.host, tls=self.config.tls is not None)
         self._server = HttpServer(
-            self._handle, limits, tick=self.pool.expire, refused=self.metrics.request_done
+            self._handle,
+            limits,
+            tick=self.pool.expire,
+            refused=self.metrics.request_done,
+            guard=guard,
         )
         address = await self._server.start(self.config.host, self.config.port, ssl=self.config.tls)
         if self.config.engine_poll_s > 0:

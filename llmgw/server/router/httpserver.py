@@ -14,6 +14,14 @@ read within ``read_timeout_s`` (408), an idle keep-alive connection closed after
 ``keepalive_timeout_s``. A malformed request is answered 400 and the connection closed.
 When the client goes away (EOF or reset), the handler's task is cancelled.
 
+Browsers: as soon as a request's head has arrived it is put to the server's ``guard``
+(``llmgw.httpguard.HttpGuard``); a foreign Host (DNS rebinding) or an Origin that is neither
+``--cors-origin`` nor the port's own is answered 403 (a missing or repeated Host or Origin
+400) in OpenAI's error shape, and the connection closed: no handler runs and no body is
+kept. Requests from a ``--cors-origin`` origin get its CORS headers on their response
+(``connection_header`` adds them), and its preflights (OPTIONS with
+``Access-Control-Request-Method``) are answered 204 here.
+
 A handler gets the ``Request`` and the ``HttpConnection`` and writes the response bytes
 itself (``write``), head included; ``respond`` writes a whole small response. The handler
 returning means the response is complete; ``abort`` closes the connection instead (a
@@ -36,6 +44,7 @@ from typing import Protocol, cast
 
 import httptools
 
+from llmgw.httpguard import LOOPBACK_ONLY, HttpGuard, Refusal
 from llmgw.server.router.openai import error_body
 
 log = logging.getLogger(__name__)
@@ -45,6 +54,9 @@ DRAIN_LIMIT = 1 << 20
 """How much of a refused body is read and dropped before the connection is simply closed."""
 
 JSON_TYPE = b"application/json"
+_TOKEN_LIST = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_, ")
+_PREFLIGHT_MAX_AGE = 86400
+_TWO_HOSTS = Refusal(400, "a request carries at most one Host and one Origin header")
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +80,7 @@ class Request:
     body: bytes
     keep_alive: bool
     http11: bool
+    cors_origin: bytes | None = None  # the Origin, when it is one of --cors-origin
 
     def header(self, name: bytes) -> bytes | None:
         """The first value of header ``name`` (lower-case)."""
@@ -119,6 +132,8 @@ class HttpConnection(asyncio.Protocol):
         self._closing = False
         self.lost = False
         self.started = False  # a byte of the current response was written
+        self._current_cors: bytes | None = None  # the current request's --cors-origin
+        self._origin: str | None = None  # the Origin of the request being read
         self.deadline = math.inf  # loop time after which the server's sweep closes us
 
     # asyncio.Protocol
@@ -202,10 +217,12 @@ class HttpConnection(asyncio.Protocol):
         self._keep_alive = False
 
     def connection_header(self) -> bytes:
-        """The ``Connection`` header line the current response needs, if any."""
+        """The header lines the server adds to the current response: ``Connection`` when it
+        is needed, and the CORS ones for a ``--cors-origin`` origin."""
+        cors = b"" if self._current_cors is None else _cors_lines(self._current_cors)
         if not self.keep_alive:
-            return b"connection: close\r\n"
-        return b"" if self._current_http11 else b"connection: keep-alive\r\n"
+            return cors + b"connection: close\r\n"
+        return cors + (b"" if self._current_http11 else b"connection: keep-alive\r\n")
 
     def set_producer(self, producer: Producer | None) -> None:
         """Pause ``producer`` whenever the client's socket buffer is full."""
@@ -264,12 +281,18 @@ class HttpConnection(asyncio.Protocol):
     def on_headers_complete(self) -> None:
         self._in_head = False
         declared = next((v for k, v in self._headers if k == b"content-length"), None)
+        expect = next((v for k, v in self._headers if k == b"expect"), None)
+        refusal = self._browser_refusal()
+        if refusal is not None:
+            self._refused = (refusal.status, refusal.message)
+            if declared is None or int(declared) > DRAIN_LIMIT or expect is not None:
+                raise ValueError(refusal.message)  # answered at once, connection closed
+            return  # a small body is read and dropped, so that the client reads the answer
         too_large = declared is not None and int(declared) > self._limits.max_body_bytes
         if too_large:
             self._refused = (413, self._too_large_message())
             if int(declared or 0) > self._limits.max_body_bytes + DRAIN_LIMIT:
                 raise ValueError(self._refused[1])  # answered at once, connection closed
-        expect = next((v for k, v in self._headers if k == b"expect"), None)
         if expect is not None and expect.lower() == b"100-continue":
             if too_large:
                 raise ValueError(self._refused[1] if self._refused else "")
@@ -303,6 +326,7 @@ class HttpConnection(asyncio.Protocol):
             body=b"".join(self._body),
             keep_alive=self._parser.should_keep_alive(),
             http11=self._parser.get_http_version() == "1.1",
+            cors_origin=self._cors_origin(),
         )
         self._body = []
         self._body_bytes = 0
@@ -321,12 +345,16 @@ class HttpConnection(asyncio.Protocol):
     def _start(self, request: Request) -> None:
         self._keep_alive = request.keep_alive
         self._current_http11 = request.http11
+        self._current_cors = request.cors_origin
         self.started = False
         self._task = self._loop.create_task(self._run(request))
 
     async def _run(self, request: Request) -> None:
         try:
-            await self._server.handler(request, self)
+            if _is_preflight(request):
+                self._answer_preflight(request)
+            else:
+                await self._server.handler(request, self)
         except asyncio.CancelledError:
             self._keep_alive = False
             raise
@@ -355,6 +383,38 @@ class HttpConnection(asyncio.Protocol):
             return
         self.deadline = self._loop.time() + self._limits.keepalive_timeout_s
 
+    def _browser_refusal(self) -> Refusal | None:
+        host = origin = None
+        for name, value in self._headers:
+            if name == b"host":
+                if host is not None:
+                    return _TWO_HOSTS
+                host = value.decode("latin-1")
+            elif name == b"origin":
+                if origin is not None:
+                    return _TWO_HOSTS
+                origin = value.decode("latin-1")
+        self._origin = origin
+        return self._server.guard.refusal(
+            host, origin, http11=self._parser.get_http_version() != "1.0"
+        )
+
+    def _cors_origin(self) -> bytes | None:
+        origin = self._origin
+        if origin is None or not self._server.guard.cors_allows(origin):
+            return None
+        return origin.encode("latin-1")
+
+    def _answer_preflight(self, request: Request) -> None:
+        asked = request.header(b"access-control-request-headers") or b""
+        head = status_line(204) + (
+            b"access-control-allow-methods: GET, POST, OPTIONS\r\n"
+            b"access-control-max-age: %d\r\n" % _PREFLIGHT_MAX_AGE
+        )
+        if asked and all(c in _TOKEN_LIST for c in asked):
+            head += b"access-control-allow-headers: %s\r\n" % asked
+        self.write(head + self.connection_header() + b"\r\n")
+
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
         if self._head_bytes > self._limits.max_head_bytes:
@@ -373,11 +433,25 @@ class HttpConnection(asyncio.Protocol):
         self._closing = True
         self._pending.clear()
         if self._task is None and not self.lost:
+            self._current_cors = None
             self.respond(status, error_body(message, _error_type(status), status))
             if self._server.refused is not None:
                 self._server.refused(status)
         if self._task is None and self._transport is not None:
             self._transport.close()
+
+
+def _is_preflight(request: Request) -> bool:
+    """A CORS preflight from a ``--cors-origin`` origin (others were refused already)."""
+    return (
+        request.method == b"OPTIONS"
+        and request.cors_origin is not None
+        and request.header(b"access-control-request-method") is not None
+    )
+
+
+def _cors_lines(origin: bytes) -> bytes:
+    return b"access-control-allow-origin: %s\r\nvary: origin\r\n" % origin
 
 
 def _error_type(status: int) -> str:
@@ -395,8 +469,10 @@ class HttpServer:
         *,
         tick: Callable[[float], None] | None = None,
         refused: Callable[[int], None] | None = None,
+        guard: HttpGuard = LOOPBACK_ONLY,
     ) -> None:
         self.handler = handler
+        self.guard = guard  # which Host and Origin headers are answered (llmgw.httpguard)
         self.refused = refused  # told the status of every request refused before its handler
         self._tick = tick
         self.limits = limits
