@@ -496,7 +496,7 @@ def test_llamacpp_on_one_gpu() -> None:
 def test_sim_runs_llmgw_sim_engine_with_the_vllm_command_line() -> None:
     spec = shard(profile(tp=1, kv_events=True), gpu_uuids=GPUS[:1])
     sim = launch(shard(profile(engine="sim", tp=1, kv_events=True), gpu_uuids=GPUS[:1]))
-    assert sim.argv[:4] == (sys.executable, "-m", "llmgw", "sim-engine")
+    assert sim.argv[:5] == (sys.executable, "-P", "-m", "llmgw", "sim-engine")
     assert sim.engine == "sim"
     as_vllm = launch(spec, {"vllm": ("python", "-m", "llmgw", "sim-engine")})
     assert sim.argv[4:] == as_vllm.argv[4:]
