@@ -498,9 +498,9 @@ def test_sim_runs_llmgw_sim_engine_with_the_vllm_command_line() -> None:
     sim = launch(shard(profile(engine="sim", tp=1, kv_events=True), gpu_uuids=GPUS[:1]))
     assert sim.argv[:5] == (sys.executable, "-P", "-m", "llmgw", "sim-engine")
     assert sim.engine == "sim"
-    as_vllm = launch(spec, {"vllm": ("python", "-m", "llmgw", "sim-engine")})
-    assert sim.argv[4:] == as_vllm.argv[4:]
-    assert sim.argv[4:6] == ("serve", MODEL)
+    as_vllm = launch(spec, {"vllm": ("python", "-P", "-m", "llmgw", "sim-engine")})
+    assert sim.argv[5:] == as_vllm.argv[5:]
+    assert sim.argv[5:7] == ("serve", MODEL)
     assert (sim.env, sim.kv_events) == (as_vllm.env, as_vllm.kv_events)
 
 
