@@ -4,7 +4,9 @@ every port keeps answering while it is checked."""
 from __future__ import annotations
 
 import asyncio
+import json
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -14,6 +16,7 @@ from llmgw.api.llmgw.v1 import ActionResult, ApplyDeploymentRequest, Deployment,
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
+CLI_DEPLOYMENTS = 10_000
 DEPLOYMENTS = 60_000  # ~2.9 MB of TOML, under the default 4 MiB message limit; ~6 s to parse
 APPLY = "/llmgw.v1.ControlService/ApplyDeployment"
 GRPC_WEB = {"content-type": "application/grpc-web+proto", "x-grpc-web": "1"}
@@ -74,3 +77,20 @@ async def test_a_huge_apply_leaves_healthz_answering(cluster: Cluster) -> None:
     assert took > 1.0, f"the apply took {took:.1f}s: too small to tell"
     assert len(latencies) >= 3
     assert max(latencies) < 0.5, f"/healthz took up to {max(latencies):.2f}s during the apply"
+
+
+def test_llmgw_apply_sends_a_huge_file_in_one_request(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.start_server()
+    path = tmp_path / "huge.toml"
+    path.write_text(PROFILE + "".join(
+        f'[deployments.d{i}]\nprofile = "p"\nreplicas = 0\n' for i in range(CLI_DEPLOYMENTS)
+    ))  # fmt: skip
+    started = time.monotonic()
+    applied = cluster.cli("apply", "-f", str(path))
+    took = time.monotonic() - started
+    lines = applied.stdout.splitlines()
+    assert lines[0].startswith("deployment d0 applied: profile p (")
+    assert lines[-1] == f"… and {CLI_DEPLOYMENTS - len(lines) + 1} more"
+    assert took < 60, f"llmgw apply took {took:.0f}s"  # one request per deployment: hours
+    listed = cluster.cli("get", "deployments", "-o", "json").stdout
+    assert len(json.loads(listed)["deployments"]) == CLI_DEPLOYMENTS
