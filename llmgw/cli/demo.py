@@ -241,7 +241,7 @@ def state_dir(given: Path | None, prefix: str = "llmgw-demo-") -> Iterator[Path]
         if stopped:
             shutil.rmtree(tmp, ignore_errors=True)
         else:  # a failure: what the processes logged is what tells why
-            sys.stderr.write(f"llmgw demo: the state and logs are kept in {tmp}\n")
+            sys.stderr.write(f"llmgw: the state and logs are kept in {tmp}\n")
         raise
     shutil.rmtree(tmp, ignore_errors=True)
 

@@ -57,7 +57,7 @@ def test_a_failed_demo_keeps_its_temporary_state_and_says_where(
         (failed / "logs").mkdir()
         raise CliError("the server process exited (status 1)")
     assert (failed / "logs").is_dir()
-    assert capsys.readouterr().err == f"llmgw demo: the state and logs are kept in {failed}\n"
+    assert capsys.readouterr().err == f"llmgw: the state and logs are kept in {failed}\n"
     with state_dir(None, prefix="demo-") as fine:
         pass
     with pytest.raises(CliError), state_dir(None, prefix="demo-") as stopped:
