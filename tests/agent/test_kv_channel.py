@@ -78,6 +78,7 @@ async def squatter(tmp_path: Path) -> AsyncIterator[tuple[Path, asyncio.subproce
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.skipif(os.geteuid() != 0, reason="the squatter becomes nobody: needs root")
 async def test_a_squatted_socket_folder_never_feeds_the_agent(
     control: tuple[FakeControl, int],
     squatter: tuple[Path, asyncio.subprocess.Process],
