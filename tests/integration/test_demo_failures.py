@@ -3,10 +3,14 @@ folder (a clone in ``~``): real processes, as a user runs them."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,6 +19,27 @@ from llmgw.cli.demo import state_dir
 from llmgw.cli.main import CliError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+@pytest.fixture(autouse=True)
+def _no_leftovers(tmp_path: Path) -> Iterator[None]:
+    """Kill what a demo that did not stop left (its children have sessions of their own, so
+    a demo killed by a timeout leaves agents that would join other tests' servers)."""
+    yield
+    for pid in _processes_mentioning(str(tmp_path)):
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+def _processes_mentioning(text: str) -> list[int]:
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        with contextlib.suppress(OSError):
+            if text in (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode():
+                found.append(int(entry.name))
+    return found
 
 
 def _bogus_clone(folder: Path) -> Path:
