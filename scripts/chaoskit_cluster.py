@@ -17,10 +17,10 @@ from __future__ import annotations
 import contextlib
 import os
 import random
+import shlex
 import signal
 import socket
 import subprocess
-import sys
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
@@ -30,10 +30,11 @@ from typing import Final
 from chaoskit_disk import StateDisk
 
 from llmgw.agent.records import RecordStore
+from llmgw.command import LLMGW_COMMAND
 from llmgw.engineports import format_port_range, pick_window
 
 RUN_ENV: Final = "LLMGW_CHAOS_RUN"
-SIM_ENGINE_BIN: Final = f"sim={sys.executable} -m llmgw sim-engine"
+SIM_ENGINE_BIN: Final = f"sim={shlex.join(LLMGW_COMMAND)} sim-engine"
 SERVER: Final = "server"
 GATEWAY: Final = "gateway"
 _PORT_RANGE: Final = (12000, 20000)  # below engine windows (21000 up) and ephemeral ports
@@ -149,7 +150,7 @@ class ChaosCluster:
             out.write(f"\n=== chaos: starting {name} at {time.time():.3f}\n".encode())
             out.flush()
             return subprocess.Popen(
-                [sys.executable, "-m", "llmgw", *args],
+                [*LLMGW_COMMAND, *args],
                 stdout=out,
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,

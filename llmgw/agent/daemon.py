@@ -16,6 +16,7 @@ import logging
 import os
 import socket
 import ssl
+import urllib.parse
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -76,11 +77,36 @@ class AgentConfig:
 
 
 def parse_server(text: str) -> tuple[str, int]:
-    """``HOST:PORT`` → (host, port); a malformed value names the flag."""
+    """``HOST:PORT`` → (host, port); a malformed value names the flag.
+
+    A URL (``http://host:8080``, the form the CLI's gRPC-web ``--server`` takes) is refused
+    at once, with the value to use instead: its host would never resolve, and the agent
+    would retry it forever.
+    """
+    if "://" in text:
+        raise AgentConfigError(_url_refusal(text))
     host, sep, port = text.rpartition(":")
-    if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+    bare = host.strip("[]")
+    if not sep or not bare or not port.isdigit() or not 0 < int(port) < 65536:
         raise AgentConfigError(f"--server {text!r} is not HOST:PORT (for example 127.0.0.1:50051)")
-    return host.strip("[]"), int(port)
+    if any(c in bare for c in "/?#@ ") or any(not c.isprintable() for c in bare):
+        raise AgentConfigError(f"--server {text!r}: {bare!r} is not a host name or address")
+    return bare, int(port)
+
+
+def _url_refusal(text: str) -> str:
+    url = urllib.parse.urlsplit(text)
+    try:
+        port = url.port
+    except ValueError:
+        port = None
+    host = url.hostname or "HOST"
+    host = f"[{host}]" if ":" in host else host
+    suggestion = f"{host}:{port or 50051}"
+    return (
+        f"--server {text!r} is a URL; the agent takes the control server's gRPC HOST:PORT "
+        f"(its --listen, default port 50051), not a URL: try --server {suggestion}"
+    )
 
 
 def parse_labels(text: str) -> dict[str, str]:

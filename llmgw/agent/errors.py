@@ -7,7 +7,9 @@
     ├── SpawnError             an engine's process could not be started (exec failed)
     ├── EngineFailed           a started engine failed: it exited, timed out or stopped
     │                          answering its probe (carries the reason and the exit code)
-    └── RecordError            an adoption record on disk is unreadable or malformed
+    ├── RecordError            an adoption record on disk is unreadable or malformed
+    └── SocketFolderError      an engine's KV event socket folder is not the agent's alone
+                               (owner, mode, symlink: `llmgw.agent.ipcdir`)
 
 ``llmgw.agent.engines.EngineError`` (a ``ValueError``) belongs to the engine adapters: a
 profile that cannot be turned into a command line. The supervisor reports it as FAILED
@@ -41,3 +43,7 @@ class EngineFailed(SupervisorError):
 
 class RecordError(SupervisorError):
     """An engine record under the state directory cannot be read; the message names it."""
+
+
+class SocketFolderError(SupervisorError):
+    """A KV event socket folder others could use; the message names it and what is wrong."""

@@ -18,6 +18,14 @@ which vLLM gives each DP rank) are checked batch by batch:
 * **A malformed message** is counted and logged (at most one warning per
   ``error_log_interval_s``) and skipped; the subscriber keeps going.
 
+What an engine can cost the agent is bounded: ZMQ drops a connection whose message part
+passes ``max_message_bytes`` before reading it (the SUB then reconnects and syncs again,
+resetting the engine's blocks), live and replayed batches held during a replay are bounded
+in count and bytes, and a mirror holding more than ``max_blocks`` blocks (more than any
+engine caches) is a decode error that resets it. The socket folders must be the agent's
+alone (`llmgw.agent.ipcdir.check_private_dir`) before the subscriber connects: whoever
+could bind a socket there would feed the agent their blocks.
+
 `KvEventHub` owns the subscribers (``follow``/``forget``, driven by shard states) and is
 what the stream reads: `KvEventHub.full_copy` (every engine's blocks, for a new stream) and
 `KvEventHub.next_deltas` (net changes, batched every ``flush_interval_s``, packed). Nothing is
@@ -39,8 +47,16 @@ import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
 from llmgw.agent.engines.base import KvEventEndpoints
+from llmgw.agent.errors import SocketFolderError
+from llmgw.agent.ipcdir import check_private_dir
 from llmgw.api.llmgw.v1 import KvDelta
-from llmgw.kvcache import KvEventDecodeError, decode_batch, decode_frames, decode_replay_message
+from llmgw.kvcache import (
+    KvEventDecodeError,
+    MirrorOverflowError,
+    decode_batch,
+    decode_frames,
+    decode_replay_message,
+)
 from llmgw.kvcache import encode_replay_request as replay_request
 from llmgw.kvcache.mirror import BlockMirror, MirrorDelta, pack_hashes
 
@@ -64,6 +80,15 @@ class KvFollowConfig:
     full_copy_chunk: int = 32_768  # block hashes per KvDelta message
     compute_keys: bool = True  # keep our own block keys (llmgw.kvcache.mirror)
     error_log_interval_s: float = 10.0  # at most one decode-error warning per interval
+    # One message part: a batch is one engine step's events, ~5 bytes per token id and ~10
+    # per block hash, so 16 MiB holds a step of over 3 million tokens. ZMQ drops the
+    # connection of a longer message before buffering it (the subscriber then syncs again).
+    max_message_bytes: int = 16 * 2**20
+    max_held_bytes: int = 256 * 2**20  # payloads held during a replay, live and replayed
+    # Blocks in one mirror (one engine's data-parallel rank): more than an engine caches.
+    # vLLM's num_gpu_blocks is ~65k for an 8B model on a 141 GB GPU and ~10**6 for a tiny
+    # model there; CPU offloading tiers add theirs. More is a decode error: the mirror resets.
+    max_blocks: int = 2**23
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,7 +102,7 @@ class KvEventCounters:
     replay_failures: int = 0  # holes no replay could fill
     resets: int = 0  # the engine's blocks reset (hole, restart, AllBlocksCleared)
     restarts: int = 0  # engine restarts noticed (connection dropped, seq went back)
-    decode_errors: int = 0  # malformed frames, payloads or replay messages
+    decode_errors: int = 0  # malformed frames, payloads, replay messages; a mirror overflow
     blocks: int = 0  # blocks mirrored now, all ranks
     last_seq: int | None = None  # the last batch applied
 
@@ -149,6 +174,7 @@ class EngineSubscriber:
         self._next: int | None = None  # the seq expected next; None until synced
         self._connected = False  # between the SUB's CONNECTED and DISCONNECTED events
         self._held: list[tuple[int, bytes]] = []
+        self._held_bytes = 0  # of the payloads in ``_held`` and the replay's batches
         self._replay: _Replay | None = None
         self._poller = zmq.asyncio.Poller()
 
@@ -167,14 +193,20 @@ class EngineSubscriber:
                 await self._follow()
             except asyncio.CancelledError:
                 raise
+            except SocketFolderError as exc:
+                self._errors.warning("shard %s: not following KV events: %s", self.shard_id, exc)
+                await asyncio.sleep(_RETRY_S)
             except Exception:  # a bug or a socket error: never take the agent down
                 log.exception("shard %s: KV event subscriber failed; reopening", self.shard_id)
                 self._lost_track("the subscriber failed")
                 await asyncio.sleep(_RETRY_S)
 
     async def _follow(self) -> None:
+        for path in self.endpoints.socket_paths:
+            check_private_dir(path.parent)
         sub = self._ctx.socket(zmq.SUB)
         sub.setsockopt(zmq.LINGER, 0)
+        sub.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         sub.setsockopt(zmq.SUBSCRIBE, self.endpoints.topic.encode())
         monitor = sub.get_monitor_socket(_MONITORED)
         self._connected = False
@@ -186,7 +218,7 @@ class EngineSubscriber:
             while True:
                 ready = dict(await self._poller.poll(self._poll_timeout_ms()))
                 if monitor in ready:
-                    await self._drain_monitor(monitor)
+                    await self._drain_monitor(monitor, sub)
                 if sub in ready:
                     await self._drain(sub)
                 await self._after_poll(ready)
@@ -219,26 +251,34 @@ class EngineSubscriber:
 
     # -- the live stream --------------------------------------------------------------------
 
-    async def _drain_monitor(self, monitor: zmq.asyncio.Socket) -> None:
+    async def _drain_monitor(self, monitor: zmq.asyncio.Socket, sub: zmq.asyncio.Socket) -> None:
         """Every pending connection event: the poll reports a socket once, not per message."""
         while True:
             try:
                 frames = await monitor.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
-            await self._on_monitor(frames)
+            await self._on_monitor(frames, sub)
 
-    async def _on_monitor(self, frames: list[bytes]) -> None:
+    async def _on_monitor(self, frames: list[bytes], sub: zmq.asyncio.Socket) -> None:
         event = parse_monitor_message(frames)["event"]
         log.debug("shard %s: KV event socket: %s", self.shard_id, event)
         if event == zmq.EVENT_DISCONNECTED:
             self._connected = False
             self._counts.restarts += 1
             self._lost_track("its engine went away")
+            self._redial(sub)
         elif event == zmq.EVENT_CONNECTED:
             self._connected = True
             if self._next is None and self._replay is None and self.endpoints.replay_endpoint:
                 await self._start_replay(0)  # what it published before we joined
+
+    def _redial(self, sub: zmq.asyncio.Socket) -> None:
+        """Connect again. ZMQ reconnects after the peer went away, but never after a
+        protocol error, and a message part over ``max_message_bytes`` is one."""
+        with contextlib.suppress(zmq.ZMQError):  # ENOENT: ZMQ already dropped the endpoint
+            sub.disconnect(self.endpoints.endpoint)
+        sub.connect(self.endpoints.endpoint)
 
     async def _drain(self, sub: zmq.asyncio.Socket) -> None:
         for _ in range(_DRAIN_LIMIT):
@@ -285,16 +325,22 @@ class EngineSubscriber:
 
     async def _hold(self, seq: int, payload: bytes) -> None:
         self._held.append((seq, payload))
-        if len(self._held) > self.config.max_held_batches:
+        self._held_bytes += len(payload)
+        if self._holding_too_much(len(self._held)):
             self._errors.warning("shard %s: replay too slow: %d live batches held",
                                  self.shard_id, len(self._held))  # fmt: skip
             await self._complete_replay()
+
+    def _holding_too_much(self, batches: int) -> bool:
+        config = self.config
+        return batches > config.max_held_batches or self._held_bytes > config.max_held_bytes
 
     # -- replay -----------------------------------------------------------------------------
 
     async def _start_replay(self, from_seq: int) -> None:
         dealer = self._ctx.socket(zmq.DEALER)
         dealer.setsockopt(zmq.LINGER, 0)
+        dealer.setsockopt(zmq.MAXMSGSIZE, self.config.max_message_bytes)
         dealer.connect(self.endpoints.replay_endpoint)
         self._replay = _Replay(dealer, from_seq, time.monotonic())
         self._poller.register(dealer, zmq.POLLIN)
@@ -318,7 +364,8 @@ class EngineSubscriber:
                 await self._complete_replay(ended=True)
                 return
             replay.batches.append((message.seq, message.payload))
-            if len(replay.batches) > self.config.max_held_batches:
+            self._held_bytes += len(message.payload)
+            if self._holding_too_much(len(replay.batches)):
                 self._errors.warning("shard %s: replay longer than %d batches; cut short",
                                      self.shard_id, self.config.max_held_batches)  # fmt: skip
                 await self._complete_replay()
@@ -337,7 +384,7 @@ class EngineSubscriber:
         batches = dict(replayed)
         for seq, payload in self._held:
             batches.setdefault(seq, payload)
-        self._held = []
+        self._held, self._held_bytes = [], 0
         if not batches and ended and replay is not None and self._next is None:
             self._next = replay.from_seq
         covered = max(replayed, default=-1)
@@ -347,6 +394,7 @@ class EngineSubscriber:
             if ended and replayed and expected is not None and covered < expected < seq:
                 self._counts.gaps += 1
                 self._held = [(s, batches[s]) for s in order[i:]]
+                self._held_bytes = sum(len(payload) for _, payload in self._held)
                 await self._start_replay(expected)
                 return
             self._accept(seq, batches[seq])
@@ -387,9 +435,18 @@ class EngineSubscriber:
             return
         mirror = self.mirrors.get(rank)
         if mirror is None:
-            mirror = self.mirrors[rank] = BlockMirror(compute_keys=self.config.compute_keys)
+            mirror = self.mirrors[rank] = BlockMirror(
+                compute_keys=self.config.compute_keys, max_blocks=self.config.max_blocks
+            )
         clears = mirror.clears
-        mirror.apply(batch)
+        try:
+            mirror.apply(batch)
+        except MirrorOverflowError as exc:
+            self._bad(f"batch {seq}", exc)
+            mirror.reset()
+            self._counts.resets += 1
+            self._on_change()
+            return
         self._counts.resets += mirror.clears - clears
         self._counts.batches += 1
         self._counts.events += len(batch.events)
@@ -400,7 +457,7 @@ class EngineSubscriber:
         """The engine's history is unknown from here: reset, and sync again on its next word."""
         log.info("shard %s: %s; resetting its KV blocks", self.shard_id, why)
         self._end_replay()
-        self._held = []
+        self._held, self._held_bytes = [], 0
         self._next = self.last_seq = None
         self._reset()
 

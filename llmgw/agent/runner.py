@@ -29,7 +29,8 @@ from pathlib import Path
 
 from llmgw.agent.enginelog import DEFAULT_LINES, EngineLog
 from llmgw.agent.engines.base import LaunchSpec
-from llmgw.agent.errors import EngineFailed, SpawnError
+from llmgw.agent.errors import EngineFailed, SocketFolderError, SpawnError
+from llmgw.agent.ipcdir import private_dir
 from llmgw.agent.probe import EngineProbe, ProbeTimeouts
 from llmgw.agent.process import EngineProcess
 from llmgw.agent.records import EngineRecord, RecordStore
@@ -329,7 +330,10 @@ class ShardRunner:
         argv = command.launch.argv
         if command.launch.kv_events is not None:  # the engine binds them: folders must exist
             for path in command.launch.kv_events.socket_paths:
-                path.parent.mkdir(parents=True, exist_ok=True)
+                try:
+                    private_dir(path.parent)  # ours alone, or others feed us their blocks
+                except (SocketFolderError, OSError) as exc:
+                    raise EngineFailed(f"KV event sockets: {exc}") from exc
         fd = self.log.open_for_engine(
             f"shard {self.shard_id} (restart {self.restarts}): {shlex.join(_masked(argv))}"
         )

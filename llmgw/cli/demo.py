@@ -15,6 +15,8 @@ engines' prefix-cache hit rate (Σ ``vllm:prefix_cache_hits_total`` / Σ ``…qu
 ``--headless`` (or no terminal) runs the same without the console for ``--duration``
 seconds. Ctrl-C or SIGTERM stop it cleanly at any point: the children have sessions of
 their own, so the demo stops them in order, then the engines the agents leave for adoption.
+A child that exits ends the demo at once with its name, exit status and the end of its
+log; a demo that fails keeps its state directory (and so its logs), and says where.
 """
 
 from __future__ import annotations
@@ -24,6 +26,8 @@ import contextlib
 import logging
 import os
 import random
+import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -45,6 +49,7 @@ from llmgw.cli.console import _logging_to  # the console's own: records off the 
 from llmgw.cli.get import run_get
 from llmgw.cli.main import DEFAULT_WEB_URL, CliError
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
+from llmgw.command import LLMGW_COMMAND
 from llmgw.engineports import NoFreeWindow, PortRange, default_or_window, format_port_range
 from llmgw.server.errors import ProfileError
 from llmgw.server.profiles import parse_document
@@ -92,7 +97,7 @@ POLL_S: Final = 0.3
 DEFAULT_GRPC_PORT: Final = 50051  # the server's defaults, when free
 DEFAULT_HTTP_PORT: Final = 8080
 DEFAULT_GATEWAY_PORT: Final = 8000
-SIM_ENGINE_BIN: Final = f"sim={sys.executable} -m llmgw sim-engine"
+SIM_ENGINE_BIN: Final = f"sim={shlex.join(LLMGW_COMMAND)} sim-engine"
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,6 +137,7 @@ class _Fleet:
         self.url = f"http://127.0.0.1:{free_port(DEFAULT_HTTP_PORT)}"
         self.gateway = f"http://127.0.0.1:{free_port(DEFAULT_GATEWAY_PORT)}"
         self.procs: list[subprocess.Popen[bytes]] = []
+        self.names: dict[int, str] = {}  # pid → which child
 
     def start(self) -> None:
         self.logs.mkdir(parents=True, exist_ok=True)
@@ -147,16 +153,33 @@ class _Fleet:
 
     def _spawn(self, name: str, *args: str) -> None:
         with (self.logs / f"{name}.log").open("ab") as out:
-            self.procs.append(
-                subprocess.Popen(
-                    [sys.executable, "-m", "llmgw", *args],
-                    stdout=out,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    env={**os.environ, "PYTHONUNBUFFERED": "1"},
-                    start_new_session=True,  # Ctrl-C reaches the demo, which stops them
-                )
+            proc = subprocess.Popen(
+                [*LLMGW_COMMAND, *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env={**os.environ, "PYTHONUNBUFFERED": "1"},
+                start_new_session=True,  # Ctrl-C reaches the demo, which stops them
             )
+        self.procs.append(proc)
+        self.names[proc.pid] = name
+
+    def exited(self) -> str | None:
+        """The first child that exited, its status and the end of its log; None if none."""
+        for proc in self.procs:
+            code = proc.poll()
+            if code is None:
+                continue
+            name = self.names[proc.pid]
+            log = self.logs / f"{name}.log"
+            status = f"status {code}" if code >= 0 else f"signal {-code}"
+            return f"the {name} process exited ({status}); the end of {log}:\n{_tail(log)}"
+        return None
+
+    def check(self) -> None:
+        """CliError when a child exited (`exited`)."""
+        if (exited := self.exited()) is not None:
+            raise CliError(exited)
 
     def stop(self) -> None:
         """Agents and server (SIGTERM, then SIGKILL), then the engines the agents left."""
@@ -172,6 +195,15 @@ class _Fleet:
         self.procs.clear()
         for node_id, _ in DEMO_NODES:
             _stop_engines(self.root / node_id / "engines")
+
+
+def _tail(log: Path, lines: int = 15) -> str:
+    """The last ``lines`` lines of a child's log, indented."""
+    try:
+        text = log.read_text(encoding="utf-8", errors="replace")
+    except OSError as exc:
+        return f"  (unreadable: {exc.strerror})"
+    return "\n".join(f"  {line}" for line in text.splitlines()[-lines:]) or "  (empty)"
 
 
 def _stop_engines(records: Path, grace_s: float = 5.0) -> None:
@@ -193,13 +225,25 @@ def _stop_engines(records: Path, grace_s: float = 5.0) -> None:
 @contextlib.contextmanager
 def state_dir(given: Path | None, prefix: str = "llmgw-demo-") -> Iterator[Path]:
     """``given`` (made if missing, kept afterwards), else a temporary folder removed at the
-    end: where a local cluster keeps its database, agents' state and logs."""
+    end unless the block fails (not stopped by Ctrl-C): where a local cluster keeps its
+    database, agents' state and logs."""
     if given is not None:
         given.mkdir(parents=True, exist_ok=True)
         yield given
         return
-    with tempfile.TemporaryDirectory(prefix=prefix) as tmp:
-        yield Path(tmp)
+    tmp = Path(tempfile.mkdtemp(prefix=prefix))
+    try:
+        yield tmp
+    except BaseException as exc:
+        stopped = isinstance(exc, KeyboardInterrupt) or (
+            isinstance(exc, CliError) and exc.exit_code == 130
+        )
+        if stopped:
+            shutil.rmtree(tmp, ignore_errors=True)
+        else:  # a failure: what the processes logged is what tells why
+            sys.stderr.write(f"llmgw: the state and logs are kept in {tmp}\n")
+        raise
+    shutil.rmtree(tmp, ignore_errors=True)
 
 
 # --- the workload --------------------------------------------------------------------------
@@ -410,12 +454,14 @@ async def _run(fleet: _Fleet, options: DemoOptions) -> int:
     with stop_on_signals(stop):
         async with GrpcWebChannel(fleet.url) as channel:
             client = ControlClient(channel)
-            await _until(stop, partial(_nodes_ready, client), NODES_READY_S, "the nodes READY")
+            nodes_ready = partial(_nodes_ready, client)
+            await _until(stop, fleet, nodes_ready, NODES_READY_S, "the nodes READY")
             expected = await _apply(client)
             ready = partial(_replicas_ready, client, expected)
             why = f"{expected} replicas READY (the logs: {fleet.logs})"
-            await _until(stop, ready, REPLICAS_READY_S, why)
-            await _until(stop, partial(_gateway_serves, fleet.gateway), 20, "the gateway")
+            await _until(stop, fleet, ready, REPLICAS_READY_S, why)
+            serves = partial(_gateway_serves, fleet.gateway)
+            await _until(stop, fleet, serves, 20, "the gateway")
             _say(f"{expected} replicas READY; ~{options.rate:g} chat requests/s through the "
                  "gateway" + ("; opening the console (q quits)" if console else ""))  # fmt: skip
             if not console:
@@ -432,13 +478,16 @@ def _say(*lines: str) -> None:
 
 async def _until(
     stop: asyncio.Event,
+    fleet: _Fleet,
     check: Callable[[], Awaitable[T | None]],
     timeout_s: float,
     what: str,
 ) -> T:
-    """Poll ``check`` until it returns something; CliError on a signal or in ``timeout_s``."""
+    """Poll ``check`` until it returns something; CliError on a signal, when a child of
+    ``fleet`` exits, or in ``timeout_s``."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
+        fleet.check()
         found = await check()
         if found is not None:
             return found
@@ -522,15 +571,17 @@ async def _with_workload(
                 with _logging_to(fleet.logs / "demo.log"):
                     await _console(fleet, stop)
             else:
-                await _wait(stop, options)
+                await _wait(stop, fleet, options)
         finally:
             done.set()
+    fleet.check()  # outside the task group: one clean error, not an exception group
     seconds = time.monotonic() - started
     return await _summarize(fleet, client, workload, seconds)
 
 
-async def _wait(stop: asyncio.Event, options: DemoOptions) -> None:
-    """Until ``stop``, for ``--duration`` (by default HEADLESS_DURATION_S with --headless)."""
+async def _wait(stop: asyncio.Event, fleet: _Fleet, options: DemoOptions) -> None:
+    """Until ``stop``, for ``--duration`` (by default HEADLESS_DURATION_S with --headless),
+    or until a child of ``fleet`` exits."""
     seconds = options.duration_s
     if seconds is None and options.headless:
         seconds = HEADLESS_DURATION_S
@@ -538,15 +589,25 @@ async def _wait(stop: asyncio.Event, options: DemoOptions) -> None:
         _say("running; press Ctrl-C to stop")
     with contextlib.suppress(TimeoutError):
         async with asyncio.timeout(seconds):
-            await stop.wait()
+            await _stopped_or_exited(stop, fleet)
+
+
+async def _stopped_or_exited(stop: asyncio.Event, fleet: _Fleet) -> None:
+    """Until ``stop`` is set or a child of ``fleet`` exits."""
+    while fleet.exited() is None:
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(POLL_S):
+                await stop.wait()
+        if stop.is_set():
+            return
 
 
 async def _console(fleet: _Fleet, stop: asyncio.Event) -> None:
     """``llmgw console`` on this terminal until it quits (or a signal stops the demo)."""
     args = ["console", "--server", fleet.url, "--log-file", str(fleet.logs / "console.log")]
-    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "llmgw", *args)
+    proc = await asyncio.create_subprocess_exec(*LLMGW_COMMAND, *args)
     waiter = asyncio.ensure_future(proc.wait())
-    stopper = asyncio.ensure_future(stop.wait())
+    stopper = asyncio.ensure_future(_stopped_or_exited(stop, fleet))
     try:
         await asyncio.wait({waiter, stopper}, return_when=asyncio.FIRST_COMPLETED)
     finally:

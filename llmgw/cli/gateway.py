@@ -143,7 +143,10 @@ def _report_flags(args: argparse.Namespace) -> tuple[str | None, float]:
 
 
 def host_port(text: str, flag: str) -> tuple[str, int]:
-    """``HOST:PORT`` or ``[V6]:PORT``; a malformed value names the flag."""
+    """``HOST:PORT`` or ``[V6]:PORT``; a malformed value (a URL too) names the flag."""
+    if "://" in text:
+        bare = text.split("://", 1)[1].split("/", 1)[0]
+        raise CliError(f"{flag} {text!r} is a URL; it takes HOST:PORT: try {flag} {bare}")
     host, sep, port = text.rpartition(":")
     host = host.strip("[]")
     if not sep or not host or not port.isdigit() or int(port) > 65535:

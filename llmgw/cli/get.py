@@ -15,7 +15,14 @@ import betterproto2
 
 from llmgw.api.llmgw.v1 import Cluster, Gpu, GpuHealth, GpuTelemetry, Node, Shard
 from llmgw.cli.main import CliError
-from llmgw.client import ClientError, ControlClient, GrpcWebChannel, RpcError, ServerUnreachable
+from llmgw.client import (
+    ClientError,
+    ControlClient,
+    GrpcWebChannel,
+    RpcError,
+    ServerUnreachable,
+    Timeouts,
+)
 from llmgw.printable import escape
 
 GiB = 1 << 30
@@ -42,9 +49,11 @@ async def run_node_action(server: str, verb: str, node_id: str) -> int:
     return 0
 
 
-async def _call(server: str, fn: Callable[[ControlClient], Any]) -> Any:
+async def _call(
+    server: str, fn: Callable[[ControlClient], Any], timeouts: Timeouts | None = None
+) -> Any:
     try:
-        async with GrpcWebChannel(server) as channel:
+        async with GrpcWebChannel(server, timeouts=timeouts or Timeouts()) as channel:
             return await fn(ControlClient(channel))
     except ServerUnreachable as exc:
         raise CliError(f"cannot reach the control server at {server}: {exc}") from exc

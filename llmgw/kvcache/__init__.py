@@ -12,6 +12,7 @@ from llmgw.kvcache.errors import (
     KvCacheError,
     KvEventDecodeError,
     KvEventEncodeError,
+    MirrorOverflowError,
     UnsupportedHashAlgorithmError,
     UnsupportedVllmVersionError,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "KvCacheError",
     "KvEventDecodeError",
     "KvEventEncodeError",
+    "MirrorOverflowError",
     "MultimodalItem",
     "PrefixHashes",
     "ReplayMessage",

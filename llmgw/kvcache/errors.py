@@ -5,6 +5,8 @@ The tree::
     KvCacheError                        base of everything this package raises on purpose
     ├── KvEventDecodeError              a payload, frame list or replay message that is not a
     │                                   valid vLLM KV event message; says what and where
+    │   └── MirrorOverflowError         events that store more blocks in one mirror than
+    │                                   its bound (`BlockMirror` ``max_blocks``)
     ├── KvEventEncodeError              an event the wire format cannot carry (an int hash
     │                                   beyond 64 bits, a value msgpack cannot pack)
     ├── UnsupportedVllmVersionError     a vLLM version string we cannot parse, or one whose
@@ -26,6 +28,7 @@ __all__ = [
     "KvCacheError",
     "KvEventDecodeError",
     "KvEventEncodeError",
+    "MirrorOverflowError",
     "UnsupportedHashAlgorithmError",
     "UnsupportedVllmVersionError",
 ]
@@ -37,6 +40,11 @@ class KvCacheError(Exception):
 
 class KvEventDecodeError(KvCacheError, ValueError):
     """A KV event payload, frame list or replay message is malformed."""
+
+
+class MirrorOverflowError(KvEventDecodeError):
+    """A batch would make a `~llmgw.kvcache.mirror.BlockMirror` hold more blocks than its
+    bound: more than any engine caches, so the events are not what an engine sends."""
 
 
 class KvEventEncodeError(KvCacheError, ValueError):

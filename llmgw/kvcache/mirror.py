@@ -47,6 +47,7 @@ from typing import Final
 
 import cbor2
 
+from llmgw.kvcache.errors import MirrorOverflowError
 from llmgw.kvcache.events import (
     AllBlocksCleared,
     BlockRemoved,
@@ -254,8 +255,9 @@ def unpack_hashes(data: bytes) -> tuple[int, ...]:
 class BlockMirror:
     """The blocks one engine (one data-parallel rank) holds, from its KV events."""
 
-    def __init__(self, *, compute_keys: bool = True) -> None:
+    def __init__(self, *, compute_keys: bool = True, max_blocks: int | None = None) -> None:
         self.compute_keys = compute_keys
+        self.max_blocks = max_blocks  # more held is MirrorOverflowError; None: no bound
         self.block_size = 0  # of the last BlockStored of group 0 (or no group); 0 = none yet
         self.batches = 0  # batches applied, ever
         self.events = 0  # events applied, ever
@@ -291,10 +293,19 @@ class BlockMirror:
     # -- events -----------------------------------------------------------------------------
 
     def apply(self, batch: EventBatch) -> None:
-        """Apply every event of ``batch`` in order."""
+        """Apply every event of ``batch`` in order.
+
+        Raises MirrorOverflowError when a ``BlockStored`` leaves more than ``max_blocks``
+        blocks held; the events before it are applied, the rest are not (the caller resets).
+        """
         for event in batch.events:
             if type(event) is BlockStored:
                 self._stored(event)
+                if self.max_blocks is not None and len(self._blocks) > self.max_blocks:
+                    raise MirrorOverflowError(
+                        f"{len(self._blocks)} blocks stored, more than the mirror's bound "
+                        f"of {self.max_blocks} (more than an engine caches)"
+                    )
             elif type(event) is BlockRemoved:
                 self._removed(event)
             elif type(event) is AllBlocksCleared:

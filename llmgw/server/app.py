@@ -41,6 +41,7 @@ import asyncio
 import contextlib
 import logging
 import os
+import socket
 import ssl
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -202,12 +203,17 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
             raise ConfigError(exposure)
         install(grpc, auth)
         install_store_health(grpc)
-        await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
+        web_socket = _bound_socket(config.http_listen, "--http-listen", "gRPC-web")
+        try:
+            await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
+        except OSError as exc:
+            web_socket.close()
+            raise _cannot_listen(config.grpc_listen, "--grpc-listen", "native gRPC", exc) from exc
         web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents, auth, tls.http))
         try:
             async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
                 slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
-                web_task = tasks.create_task(web.serve(), name="grpc-web")
+                web_task = tasks.create_task(web.serve(sockets=[web_socket]), name="grpc-web")
                 tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
                 loop = _reconcile_loop(config, plane, agents)
                 reconcile_task = (
@@ -223,6 +229,7 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
                 if reconcile_task is not None:
                     reconcile_task.cancel()
         finally:
+            web_socket.close()
             slot.gateway = None
             agents.shutdown()
             router.shutdown()
@@ -256,6 +263,31 @@ def unauthenticated_exposure(config: ServerConfig, *, auth_on: bool) -> str | No
 
 def _beyond_loopback(listen: Listen | None) -> bool:
     return listen is not None and not is_loopback_host(listen.host)
+
+
+def _bound_socket(listen: Listen, flag: str, what: str) -> socket.socket:
+    """A TCP socket bound to ``listen`` (uvicorn listens on it). Binding here, not in
+    uvicorn, makes an address in use one ConfigError naming the flag: uvicorn logs the
+    error and raises SystemExit, which the task group reports as a long traceback."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(
+            listen.host, listen.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )[0]
+        sock = socket.socket(family, kind, proto)
+    except OSError as exc:
+        raise _cannot_listen(listen, flag, what, exc) from exc
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        raise _cannot_listen(listen, flag, what, exc) from exc
+    return sock
+
+
+def _cannot_listen(listen: Listen, flag: str, what: str, exc: OSError) -> ConfigError:
+    reason = exc.strerror or str(exc)
+    return ConfigError(f"{flag} {listen}: cannot listen for {what}: {reason}")
 
 
 def _gateway(

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
+import os
 import shlex
+import shutil
+import stat
 import sys
 from pathlib import Path
 from typing import Any
@@ -229,32 +233,76 @@ def test_vllm_cli_module_is_serve_style_and_may_run_headless() -> None:
     assert out.argv[-1] == "--headless"
 
 
-def test_long_state_dir_moves_ipc_sockets_to_a_short_stable_path() -> None:
-    state = Path("/var/lib/" + "x" * 100)
+def _long_dir(root: Path, length: int = 100) -> Path:
+    """A folder under ``root`` whose path is ``length`` bytes long."""
+    return root / ("x" * (length - len(str(root)) - 1))
+
+
+def test_long_state_dir_moves_ipc_sockets_to_a_private_random_folder(tmp_path: Path) -> None:
+    state = _long_dir(tmp_path)
     out = launch(shard(profile(tp=1, kv_events=True), gpu_uuids=GPUS[:1]), state=state)
-    short = "/tmp/llmgw-kv-28f2ddb0d1130180204de306"  # sha256(state dir NUL shard)[:24]
-    assert out.kv_events == KvEventEndpoints(f"ipc://{short}/pub", f"ipc://{short}/replay")
-    assert f'"endpoint":"ipc://{short}/pub"' in out.argv[out.argv.index("--kv-events-config") + 1]
+    assert out.kv_events is not None
+    short = Path((state / "kv-ipc-dir").read_text().strip())  # remembered for restarts
+    try:
+        assert short.parent == Path("/tmp") and short.name.startswith("llmgw-kv-")
+        name = hashlib.sha256(b"r1-s0").hexdigest()[:24]
+        assert out.kv_events == KvEventEndpoints(
+            f"ipc://{short}/{name}.pub", f"ipc://{short}/{name}.replay"
+        )
+        assert (
+            f'"endpoint":"ipc://{short}/{name}.pub"'
+            in out.argv[out.argv.index("--kv-events-config") + 1]
+        )
+        info = short.lstat()
+        assert stat.S_ISDIR(info.st_mode) and stat.S_IMODE(info.st_mode) == 0o700
+        assert info.st_uid == os.geteuid()
+        # the same folder for the next agent on this state dir: its engines' sockets
+        again = launch(shard(profile(tp=1, kv_events=True), gpu_uuids=GPUS[:1]), state=state)
+        assert again.kv_events == out.kv_events
+    finally:
+        shutil.rmtree(short, ignore_errors=True)
 
 
-def test_socket_path_limit_is_107_bytes() -> None:
+def test_a_short_folder_others_could_use_is_refused(tmp_path: Path) -> None:
+    state = _long_dir(tmp_path)
     spec = shard(profile(tp=1, kv_events=True), gpu_uuids=GPUS[:1])
-    at_limit = Path("/" + "d" * 90)  # /ddd…/kv/r1-s0.replay is exactly 107 bytes
+    launch(spec, state=state)
+    short = Path((state / "kv-ipc-dir").read_text().strip())
+    try:
+        short.chmod(0o777)
+        with pytest.raises(EngineError, match=r"kv_events: .* has mode 0777 .*remove it"):
+            launch(spec, state=state)
+        short.rmdir()  # gone (a reboot): a new random one
+        assert launch(spec, state=state).kv_events is not None
+        assert Path((state / "kv-ipc-dir").read_text().strip()) != short
+    finally:
+        shutil.rmtree(Path((state / "kv-ipc-dir").read_text().strip()), ignore_errors=True)
+
+
+def test_socket_path_limit_is_107_bytes(tmp_path: Path) -> None:
+    spec = shard(profile(tp=1, kv_events=True), gpu_uuids=GPUS[:1])
+    at_limit = _long_dir(tmp_path, 91)  # …/kv/r1-s0.replay is exactly 107 bytes
     kv = launch(spec, state=at_limit).kv_events
     assert kv is not None and kv.replay_endpoint == f"ipc://{at_limit}/kv/r1-s0.replay"
     assert len(str(kv.socket_paths[1])) == 107
-    over = launch(spec, state=Path("/" + "d" * 91)).kv_events
+    over_dir = _long_dir(tmp_path, 92)
+    over = launch(spec, state=over_dir).kv_events
     assert over is not None and over.endpoint.startswith("ipc:///tmp/llmgw-kv-")
+    shutil.rmtree(over.socket_paths[0].parent)
 
 
-def test_short_paths_differ_per_agent_and_shard() -> None:
-    state = Path("/var/lib/" + "x" * 100)
+def test_short_paths_differ_per_agent_and_shard(tmp_path: Path) -> None:
+    state = _long_dir(tmp_path)
+    other = _long_dir(tmp_path / "y")
     prof = profile(tp=1, kv_events=True)
     paths = {
         launch(shard(prof, gpu_uuids=GPUS[:1], shard_id=sid), state=st).kv_events
-        for sid, st in (("a", state), ("b", state), ("a", state / "y"))
+        for sid, st in (("a", state), ("b", state), ("a", other))
     }
     assert len(paths) == 3
+    for kv in paths:
+        assert kv is not None
+        shutil.rmtree(kv.socket_paths[0].parent, ignore_errors=True)
 
 
 def test_relative_state_dir_is_made_absolute(
@@ -452,11 +500,11 @@ def test_llamacpp_on_one_gpu() -> None:
 def test_sim_runs_llmgw_sim_engine_with_the_vllm_command_line() -> None:
     spec = shard(profile(tp=1, kv_events=True), gpu_uuids=GPUS[:1])
     sim = launch(shard(profile(engine="sim", tp=1, kv_events=True), gpu_uuids=GPUS[:1]))
-    assert sim.argv[:4] == (sys.executable, "-m", "llmgw", "sim-engine")
+    assert sim.argv[:5] == (sys.executable, "-P", "-m", "llmgw", "sim-engine")
     assert sim.engine == "sim"
-    as_vllm = launch(spec, {"vllm": ("python", "-m", "llmgw", "sim-engine")})
-    assert sim.argv[4:] == as_vllm.argv[4:]
-    assert sim.argv[4:6] == ("serve", MODEL)
+    as_vllm = launch(spec, {"vllm": ("python", "-P", "-m", "llmgw", "sim-engine")})
+    assert sim.argv[5:] == as_vllm.argv[5:]
+    assert sim.argv[5:7] == ("serve", MODEL)
     assert (sim.env, sim.kv_events) == (as_vllm.env, as_vllm.kv_events)
 
 

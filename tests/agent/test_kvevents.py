@@ -410,7 +410,7 @@ async def test_forgetting_an_engine_drops_its_blocks_and_a_full_copy_has_the_res
     hub: KvEventHub, sock_dir: Path
 ) -> None:
     for name in "ab":
-        (sock_dir / name).mkdir()
+        (sock_dir / name).mkdir(mode=0o700)  # the agent follows only private folders
     engines = [Engine(endpoints_in(sock_dir / name), seed=i) for i, name in enumerate("ab")]
     for e in engines:
         await e.start()

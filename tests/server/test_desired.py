@@ -246,3 +246,54 @@ def test_cli_sends_unused_profiles_first_then_each_deployment_with_its_own() -> 
     assert spare.deployment is None and [p.name for p in spare.profiles] == ["spare"]
     assert [p.name for p in chat.profiles] == ["chat-tp2"]
     assert chat.dry_run and chat.document == text
+
+
+# --- a whole document in one request ------------------------------------------------------
+
+TWO = EXAMPLE + (
+    '\n[profiles.spare]\nengine = "sim"\ngpu_class = "cpu"\ncpu_threads = 2\nmodel_path = "/m"\n'
+    '\n[deployments.more]\nprofile = "chat-tp2"\nreplicas = 1\n'
+)
+
+
+async def test_a_whole_document_is_stored_at_once_with_a_line_and_an_audit_per_change(
+    service: ControlService,
+) -> None:
+    result = await service.apply_deployment(ApplyDeploymentRequest(document=TWO))
+    assert result.ok
+    lines = result.message.splitlines()
+    assert lines[0] == "profiles spare stored"
+    assert lines[1].startswith("deployment chat applied: profile chat-tp2 (")
+    assert lines[2].startswith("deployment more applied: profile chat-tp2 (")
+    assert len(lines) == 3
+    stored = [Deployment.parse(d.deployment) for d in await service.plane.store.load_deployments()]
+    assert {d.name: d.replicas for d in stored} == {"chat": 2, "more": 1}
+    assert {p.name for p in await service.plane.store.load_profiles()} == {"chat-tp2", "spare"}
+    audits = [(a.action, a.target) for a in await service.plane.store.recent_audit()]
+    assert sorted(audits) == [
+        ("apply", "deployment/chat"), ("apply", "deployment/more"), ("apply", "profile/spare"),
+    ]  # fmt: skip
+
+
+async def test_a_bad_whole_document_changes_nothing(service: ControlService) -> None:
+    bad = TWO.replace("replicas = 1", "replicas = -1")
+    before = await _state(service)
+    with pytest.raises(GRPCError) as refused:
+        await service.apply_deployment(ApplyDeploymentRequest(document=bad, dry_run=True))
+    assert refused.value.status is Status.INVALID_ARGUMENT
+    assert "document: deployments.more.replicas" in str(refused.value.message)
+    assert await _state(service) == before
+    dry = await service.apply_deployment(ApplyDeploymentRequest(document=TWO, dry_run=True))
+    assert dry.message.startswith("dry run: would store profiles spare")
+    assert "dry run: deployment more" in dry.message
+    assert await _state(service) == before
+
+
+async def test_the_answer_to_a_huge_document_stays_short(service: ControlService) -> None:
+    many = EXAMPLE + "".join(
+        f'\n[deployments.d{i}]\nprofile = "chat-tp2"\nreplicas = 0\n' for i in range(300)
+    )
+    result = await service.apply_deployment(ApplyDeploymentRequest(document=many))
+    assert len(result.message) <= MESSAGE_LIMIT
+    assert result.message.splitlines()[-1].startswith("… and ")
+    assert len(await service.plane.store.load_deployments()) == 301

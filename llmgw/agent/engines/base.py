@@ -25,6 +25,8 @@ from types import MappingProxyType
 from typing import Protocol
 
 from llmgw import engineinput
+from llmgw.agent.errors import SocketFolderError
+from llmgw.agent.ipcdir import short_ipc_dir
 from llmgw.api.llmgw.v1 import EngineProfile, MultiNode, StartShard
 
 LOOPBACK = "127.0.0.1"  # engines listen on loopback only (DESIGN.md → State, security)
@@ -339,16 +341,17 @@ def check_profile(spec: ShardSpec) -> None:
 
 # A Unix socket path holds at most 107 bytes (sun_path is 108 with the NUL).
 UNIX_PATH_MAX = 107
-SHORT_IPC_ROOT = Path("/tmp")  # not $TMPDIR: that may be as long as the state dir
 
 
 def kv_event_endpoints(spec: ShardSpec, state_dir: Path, topic: str) -> KvEventEndpoints:
     """``ipc://STATE_DIR/kv/SHARD.pub`` and ``.replay``, or a short path when too long.
 
-    When either path passes the Unix socket limit, both move to
-    ``/tmp/llmgw-kv-H/pub`` and ``/tmp/llmgw-kv-H/replay``, where H is the first 24 hex
-    digits of sha256(state dir, NUL, shard id): stable across agent restarts (so the agent
-    finds a running engine's sockets again) and distinct per agent and shard.
+    When either path passes the Unix socket limit, both move to ``D/H.pub`` and
+    ``D/H.replay`` in this agent's short socket folder D (`llmgw.agent.ipcdir.short_ipc_dir`:
+    ``/tmp/llmgw-kv-`` and a random name, mode 0700, the same after an agent restart, so
+    the agent finds a running engine's sockets again), where H is the first 24 hex digits
+    of sha256(shard id). Creating or checking that folder may refuse (EngineError on
+    ``kv_events``) when it is not the agent's alone.
     """
     if not _SHARD_ID.fullmatch(spec.shard_id):
         raise refuse(spec, "shard_id", "not usable in a file name ([A-Za-z0-9._-], 1-128)")
@@ -356,7 +359,10 @@ def kv_event_endpoints(spec: ShardSpec, state_dir: Path, topic: str) -> KvEventE
     folder = state_dir / "kv"
     pub, replay = folder / f"{spec.shard_id}.pub", folder / f"{spec.shard_id}.replay"
     if max(len(os.fsencode(pub)), len(os.fsencode(replay))) > UNIX_PATH_MAX:
-        key = os.fsencode(state_dir) + b"\0" + spec.shard_id.encode()
-        short = SHORT_IPC_ROOT / f"llmgw-kv-{hashlib.sha256(key).hexdigest()[:24]}"
-        pub, replay = short / "pub", short / "replay"
+        try:
+            short = short_ipc_dir(state_dir)
+        except (SocketFolderError, OSError) as exc:
+            raise refuse(spec, "kv_events", f"no socket folder: {exc}") from exc
+        name = hashlib.sha256(spec.shard_id.encode()).hexdigest()[:24]
+        pub, replay = short / f"{name}.pub", short / f"{name}.replay"
     return KvEventEndpoints(f"ipc://{pub}", f"ipc://{replay}", topic)
