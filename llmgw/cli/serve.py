@@ -22,6 +22,7 @@ from llmgw.agent.discovery import DiscoveryError
 from llmgw.agent.engines import EngineError, engine_binaries
 from llmgw.agent.shards import RestartPolicy
 from llmgw.cli.apikeys import gateway_api_keys
+from llmgw.cli.httplimits import http_limits
 from llmgw.cli.main import CliError, engine_ports_flag, tokenize_timeout
 from llmgw.cli.tls import listen_files
 from llmgw.engineports import DEFAULT_ENGINE_PORTS
@@ -50,6 +51,7 @@ def run_server_command(args: argparse.Namespace) -> int:
             join_token=_token_file(args.join_token_file, "--join-token-file"),
             tls=listen_files(args),
             engine_ports=engine_ports_flag(args.engine_ports) or DEFAULT_ENGINE_PORTS,
+            http_limits=http_limits(args),
         )
         asyncio.run(run_server(config))
     except ServerError as exc:

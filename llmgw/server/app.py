@@ -1,13 +1,13 @@
 """``llmgw server``: the control server's process.
 
 One event loop serves the same service objects on two ports: native gRPC (grpclib, HTTP/2)
-for agents and operator clients, and gRPC-web plus ``/healthz`` (uvicorn, HTTP/1.1) for the
-console, browsers and ``llmgw get``. The router feed (``llmgw.server.routersvc``, carrying
-API keys) is on the native port only. Unless turned off, the OpenAI gateway
-(``llmgw.server.router``) serves on a third port, fed in process from the plane. SIGINT and
-SIGTERM stop every port, flush heartbeat times and close the database. The reconciler
-(``llmgw.server.reconcile_loop``) runs in the same loop, unless turned off or test hooks are
-on. The gRPC-web port also serves the server's own Prometheus metrics on ``/metrics``
+for agents and operator clients, and gRPC-web plus ``/healthz`` (HTTP/1.1, on the gateway's
+``HttpServer`` through ``llmgw.server.asgihttp``) for the console, browsers and ``llmgw
+get``. The router feed (``llmgw.server.routersvc``, carrying API keys) is on the native port
+only. Unless turned off, the OpenAI gateway (``llmgw.server.router``) serves on a third
+port, fed in process from the plane. SIGINT and SIGTERM stop every port, flush heartbeat
+times and close the database. The reconciler (``llmgw.server.reconcile_loop``) runs in the
+same loop, unless turned off or test hooks are on. The gRPC-web port also serves the server's own Prometheus metrics on ``/metrics``
 (``llmgw.server.metrics``: agents' KV event counters, the KV block store).
 
 Every call on the native and the gRPC-web port is checked by one
@@ -16,6 +16,10 @@ Every call on the native and the gRPC-web port is checked by one
 With a certificate and its key (``ServerConfig.tls``, ``--tls-cert``/``--tls-key``) every
 port serves TLS only (``llmgw.tls``: ALPN h2 on the native port, http/1.1 on the others);
 a file that cannot be read or used is a ``ConfigError`` naming it, before anything binds.
+
+Both HTTP ports run under ``ServerConfig.http_limits`` (``llmgw.server.router.httplimits``:
+head size, head/body/idle timeouts, connections in all and per peer, buffered body bytes);
+the gRPC-web port's largest body follows from ``max_message_bytes``.
 """
 
 from __future__ import annotations
@@ -25,26 +29,27 @@ import contextlib
 import logging
 import os
 import ssl
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import grpclib.server
-import uvicorn
 
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.server.agentsvc import AgentService
+from llmgw.server.asgihttp import AsgiHandler
 from llmgw.server.auth import Authenticator, install
 from llmgw.server.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.controlsvc import ControlService
 from llmgw.server.errors import ConfigError
-from llmgw.server.grpcweb import GrpcWebApp
+from llmgw.server.grpcweb import GrpcWebApp, most_body_bytes
 from llmgw.server.inventory import InventoryConfig
 from llmgw.server.metrics import server_metrics
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.router.apikeys import ApiKeys
 from llmgw.server.router.gateway import TOKENIZE_TIMEOUT_S, Gateway, GatewayConfig
+from llmgw.server.router.httplimits import ServerLimits
+from llmgw.server.router.httpserver import HttpServer
 from llmgw.server.routerreports import RouterReports
 from llmgw.server.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.store import Store
@@ -106,6 +111,7 @@ class ServerConfig:
     join_token: str | None = field(default=None, repr=False)  # agents' token; never logged
     tls: TlsFiles | None = None  # --tls-cert/--tls-key: TLS on every port; None: plaintext
     engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports: the engines' port range
+    http_limits: ServerLimits = ServerLimits()  # both HTTP ports' (flags: cli/httplimits.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,14 +146,6 @@ class _GatewaySlot:
         return self.gateway
 
 
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn without its own signal handlers: this process handles signals once."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set)."""
     stop = stop or asyncio.Event()
@@ -168,11 +166,11 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
         auth = Authenticator(store, join_token=config.join_token)
         install(grpc, auth)
         await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
-        web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents, auth, tls.http))
+        web = _grpc_web_server(config, control, agents, auth, tls.http)
         try:
+            await web.start(config.http_listen.host, config.http_listen.port, ssl=tls.http)
             async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
                 slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
-                web_task = tasks.create_task(web.serve(), name="grpc-web")
                 tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
                 loop = _reconcile_loop(config, plane, agents)
                 reconcile_task = (
@@ -182,13 +180,13 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
                 )
                 await _serving_message(config, auth, tls)
                 with stop_on_signals(stop):
-                    await _first_of(stop, web_task)
-                web.should_exit = True
+                    await stop.wait()
                 tick_task.cancel()
                 if reconcile_task is not None:
                     reconcile_task.cancel()
         finally:
             slot.gateway = None
+            await web.stop()
             agents.shutdown()
             router.shutdown()
             await asyncio.sleep(0)  # let the streams send their trailers
@@ -212,6 +210,7 @@ def _gateway(
         tls=tls,
         api_keys=config.gateway_api_keys,
         tokenize_timeout_s=config.gateway_tokenize_timeout_s,
+        limits=config.http_limits,
     )
     return serve_gateway(plane, gateway)
 
@@ -228,13 +227,13 @@ def _reconcile_loop(
     return ReconcileLoop(plane, agents.send, port_range=config.engine_ports)
 
 
-def _uvicorn_config(
+def _grpc_web_server(
     config: ServerConfig,
     control: ControlService,
     agents: AgentService,
     auth: Authenticator,
     tls: ssl.SSLContext | None,
-) -> uvicorn.Config:
+) -> HttpServer:
     app: GrpcWebApp | AgentCommandHook
     app = GrpcWebApp(
         services=[control],
@@ -246,32 +245,15 @@ def _uvicorn_config(
     if config.test_hooks:
         log.warning("test hooks on: POST /debug/agents/NODE/command sends commands to agents")
         app = AgentCommandHook(app, agents.send)
-    return uvicorn.Config(
-        app,
-        host=config.http_listen.host,
-        port=config.http_listen.port,
-        lifespan="off",
-        access_log=False,
-        log_level="warning",
-        timeout_graceful_shutdown=2,
-        ssl_context_factory=None if tls is None else (lambda _config, _default: tls),
-    )
+    largest = most_body_bytes(config.max_message_bytes)  # GrpcWebApp answers in gRPC terms
+    limits = replace(config.http_limits, max_body_bytes=largest)
+    return HttpServer(AsgiHandler(app, scheme="http" if tls is None else "https"), limits)
 
 
 async def _ticker(plane: ControlPlane, every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
         await plane.tick()
-
-
-async def _first_of(stop: asyncio.Event, web_task: asyncio.Task[None]) -> None:
-    stop_task = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({stop_task, web_task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop_task.cancel()
-    if web_task.done() and not stop.is_set():
-        raise ConfigError("the gRPC-web port stopped serving (is the address in use?)")
 
 
 async def _serving_message(config: ServerConfig, auth: Authenticator, tls: _PortTls) -> None:

@@ -1,4 +1,4 @@
-"""The operator client against the real gRPC-web bridge (in memory and over uvicorn)."""
+"""The operator client against the real gRPC-web bridge (in memory and over its server)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
@@ -41,7 +40,10 @@ from llmgw.client import (
     ServerUnreachable,
     Timeouts,
 )
+from llmgw.server.asgihttp import AsgiHandler
 from llmgw.server.grpcweb import GrpcWebApp
+from llmgw.server.router.httplimits import ServerLimits
+from llmgw.server.router.httpserver import HttpServer
 
 
 class Control(ControlServiceBase):
@@ -380,31 +382,26 @@ def test_unclosed_channel_warns() -> None:
 
 
 @asynccontextmanager
-async def uvicorn_server(app: GrpcWebApp) -> AsyncIterator[str]:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="none")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
+async def http_server(app: GrpcWebApp) -> AsyncIterator[str]:
+    """``app`` on the HTTP server the gRPC-web port runs on (llmgw.server.asgihttp)."""
+    server = HttpServer(AsgiHandler(app), ServerLimits())
+    host, port = await server.start("127.0.0.1", 0)
     try:
-        while not server.started:
-            assert not task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
-        server.should_exit = True
-        await task
+        await server.stop()
 
 
 async def wait_for(event: Callable[[], Awaitable[object]]) -> None:
     await asyncio.wait_for(event(), timeout=5)
 
 
-async def test_watch_streams_over_uvicorn_and_closing_cancels_the_handler(
+async def test_watch_streams_over_http_and_closing_cancels_the_handler(
     control: Control,
 ) -> None:
     control.watch_forever = True
     app = GrpcWebApp([control], max_message_bytes=1 << 20)
-    async with uvicorn_server(app) as url, GrpcWebChannel(url) as channel:
+    async with http_server(app) as url, GrpcWebChannel(url) as channel:
         client = ControlClient(channel)
         async with aclosing(client.watch()) as events:
             revisions = [(await anext(events)).revision for _ in range(3)]
