@@ -1,13 +1,13 @@
 """``llmgw server``: the control server's process.
 
 One event loop serves the same service objects on two ports: native gRPC (grpclib, HTTP/2)
-for agents and operator clients, and gRPC-web plus ``/healthz`` (HTTP/1.1, on the gateway's
-``HttpServer`` through ``llmgw.server.asgihttp``) for the console, browsers and ``llmgw
-get``. The router feed (``llmgw.server.routersvc``, carrying API keys) is on the native port
-only. Unless turned off, the OpenAI gateway (``llmgw.server.router``) serves on a third
-port, fed in process from the plane. SIGINT and SIGTERM stop every port, flush heartbeat
-times and close the database. The reconciler (``llmgw.server.reconcile_loop``) runs in the
-same loop, unless turned off or test hooks are on. The gRPC-web port also serves the server's own Prometheus metrics on ``/metrics``
+for agents and operator clients, and gRPC-web plus ``/healthz`` (HTTP/1.1, asgihttp.py) for the
+console, browsers and ``llmgw get``. The router feed (``llmgw.server.routersvc``, carrying
+API keys) is on the native port only. Unless turned off, the OpenAI gateway
+(``llmgw.server.router``) serves on a third port, fed in process from the plane. SIGINT and
+SIGTERM stop every port, flush heartbeat times and close the database. The reconciler
+(``llmgw.server.reconcile_loop``) runs in the same loop, unless turned off or test hooks are
+on. The gRPC-web port also serves the server's own Prometheus metrics on ``/metrics``
 (``llmgw.server.metrics``: agents' KV event counters, the KV block store).
 
 Every call on the native and the gRPC-web port is checked by one

@@ -236,7 +236,9 @@ def test_keyless_32mib_posts_to_the_gateway_are_401_before_the_body(
             sock.close()
     grown = rss_kib(pid) - before
     assert grown < 16 * 1024, f"the server grew by {grown} KiB"
-    authorized = head.replace(b"host: t\r\n", f"host: t\r\nauthorization: Bearer {KEY}\r\n".encode())
+    authorized = head.replace(
+        b"host: t\r\n", f"host: t\r\nauthorization: Bearer {KEY}\r\n".encode()
+    )
     with connect(cluster.gateway_port) as sock:  # a keyed one is taken in: no answer yet
         sock.sendall(authorized)
         sock.settimeout(0.5)

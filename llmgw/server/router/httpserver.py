@@ -121,8 +121,7 @@ class HttpConnection(asyncio.Protocol):
         self._head_done = 0.0  # loop time the current request's head ended
         self._refused: tuple[int, bytes] | None = None
         self._drain = 0  # body bytes read and dropped after a refusal, at most
-        self._held = 0  # body bytes this connection holds of the server's budget
-        self._running_body = 0  # of which the running request's
+        self._running_body = 0  # bytes of the server's body budget the running request holds
         self._pending: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
         self._keep_alive = True
@@ -282,7 +281,11 @@ class HttpConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = []
         self._headers = []
-        self._drop_body()
+        if self._held_body:
+            self._drop_body()
+        else:
+            self._body = []
+            self._body_bytes = 0
         self._head_bytes = 0
         self._head_seen = 0
         self._in_head = True
@@ -305,9 +308,10 @@ class HttpConnection(asyncio.Protocol):
         self._in_body = True
         self._head_done = self._loop.time()
         if self._task is None:
-            self.deadline = self._limits.body_deadline(self._head_done, 0)
+            self.deadline = self._head_done + self._limits.body_timeout_s
         declared = _content_length(self._headers)
-        self._admit(declared)
+        if self._server.admit is not None:
+            self._admit()
         if self._refused is None and declared > self._limits.max_body_bytes:
             self._refuse_later(413, self._too_large_message(), self._limits.max_body_bytes)
         if declared > self._drain and self._refused is not None:
@@ -394,8 +398,9 @@ class HttpConnection(asyncio.Protocol):
         finally:
             self._task = None
             self._producer = None
-            self._give(self._running_body)
-            self._running_body = 0
+            if self._running_body:
+                self._give(self._running_body)
+                self._running_body = 0
             self._next()
 
     def _next(self) -> None:
@@ -419,7 +424,7 @@ class HttpConnection(asyncio.Protocol):
 
     # limits
 
-    _held_body = 0  # of ``_held``, the bytes taken for the body being read
+    _held_body = 0  # bytes of the server's body budget taken for the body being read
 
     def _take_in(self, peer: str) -> bool:
         """Count the new connection against the caps; over one, answer 503 and close."""
@@ -439,7 +444,7 @@ class HttpConnection(asyncio.Protocol):
             self._transport.close()
         return False
 
-    def _admit(self, declared: int) -> None:
+    def _admit(self) -> None:
         """Show the head to the server's ``admit`` before any of the body is read."""
         if self._server.admit is None:
             return
@@ -453,12 +458,10 @@ class HttpConnection(asyncio.Protocol):
         """Take ``size`` bytes of the server's body budget for the body being read."""
         if not self._server.budget.take(size):
             return False
-        self._held += size
         self._held_body += size
         return True
 
     def _give(self, size: int) -> None:
-        self._held -= size
         self._server.budget.give(size)
 
     def _drop_body(self) -> None:
