@@ -5,7 +5,8 @@ and time.
 A slowloris head and a silent connection are closed after their timeouts; a 1 MB header is
 431 and leaves the server's RSS where it was; connections over the per-peer cap are refused
 at once while another peer (127.0.0.2) is served; bodies beyond the buffer budget are
-refused unread; keyless 32 MiB POSTs to the gateway are 401 before their body is read.
+refused unread; a body that trickles in is cut after its grace; keyless 32 MiB POSTs to the
+gateway are 401 before their body is read.
 """
 
 from __future__ import annotations
@@ -18,6 +19,8 @@ from pathlib import Path
 
 import pytest
 from procs import Cluster
+
+from llmgw.server.router.httplimits import ServerLimits
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -130,6 +133,33 @@ def test_a_slowloris_head_is_cut_at_the_header_timeout(limited: Cluster) -> None
 
     on_both(limited, attack)
     assert get_healthz(limited.http_port) == 200
+
+
+def test_a_body_a_byte_a_second_is_cut_after_its_grace(limited: Cluster) -> None:
+    grace = ServerLimits().body_timeout_s  # then min_body_rate (32 KiB/s) must hold
+
+    def attack(port: int) -> None:
+        with connect(port) as sock:
+            sock.sendall(
+                b"POST /v1/completions HTTP/1.1\r\nhost: t\r\n"
+                b"content-type: application/grpc-web+proto\r\ncontent-length: 100000\r\n\r\n"
+            )
+            started = time.monotonic()
+            sock.settimeout(1.0)
+            while time.monotonic() - started < grace + SWEEP_SLACK_S:
+                try:
+                    sock.sendall(b"a")
+                    if (data := sock.recv(4096)) == b"":
+                        return
+                    assert status_of(data) == 408
+                    return
+                except TimeoutError:
+                    continue
+                except (BrokenPipeError, ConnectionResetError):
+                    return
+            raise AssertionError("a body of one byte a second was kept open")
+
+    on_both(limited, attack)
 
 
 def test_a_silent_connection_is_closed_after_the_idle_timeout(limited: Cluster) -> None:
