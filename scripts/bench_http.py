@@ -1,13 +1,15 @@
 #!/usr/bin/env python3
-"""Benchmark: the gRPC-web port under uvicorn and under hypercorn, to choose between them.
+"""Benchmark: the gRPC-web port under uvicorn and under another HTTP server (``--against``).
 
 The same ``llmgw.server.grpcweb.GrpcWebApp`` (a real ``ControlService`` over a real
 ``ControlPlane`` and SQLite ``Store``, with ``--nodes`` simulated ``dgx-h100`` nodes in its
 inventory) is served in the same run by
 
 * uvicorn (``http="httptools"``, uvloop), configured as ``llmgw server`` configures it, and
-* hypercorn (its asyncio worker on uvloop, as ``--worker-class uvloop`` runs it; h11 is
-  hypercorn's only HTTP/1.1 implementation),
+* ``--against llmgw`` (the default): our httptools ``HttpServer`` through
+  ``llmgw.server.asgihttp``, with its default ``ServerLimits``, as ``llmgw server`` now runs
+  the port; or ``--against hypercorn``: hypercorn (its asyncio worker on uvloop, as
+  ``--worker-class uvloop`` runs it; h11 is hypercorn's only HTTP/1.1 implementation),
 
 each in its own child process (``_serve`` mode) pinned to ``--server-cpu``. This process is
 the load generator, pinned to ``--client-cpu``: a raw asyncio HTTP/1.1 client on uvloop that
@@ -34,6 +36,7 @@ Everything listens on 127.0.0.1 only; each cell is bounded in time and requests;
 process is stopped on exit (Ctrl-C included) and also dies with this process.
 
     .venv/bin/python scripts/bench_http.py              # 3 reps x 4 cells x 2 servers, ~3 min
+    .venv/bin/python scripts/bench_http.py --against hypercorn
     .venv/bin/python scripts/bench_http.py --quick      # 1 rep, 2 s cells
     .venv/bin/python scripts/bench_http.py --markdown   # also a BENCHMARKS.md section
 """
@@ -78,7 +81,8 @@ from benchkit import (
 )
 
 FIXTURE: Final = "dgx-h100"
-SERVERS: Final = ("uvicorn", "hypercorn")
+CHALLENGERS: Final = ("llmgw", "hypercorn")
+SERVERS: tuple[str, str] = ("uvicorn", "llmgw")  # the baseline first; main sets the other
 GET_CLUSTER: Final = "/llmgw.v1.ControlService/GetCluster"
 MAX_MESSAGE_BYTES: Final = 4 << 20  # as ``llmgw server`` defaults
 HYPERCORN_KEEPALIVE_REQUESTS: Final = 1 << 30  # its default (1,000) closes every 1,000th reply
@@ -93,7 +97,7 @@ START_TIMEOUT_S: Final = 30.0
 
 def parse_serve(argv: Sequence[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="bench_http.py _serve")
-    p.add_argument("--server", choices=SERVERS, required=True)
+    p.add_argument("--server", choices=("uvicorn", *CHALLENGERS), required=True)
     p.add_argument("--db", type=Path, required=True)
     p.add_argument("--nodes", type=int, default=2)
     return p.parse_args(argv)
@@ -165,6 +169,22 @@ async def serve_hypercorn(app: Any, sock: socket.socket, stop: asyncio.Event) ->
     await serve(app, config, shutdown_trigger=stop.wait, mode="asgi")
 
 
+async def serve_llmgw(app: Any, stop: asyncio.Event) -> None:
+    from llmgw.server.asgihttp import AsgiHandler
+    from llmgw.server.grpcweb import most_body_bytes
+    from llmgw.server.router.httplimits import ServerLimits
+    from llmgw.server.router.httpserver import HttpServer
+
+    limits = ServerLimits(max_body_bytes=most_body_bytes(MAX_MESSAGE_BYTES))  # as llmgw server
+    server = HttpServer(AsgiHandler(app), limits)
+    _, port = await server.start(HOST, 0)
+    print(f"PORT {port}", flush=True)
+    try:
+        await stop.wait()
+    finally:
+        await server.stop()
+
+
 async def run_serve(args: argparse.Namespace) -> None:
     from llmgw.server.store import Store
 
@@ -174,6 +194,9 @@ async def run_serve(args: argparse.Namespace) -> None:
         loop.add_signal_handler(sig, stop.set)
     async with Store(args.db) as store:
         app = await build_app(store, args.nodes)
+        if args.server == "llmgw":
+            await serve_llmgw(app, stop)
+            return
         sock = listening_socket()
         print(f"PORT {sock.getsockname()[1]}", flush=True)
         if args.server == "uvicorn":
@@ -568,8 +591,8 @@ class Summary:
         return statistics.median(values) if values else math.nan
 
     def ratio(self) -> float:
-        uvicorn = self.median("uvicorn")
-        return self.median("hypercorn") / uvicorn if uvicorn else math.nan
+        base = self.median(SERVERS[0])
+        return self.median(SERVERS[1]) / base if base else math.nan
 
     def cell(self, server: str) -> str:
         values = self.values.get(server, [])
@@ -597,19 +620,20 @@ def summarize(cells: Sequence[Cell], settings: Settings) -> list[Summary]:
     return out
 
 
-COLUMNS: Final = ("workload: metric", "uvicorn", "hypercorn", "hypercorn/uvicorn")
-
-
 def table(summaries: Sequence[Summary], markdown: bool) -> str:
-    rows = [
-        [s.metric.label, s.cell("uvicorn"), s.cell("hypercorn"), f"{s.ratio():.2f}×"]
-        for s in summaries
-    ]
-    return render_table(COLUMNS, rows, markdown)
+    base, other = SERVERS
+    columns = ("workload: metric", base, other, f"{other}/{base}")
+    rows = [[s.metric.label, s.cell(base), s.cell(other), f"{s.ratio():.2f}×"] for s in summaries]
+    return render_table(columns, rows, markdown)
 
 
 def machine() -> dict[str, str]:
-    names = ("uvicorn", "httptools", "hypercorn", "h11", "uvloop")
+    names = (
+        "uvicorn",
+        "httptools",
+        *(("hypercorn", "h11") if "hypercorn" in SERVERS else ()),
+        "uvloop",
+    )
     return machine_facts(", ".join(package_versions(names, mark_missing=True)))
 
 
@@ -620,9 +644,14 @@ def settings_line(s: Settings, sizes: Mapping[int, int]) -> str:
         "an empty request frame; "
         f"each server in its own process pinned to CPU {s.server_cpu}, on uvloop "
         "(uvicorn: http=httptools, lifespan off, no access log, as `llmgw server`; "
-        "hypercorn: asyncio worker on uvloop, h11, no access log, "
-        f"keep_alive_max_requests={HYPERCORN_KEEPALIVE_REQUESTS:,}); "
-        f"client: raw asyncio HTTP/1.1 keep-alive on uvloop, pinned to CPU {s.client_cpu}, "
+        + (
+            "hypercorn: asyncio worker on uvloop, h11, no access log, "
+            f"keep_alive_max_requests={HYPERCORN_KEEPALIVE_REQUESTS:,}); "
+            if "hypercorn" in SERVERS
+            else "llmgw: llmgw.server.router.httpserver through llmgw.server.asgihttp, its "
+            "default limits, as `llmgw server` now runs the port); "
+        )
+        + f"client: raw asyncio HTTP/1.1 keep-alive on uvloop, pinned to CPU {s.client_cpu}, "
         f"one request in flight per connection; each cell {s.warmup_s:g} s warmup + "
         f"{s.seconds:g} s measured (at most {s.max_requests:,} requests), {s.reps} rep(s), "
         f"servers alternating first; a cell is re-run (at most {s.attempts} runs, the quietest "
@@ -642,10 +671,11 @@ def conclusion(summaries: Sequence[Summary], settings: Settings) -> str:
 
     cpu = {key: get(key, "server CPU µs/request") for key in WORKLOADS}
     http_only = [cpu["emptyN"], cpu["healthN"]]  # where the HTTP server's own work shows
-    cheaper = {"uvicorn" if s.ratio() > 1 else "hypercorn" for s in http_only}
+    base, challenger = SERVERS
+    cheaper = {base if s.ratio() > 1 else challenger for s in http_only}
     clear = len(cheaper) == 1 and all(abs(s.ratio() - 1) >= NOISE for s in http_only)
-    winner = cheaper.pop() if clear else "uvicorn"
-    other = "hypercorn" if winner == "uvicorn" else "uvicorn"
+    winner = cheaper.pop() if clear else base
+    other = challenger if winner == base else base
 
     def pair(s: Summary, unit: str = "") -> str:
         text = f"{s.median(winner):,.0f}{unit} vs {s.median(other):,.0f}{unit}"
@@ -660,8 +690,7 @@ def conclusion(summaries: Sequence[Summary], settings: Settings) -> str:
         f"Choose {winner}: per request it spent less server CPU wherever the HTTP server's "
         "own work shows."
         if clear
-        else "The two are within noise of each other or split; keep uvicorn, which "
-        "`llmgw server` already runs.",
+        else f"The two are within noise of each other or split ({base} is the baseline).",
         f"Server CPU per request ({winner} vs {other}): /healthz {pair(cpu['healthN'], ' µs')} "
         f"({factor(cpu['healthN'])}); an empty GetCluster, i.e. HTTP plus the gRPC-web "
         f"bridge, {pair(cpu['emptyN'], ' µs')} ({factor(cpu['emptyN'])}); GetCluster of "
@@ -739,7 +768,7 @@ def render(
     out = []
     if markdown:
         out += [
-            "## gRPC-web HTTP server: uvicorn vs hypercorn (scripts/bench_http.py)",
+            f"## gRPC-web HTTP server: {SERVERS[0]} vs {SERVERS[1]} (scripts/bench_http.py)",
             "",
             "```",
             command_line(),
@@ -794,6 +823,13 @@ def parse_main(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--attempts", type=int, default=4, help="most runs of one cell (4)")
     p.add_argument("--quick", action="store_true", help="1 rep of 2 s cells, 0.5 s warmup")
     p.add_argument("--markdown", action="store_true", help="also print a BENCHMARKS.md section")
+    p.add_argument(
+        "--against",
+        choices=CHALLENGERS,
+        default="llmgw",
+        help="the server measured against uvicorn: llmgw (our HttpServer, as `llmgw server` "
+        "runs the port) or hypercorn (llmgw)",
+    )
     return p.parse_args(argv)
 
 
@@ -821,7 +857,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def main_orchestrator(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
+    global SERVERS
     args = parse_main(argv)
+    SERVERS = ("uvicorn", args.against)
     settings = settings_from(args)
     facts = machine()  # before pinning: nproc counts the CPUs this process may use
     os.sched_setaffinity(0, {settings.client_cpu})

@@ -33,6 +33,7 @@ from typing import TYPE_CHECKING
 
 from llmgw.cli.apikeys import add_key_file_flag, gateway_api_keys
 from llmgw.cli.browsers import add_browser_flags, browser_access
+from llmgw.cli.httplimits import add_http_limit_flags, http_limits
 from llmgw.cli.main import (
     GATEWAY_POLICIES,
     CliError,
@@ -107,6 +108,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
         "and scripts/chaos.py; unauthenticated, never on a reachable address",
     )
     add_key_file_flag(p, "--api-key-file")
+    add_http_limit_flags(p, "the OpenAI port")
     _add_report_flags(p)
     p.set_defaults(command=run_gateway_command)
 
@@ -173,6 +175,7 @@ def run_gateway_command(args: argparse.Namespace) -> int:
         tls=_listen_context(args),
         tokenize_timeout_s=tokenize_timeout(args.tokenize_timeout, "--tokenize-timeout"),
         browsers=browser_access(args),
+        limits=http_limits(args),
     )
     feed_tls = connect_context(args.ca_file, ALPN_GRPC)
     token = None

@@ -129,6 +129,7 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     )
     add_tokenize_timeout_flag(p, "--gateway-tokenize-timeout")
     _add_gateway_keys(p)
+    _add_http_limits(p, "the gRPC-web and gateway ports")
     p.add_argument(
         "--db",
         type=Path,
@@ -489,6 +490,12 @@ def tokenize_timeout(value: float | None, flag: str) -> float:
     if not 0 < value < float("inf"):  # NaN too
         raise CliError(f"{flag} must be a positive number of seconds, not {value}")
     return value
+
+
+def _add_http_limits(p: argparse.ArgumentParser, ports: str) -> None:
+    from llmgw.cli.httplimits import add_http_limit_flags
+
+    add_http_limit_flags(p, ports)
 
 
 def _add_gateway_keys(p: argparse.ArgumentParser) -> None:

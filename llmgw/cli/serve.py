@@ -25,6 +25,7 @@ from llmgw.agent.engines import EngineError, engine_binaries
 from llmgw.agent.shards import RestartPolicy
 from llmgw.cli.apikeys import gateway_api_keys
 from llmgw.cli.browsers import browser_access
+from llmgw.cli.httplimits import http_limits
 from llmgw.cli.main import CliError, engine_ports_flag, tokenize_timeout
 from llmgw.cli.tls import listen_files
 from llmgw.engineports import DEFAULT_ENGINE_PORTS
@@ -58,6 +59,7 @@ def run_server_command(args: argparse.Namespace) -> int:
             grpc_limits=_grpc_limits(args),
             browsers=browser_access(args),
             insecure_no_auth=args.insecure_no_auth,
+            http_limits=http_limits(args),
         )
         asyncio.run(within_fd_limits(run_server(config)))
     except ServerError as exc:

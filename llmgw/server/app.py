@@ -1,7 +1,7 @@
 """``llmgw server``: the control server's process.
 
 One event loop serves the same service objects on two ports: native gRPC (grpclib, HTTP/2)
-for agents and operator clients, and gRPC-web plus ``/healthz`` (uvicorn, HTTP/1.1) for the
+for agents and operator clients, and gRPC-web plus ``/healthz`` (HTTP/1.1, asgihttp.py) for the
 console, browsers and ``llmgw get``. The router feed (``llmgw.server.routersvc``, carrying
 API keys) is on the native port only. Unless turned off, the OpenAI gateway
 (``llmgw.server.router``) serves on a third port, fed in process from the plane. SIGINT and
@@ -33,6 +33,10 @@ a file that cannot be read or used is a ``ConfigError`` naming it, before anythi
 The state database is held with an exclusive lock (``llmgw.server.statelock``) taken
 before it opens and before any port binds: a second server on the same ``--db`` refuses,
 naming the first.
+
+Both HTTP ports run under ``ServerConfig.http_limits`` (``llmgw.server.router.httplimits``:
+head size, head/body/idle timeouts, connections in all and per peer, buffered body bytes);
+the gRPC-web port's largest body follows from ``max_message_bytes``.
 """
 
 from __future__ import annotations
@@ -41,29 +45,28 @@ import asyncio
 import contextlib
 import logging
 import os
-import socket
 import ssl
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-
-import uvicorn
 
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.httpguard import BrowserAccess, HttpGuard, is_loopback_host
 from llmgw.server.agentsvc import AgentService
+from llmgw.server.asgihttp import AsgiHandler
 from llmgw.server.auth import Authenticator, install
 from llmgw.server.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.controlsvc import ControlService
 from llmgw.server.errors import ConfigError
 from llmgw.server.grpcport import ConnectionLimits, LimitedServer
-from llmgw.server.grpcweb import BrowserGate, GrpcWebApp
+from llmgw.server.grpcweb import BrowserGate, GrpcWebApp, most_body_bytes
 from llmgw.server.inventory import InventoryConfig
 from llmgw.server.metrics import server_metrics
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.router.apikeys import ApiKeys
 from llmgw.server.router.gateway import TOKENIZE_TIMEOUT_S, Gateway, GatewayConfig
+from llmgw.server.router.httplimits import ServerLimits
+from llmgw.server.router.httpserver import HttpServer
 from llmgw.server.routerreports import RouterReports
 from llmgw.server.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.statelock import hold_state_lock
@@ -131,6 +134,7 @@ class ServerConfig:
     grpc_limits: ConnectionLimits = ConnectionLimits()  # the native port's timeouts and caps
     browsers: BrowserAccess = BrowserAccess()  # --cors-origin, --allowed-host (HTTP ports)
     insecure_no_auth: bool = False  # --insecure-no-auth: beyond loopback with no tokens
+    http_limits: ServerLimits = ServerLimits()  # both HTTP ports' (flags: cli/httplimits.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -165,14 +169,6 @@ class _GatewaySlot:
         return self.gateway
 
 
-class _EmbeddedUvicorn(uvicorn.Server):
-    """uvicorn without its own signal handlers: this process handles signals once."""
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        yield
-
-
 async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set)."""
     stop = stop or asyncio.Event()
@@ -203,17 +199,18 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
             raise ConfigError(exposure)
         install(grpc, auth)
         install_store_health(grpc)
-        web_socket = _bound_socket(config.http_listen, "--http-listen", "gRPC-web")
         try:
             await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
         except OSError as exc:
-            web_socket.close()
             raise _cannot_listen(config.grpc_listen, "--grpc-listen", "native gRPC", exc) from exc
-        web = _EmbeddedUvicorn(_uvicorn_config(config, control, agents, auth, tls.http))
+        web = _grpc_web_server(config, control, agents, auth, tls.http)
         try:
+            try:
+                await web.start(config.http_listen.host, config.http_listen.port, ssl=tls.http)
+            except OSError as exc:
+                raise _cannot_listen(config.http_listen, "--http-listen", "gRPC-web", exc) from exc
             async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
                 slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
-                web_task = tasks.create_task(web.serve(sockets=[web_socket]), name="grpc-web")
                 tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
                 loop = _reconcile_loop(config, plane, agents)
                 reconcile_task = (
@@ -223,14 +220,13 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
                 )
                 await _serving_message(config, auth, tls)
                 with stop_on_signals(stop):
-                    await _first_of(stop, web_task)
-                web.should_exit = True
+                    await stop.wait()
                 tick_task.cancel()
                 if reconcile_task is not None:
                     reconcile_task.cancel()
         finally:
-            web_socket.close()
             slot.gateway = None
+            await web.stop()
             agents.shutdown()
             router.shutdown()
             await asyncio.sleep(0)  # let the streams send their trailers
@@ -265,26 +261,6 @@ def _beyond_loopback(listen: Listen | None) -> bool:
     return listen is not None and not is_loopback_host(listen.host)
 
 
-def _bound_socket(listen: Listen, flag: str, what: str) -> socket.socket:
-    """A TCP socket bound to ``listen`` (uvicorn listens on it). Binding here, not in
-    uvicorn, makes an address in use one ConfigError naming the flag: uvicorn logs the
-    error and raises SystemExit, which the task group reports as a long traceback."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(
-            listen.host, listen.port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
-        )[0]
-        sock = socket.socket(family, kind, proto)
-    except OSError as exc:
-        raise _cannot_listen(listen, flag, what, exc) from exc
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        raise _cannot_listen(listen, flag, what, exc) from exc
-    return sock
-
-
 def _cannot_listen(listen: Listen, flag: str, what: str, exc: OSError) -> ConfigError:
     reason = exc.strerror or str(exc)
     return ConfigError(f"{flag} {listen}: cannot listen for {what}: {reason}")
@@ -305,6 +281,7 @@ def _gateway(
         api_keys=config.gateway_api_keys,
         tokenize_timeout_s=config.gateway_tokenize_timeout_s,
         browsers=config.browsers,
+        limits=config.http_limits,
     )
     return serve_gateway(plane, gateway)
 
@@ -321,13 +298,13 @@ def _reconcile_loop(
     return ReconcileLoop(plane, agents.send, port_range=config.engine_ports)
 
 
-def _uvicorn_config(
+def _grpc_web_server(
     config: ServerConfig,
     control: ControlService,
     agents: AgentService,
     auth: Authenticator,
     tls: ssl.SSLContext | None,
-) -> uvicorn.Config:
+) -> HttpServer:
     browsers = HttpGuard(config.browsers, config.http_listen.host, tls=tls is not None)
     app: GrpcWebApp | BrowserGate
     app = GrpcWebApp(
@@ -342,32 +319,16 @@ def _uvicorn_config(
     if config.test_hooks:
         log.warning("test hooks on: POST /debug/agents/NODE/command sends commands to agents")
         app = BrowserGate(AgentCommandHook(app, agents.send), browsers)
-    return uvicorn.Config(
-        app,
-        host=config.http_listen.host,
-        port=config.http_listen.port,
-        lifespan="off",
-        access_log=False,
-        log_level="warning",
-        timeout_graceful_shutdown=2,
-        ssl_context_factory=None if tls is None else (lambda _config, _default: tls),
-    )
+    largest = most_body_bytes(config.max_message_bytes)  # GrpcWebApp answers in gRPC terms
+    limits = replace(config.http_limits, max_body_bytes=largest)
+    handler = AsgiHandler(app, scheme="http" if tls is None else "https")
+    return HttpServer(handler, limits, guard=browsers, cors=False)  # the app writes CORS
 
 
 async def _ticker(plane: ControlPlane, every_s: float) -> None:
     while True:
         await asyncio.sleep(every_s)
         await plane.tick()
-
-
-async def _first_of(stop: asyncio.Event, web_task: asyncio.Task[None]) -> None:
-    stop_task = asyncio.ensure_future(stop.wait())
-    try:
-        await asyncio.wait({stop_task, web_task}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        stop_task.cancel()
-    if web_task.done() and not stop.is_set():
-        raise ConfigError("the gRPC-web port stopped serving (is the address in use?)")
 
 
 async def _serving_message(config: ServerConfig, auth: Authenticator, tls: _PortTls) -> None:

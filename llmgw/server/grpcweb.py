@@ -58,7 +58,7 @@ from multidict import MultiDict
 from llmgw.httpguard import LOOPBACK_ONLY, HttpGuard, Refusal
 from llmgw.server.codec import DEFAULT_MAX_MESSAGE_BYTES, decode_message
 
-__all__ = ["BrowserGate", "GrpcWebApp"]
+__all__ = ["BrowserGate", "GrpcWebApp", "most_body_bytes"]
 
 logger = logging.getLogger(__name__)
 
@@ -509,6 +509,12 @@ def _most_body_bytes(text: bool, limit: int) -> int:
     """The largest body that can hold one message of ``limit`` bytes."""
     framed = _PREFIX_BYTES + limit
     return -(-framed // 3) * 4 + 64 if text else framed
+
+
+def most_body_bytes(limit: int) -> int:
+    """The largest request body of any content type that can hold one message of ``limit``
+    bytes: the HTTP server's bound on the body it reads for this app."""
+    return _most_body_bytes(True, limit)
 
 
 def _announced_length(head: bytearray, text: bool) -> int | None:

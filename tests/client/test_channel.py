@@ -1,4 +1,4 @@
-"""The operator client against the real gRPC-web bridge (in memory and over uvicorn)."""
+"""The operator client against the real gRPC-web bridge (in memory and over its server)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,6 @@ from typing import Any
 
 import httpx
 import pytest
-import uvicorn
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
@@ -41,7 +40,10 @@ from llmgw.client import (
     ServerUnreachable,
     Timeouts,
 )
+from llmgw.server.asgihttp import AsgiHandler
 from llmgw.server.grpcweb import GrpcWebApp
+from llmgw.server.router.httplimits import ServerLimits
+from llmgw.server.router.httpserver import HttpServer
 
 
 class Control(ControlServiceBase):
@@ -92,7 +94,7 @@ def control() -> Control:
 @pytest.fixture
 async def channel(control: Control) -> AsyncIterator[GrpcWebChannel]:
     transport = httpx.ASGITransport(app=GrpcWebApp([control], max_message_bytes=1 << 20))
-    async with GrpcWebChannel("http://control.test", transport=transport) as channel:
+    async with GrpcWebChannel("http://127.0.0.1", transport=transport) as channel:
         yield channel
 
 
@@ -165,7 +167,9 @@ async def test_error_status_raises_rpc_error(channel: GrpcWebChannel) -> None:
 async def test_call_timeout_is_deadline_exceeded(control: Control) -> None:
     transport = httpx.ASGITransport(app=GrpcWebApp([control], max_message_bytes=1 << 20))
     timeouts = Timeouts(connect=1.0, call=0.1)
-    async with GrpcWebChannel("http://c.test", transport=transport, timeouts=timeouts) as channel:
+    async with GrpcWebChannel(
+        "http://127.0.0.1", transport=transport, timeouts=timeouts
+    ) as channel:
         with pytest.raises(RpcError) as caught:
             await ControlClient(channel).cordon_node("slow")
     assert caught.value.status is Status.DEADLINE_EXCEEDED
@@ -184,7 +188,7 @@ async def test_read_only_refuses_every_mutation_without_sending(control: Control
         return httpx.Response(500)
 
     transport = httpx.MockTransport(handle)
-    async with GrpcWebChannel("http://c.test", transport=transport) as channel:
+    async with GrpcWebChannel("http://127.0.0.1", transport=transport) as channel:
         client = ControlClient(channel, read_only=True)
         assert client.read_only
         for method, args, kwargs, _ in MUTATIONS:
@@ -234,7 +238,7 @@ async def test_a_hang_up_before_any_reply_hints_at_tls_on_plaintext_urls(
         raise hang_up
 
     transport = httpx.MockTransport(handle)
-    for url, hinted in (("http://c.test", True), ("https://c.test", False)):
+    for url, hinted in (("http://127.0.0.1", True), ("https://127.0.0.1", False)):
         async with GrpcWebChannel(url, transport=transport) as channel:
             with pytest.raises(ServerUnreachable) as caught:
                 await ControlClient(channel).get_cluster()
@@ -252,7 +256,7 @@ async def test_a_reset_after_the_reply_head_is_no_tls_hint() -> None:
         return httpx.Response(200, headers=GRPC_WEB, stream=_BrokenBody())
 
     transport = httpx.MockTransport(handle)
-    async with GrpcWebChannel("http://c.test", transport=transport) as channel:
+    async with GrpcWebChannel("http://127.0.0.1", transport=transport) as channel:
         with pytest.raises(ServerUnreachable) as caught:
             await ControlClient(channel).get_cluster()
     assert caught.value.reason == "connection lost ([Errno 104] Connection reset by peer)"
@@ -275,7 +279,7 @@ async def call_mock(response: httpx.Response) -> tuple[Cluster, httpx.Request]:
 
     transport = httpx.MockTransport(handle)
     headers = {"authorization": "Bearer t0k"}
-    async with GrpcWebChannel("http://c.test/", transport=transport, headers=headers) as channel:
+    async with GrpcWebChannel("http://127.0.0.1/", transport=transport, headers=headers) as channel:
         cluster = await ControlClient(channel).get_cluster()
     return cluster, requests[0]
 
@@ -284,7 +288,7 @@ async def test_request_shape() -> None:
     body = data_frame(bytes(Cluster(revision=9))) + OK_TRAILER
     cluster, request = await call_mock(httpx.Response(200, headers=GRPC_WEB, content=body))
     assert cluster.revision == 9
-    assert request.url == "http://c.test/llmgw.v1.ControlService/GetCluster"
+    assert request.url == "http://127.0.0.1/llmgw.v1.ControlService/GetCluster"
     assert request.method == "POST"
     assert request.headers["content-type"] == "application/grpc-web+proto"
     assert request.headers["x-grpc-web"] == "1"
@@ -370,8 +374,8 @@ async def test_closed_channel_refuses_calls(channel: GrpcWebChannel) -> None:
 
 
 def test_unclosed_channel_warns() -> None:
-    channel = GrpcWebChannel("http://c.test")
-    with pytest.warns(ResourceWarning, match="unclosed <GrpcWebChannel http://c.test>"):
+    channel = GrpcWebChannel("http://127.0.0.1")
+    with pytest.warns(ResourceWarning, match="unclosed <GrpcWebChannel http://127.0.0.1>"):
         del channel
         gc.collect()
 
@@ -380,31 +384,26 @@ def test_unclosed_channel_warns() -> None:
 
 
 @asynccontextmanager
-async def uvicorn_server(app: GrpcWebApp) -> AsyncIterator[str]:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="none")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
+async def http_server(app: GrpcWebApp) -> AsyncIterator[str]:
+    """``app`` on the HTTP server the gRPC-web port runs on (llmgw.server.asgihttp)."""
+    server = HttpServer(AsgiHandler(app), ServerLimits())
+    host, port = await server.start("127.0.0.1", 0)
     try:
-        while not server.started:
-            assert not task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
-        server.should_exit = True
-        await task
+        await server.stop()
 
 
 async def wait_for(event: Callable[[], Awaitable[object]]) -> None:
     await asyncio.wait_for(event(), timeout=5)
 
 
-async def test_watch_streams_over_uvicorn_and_closing_cancels_the_handler(
+async def test_watch_streams_over_http_and_closing_cancels_the_handler(
     control: Control,
 ) -> None:
     control.watch_forever = True
     app = GrpcWebApp([control], max_message_bytes=1 << 20)
-    async with uvicorn_server(app) as url, GrpcWebChannel(url) as channel:
+    async with http_server(app) as url, GrpcWebChannel(url) as channel:
         client = ControlClient(channel)
         async with aclosing(client.watch()) as events:
             revisions = [(await anext(events)).revision for _ in range(3)]

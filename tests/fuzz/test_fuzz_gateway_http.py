@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 
 from llmgw.server.router.engines import QUERIES, EnginePoller, PollerConfig
 from llmgw.server.router.gateway import Gateway, GatewayConfig
+from llmgw.server.router.httplimits import ServerLimits
 from llmgw.server.router.table import RoutingTable, Target
 from llmgw.server.router.tokenize import TokenizeClient, TokenizeConfig
 from llmgw.server.router.upstream import UpstreamPool
@@ -102,7 +103,9 @@ class Running:
 @pytest.fixture
 async def running(engine: FakeEngine) -> AsyncIterator[Running]:
     table = RoutingTable([Target("r1", "m", engine.url)])
-    config = GatewayConfig(port=0, engine_poll_s=0, max_body_bytes=4096, policy="session")
+    config = GatewayConfig(
+        port=0, engine_poll_s=0, limits=ServerLimits(max_body_bytes=4096), policy="session"
+    )
     async with Gateway(table, config) as gateway:
         assert gateway._server is not None
         port = next(iter(gateway._server._server.sockets)).getsockname()[1]  # type: ignore[union-attr]

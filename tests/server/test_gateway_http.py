@@ -19,6 +19,7 @@ from simserve import free_port, sim_engine
 
 from llmgw.httpguard import BrowserAccess
 from llmgw.server.router.gateway import Gateway, GatewayConfig
+from llmgw.server.router.httplimits import ServerLimits
 from llmgw.server.router.policy import make_policy
 from llmgw.server.router.table import RoutingTable, Target
 
@@ -418,7 +419,7 @@ async def test_malformed_bodies_are_400_naming_the_fault(body: bytes, names: str
 
 
 async def test_bodies_over_the_limit_are_413() -> None:
-    config = GatewayConfig(port=0, max_body_bytes=1024)
+    config = GatewayConfig(port=0, limits=ServerLimits(max_body_bytes=1024))
     async with (
         engines("e") as (engine,),
         running([Target("r1", "m", engine.url)], config) as (gateway, url),
@@ -639,7 +640,7 @@ async def test_expect_100_continue_gets_its_interim_answer() -> None:
 
 
 async def test_a_request_that_arrives_too_slowly_is_408() -> None:
-    config = GatewayConfig(port=0, read_timeout_s=0.2, keepalive_timeout_s=0.2)
+    config = GatewayConfig(port=0, limits=ServerLimits(head_timeout_s=0.2, idle_timeout_s=0.2))
     async with running([], config) as (_, url):
         host, port = url.removeprefix("http://").split(":")
         reader, writer = await asyncio.open_connection(host, int(port))

@@ -1,4 +1,4 @@
-"""The gRPC-web bridge, through httpx's ASGI transport and through a real uvicorn server."""
+"""The gRPC-web bridge, through httpx's ASGI transport and over the gRPC-web port's server."""
 
 from __future__ import annotations
 
@@ -13,7 +13,6 @@ from urllib.parse import unquote
 
 import httpx
 import pytest
-import uvicorn
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
 
@@ -27,7 +26,10 @@ from llmgw.api.llmgw.v1 import (
     WatchRequest,
 )
 from llmgw.httpguard import BrowserAccess, HttpGuard
+from llmgw.server.asgihttp import AsgiHandler
 from llmgw.server.grpcweb import BrowserGate, GrpcWebApp
+from llmgw.server.router.httplimits import ServerLimits
+from llmgw.server.router.httpserver import HttpServer
 
 GET_CLUSTER = "/llmgw.v1.ControlService/GetCluster"
 CORDON_NODE = "/llmgw.v1.ControlService/CordonNode"
@@ -522,19 +524,14 @@ async def test_server_streaming_deadline_after_some_messages(
 
 
 @asynccontextmanager
-async def uvicorn_server(app: GrpcWebApp) -> AsyncIterator[str]:
-    config = uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", ws="none")
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
+async def http_server(app: GrpcWebApp) -> AsyncIterator[str]:
+    """``app`` on the HTTP server the gRPC-web port runs on (llmgw.server.asgihttp)."""
+    server = HttpServer(AsgiHandler(app), ServerLimits())
+    host, port = await server.start("127.0.0.1", 0)
     try:
-        while not server.started:
-            assert not task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.01)
-        port = server.servers[0].sockets[0].getsockname()[1]
-        yield f"http://127.0.0.1:{port}"
+        yield f"http://{host}:{port}"
     finally:
-        server.should_exit = True
-        await task
+        await server.stop()
 
 
 async def next_frame(chunks: AsyncIterator[bytes], buffer: bytearray) -> tuple[int, bytes]:
@@ -550,10 +547,10 @@ async def wait_for(event: Callable[[], Awaitable[object]]) -> None:
     await asyncio.wait_for(event(), timeout=5)
 
 
-async def test_streaming_and_disconnect_over_uvicorn(control: Control) -> None:
+async def test_streaming_and_disconnect_over_http(control: Control) -> None:
     control.watch_forever = True
     app = GrpcWebApp([control], max_message_bytes=LIMIT)
-    async with uvicorn_server(app) as url, httpx.AsyncClient(base_url=url) as http:
+    async with http_server(app) as url, httpx.AsyncClient(base_url=url) as http:
         async with http.stream("POST", WATCH, content=frame(b""), headers=BINARY) as response:
             assert response.status_code == 200
             chunks = response.aiter_raw()

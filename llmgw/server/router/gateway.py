@@ -19,8 +19,10 @@ request: the upstream connection is closed, never pooled. ``stop`` closes the li
 every client connection and every upstream connection.
 
 With client keys (``GatewayConfig.api_keys``, ``--api-key-file``; apikeys.py) a request for
-``/v1`` or below without ``Authorization: Bearer`` one of them is answered 401 and counted;
-``/healthz`` and ``/metrics`` stay open, as vLLM leaves ``/health`` and ``/metrics``.
+``/v1`` or below without ``Authorization: Bearer`` one of them is answered 401 and counted,
+as soon as its head has arrived, none of its body read; ``/healthz`` and ``/metrics`` stay
+open, as vLLM leaves ``/health`` and ``/metrics``. What clients may send and hold (head
+size, timeouts, connections per peer, bodies buffered) is ``GatewayConfig.limits``.
 
 Cost, measured with a quick harness while choosing the design (not kept: the benchmark of
 record is scripts/bench_gateway.py) on a 2-core AMD EPYC shared with other work, Python
@@ -72,7 +74,13 @@ from llmgw.server.router.errors import (
     UpstreamProtocolError,
     UpstreamRefused,
 )
-from llmgw.server.router.httpserver import HttpConnection, HttpServer, Request, ServerLimits
+from llmgw.server.router.httpserver import (
+    HttpConnection,
+    HttpServer,
+    Refusal,
+    Request,
+    ServerLimits,
+)
 from llmgw.server.router.kvindex import KvIndex
 from llmgw.server.router.load import LoadTracker
 from llmgw.server.router.metrics import CONTENT_TYPE, GatewayMetrics, kv_index_lines
@@ -114,12 +122,10 @@ class GatewayConfig:
     host: str = "127.0.0.1"
     port: int = 8000
     policy: str = "prefix"
-    max_body_bytes: int = 32 * 1024 * 1024
     request_timeout_s: float = 600.0  # whole request
     connect_timeout_s: float = 5.0
     retries: int = 2  # other replicas tried when one fails before its first byte
-    read_timeout_s: float = 60.0  # a client's request must arrive whole within this
-    keepalive_timeout_s: float = 75.0  # an idle client connection is closed after this
+    limits: ServerLimits = ServerLimits()  # what clients may send and hold (httplimits.py)
     upstream_idle_s: float = 4.0  # an idle pooled upstream connection is closed after this
     precise: bool = True  # the precise tier (prefix policy only; needs replicas' KV events)
     tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S  # a /tokenize call for the precise tier
@@ -195,18 +201,14 @@ class Gateway:
 
     async def start(self) -> tuple[str, int]:
         """Listen; the bound address (port 0 → the chosen one)."""
-        limits = ServerLimits(
-            max_body_bytes=self.config.max_body_bytes,
-            read_timeout_s=self.config.read_timeout_s,
-            keepalive_timeout_s=self.config.keepalive_timeout_s,
-        )
         guard = HttpGuard(self.config.browsers, self.config.host, tls=self.config.tls is not None)
         self._server = HttpServer(
             self._handle,
-            limits,
+            self.config.limits,
             tick=self.pool.expire,
             refused=self.metrics.request_done,
             guard=guard,
+            admit=self._admit,
         )
         address = await self._server.start(self.config.host, self.config.port, ssl=self.config.tls)
         if self.config.engine_poll_s > 0:
@@ -235,13 +237,19 @@ class Gateway:
 
     # routes
 
+    def _admit(
+        self, method: bytes, path: str, headers: tuple[tuple[bytes, bytes], ...]
+    ) -> Refusal | None:
+        """The API key, checked on the head alone: a keyless body is never read."""
+        keys = self.config.api_keys
+        if not keys.guards(path):
+            return None  # /healthz and /metrics stay open
+        authorization = next((v for k, v in headers if k == b"authorization"), None)
+        return None if keys.allows(authorization) else Refusal(401, UNAUTHORIZED_BODY)
+
     async def _handle(self, request: Request, conn: HttpConnection) -> None:
         path = request.path
-        keys = self.config.api_keys
-        if keys.guards(path) and not keys.allows(request.header(b"authorization")):
-            conn.respond(401, UNAUTHORIZED_BODY)  # /healthz and /metrics stay open
-            self.metrics.request_done(401)
-        elif path in _PROXIED:
+        if path in _PROXIED:
             if request.method != b"POST":
                 self._refuse(conn, 405, f"{path} takes POST")
             else:

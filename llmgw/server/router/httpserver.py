@@ -6,13 +6,17 @@ straight to the client transport, in the loop iteration that read them.
 
 What it does: keep-alive; request bodies by Content-Length or chunked (httptools de-chunks);
 ``Expect: 100-continue``; pipelined requests answered one after another in order (reading
-pauses while more than one is queued); TCP_NODELAY. Limits: the request head (request line
-and headers) at most ``max_head_bytes`` and ``MAX_HEADERS`` headers (431), the body at most
-``max_body_bytes`` (413; a body up to 1 MiB over is read and dropped so the client can read
-the answer, a larger one is answered at once and the connection closed), a whole request
-read within ``read_timeout_s`` (408), an idle keep-alive connection closed after
-``keepalive_timeout_s``. A malformed request is answered 400 and the connection closed.
-When the client goes away (EOF or reset), the handler's task is cancelled.
+pauses while more than one is queued); TCP_NODELAY. The limits (``httplimits.ServerLimits``:
+head size and count, head and body timeouts, idle timeout, connection caps in all and per
+peer, a budget of body bytes buffered across connections) are enforced here; a body too
+large is 413 (a body up to 1 MiB over is read and dropped so the client can read the
+answer, a larger one is answered at once and the connection closed). A malformed request is
+answered 400 and the connection closed. When the client goes away (EOF or reset), the
+handler's task is cancelled.
+
+With ``admit``, each request's head is shown to it as soon as it is complete, before any of
+the body is read or buffered: a ``Refusal`` it returns is the answer (an API key checked
+before a 32 MiB body is taken in).
 
 Browsers: as soon as a request's head has arrived it is put to the server's ``guard``
 (``llmgw.httpguard.HttpGuard``); a foreign Host (DNS rebinding) or an Origin that is neither
@@ -44,29 +48,32 @@ from typing import Protocol, cast
 
 import httptools
 
-from llmgw.httpguard import LOOPBACK_ONLY, HttpGuard, Refusal
+from llmgw.httpguard import LOOPBACK_ONLY, HttpGuard
+from llmgw.httpguard import Refusal as BrowserRefusal
+from llmgw.server.router.httplimits import BodyBudget, PeerCount, ServerLimits
 from llmgw.server.router.openai import error_body
 
 log = logging.getLogger(__name__)
 
-MAX_HEADERS = 100
 DRAIN_LIMIT = 1 << 20
 """How much of a refused body is read and dropped before the connection is simply closed."""
 
 JSON_TYPE = b"application/json"
 _TOKEN_LIST = frozenset(b"abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789-_, ")
 _PREFLIGHT_MAX_AGE = 86400
-_TWO_HOSTS = Refusal(400, "a request carries at most one Host and one Origin header")
+_TWO_HOSTS = BrowserRefusal(400, "a request carries at most one Host and one Origin header")
 
 
 @dataclass(frozen=True, slots=True)
-class ServerLimits:
-    """Bounds on what a client may send and how long it may take."""
+class Refusal:
+    """What ``admit`` answers instead of the handler: ``status`` with ``body`` (JSON)."""
 
-    max_body_bytes: int = 32 * 1024 * 1024
-    max_head_bytes: int = 64 * 1024
-    read_timeout_s: float = 60.0  # first byte of a request → its last byte
-    keepalive_timeout_s: float = 75.0  # idle between requests
+    status: int
+    body: bytes
+
+
+Admit = Callable[[bytes, str, tuple[tuple[bytes, bytes], ...]], Refusal | None]
+"""Sees a request's method, path and headers (names lower-case) before its body is read."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,6 +123,7 @@ class HttpConnection(asyncio.Protocol):
         self._loop = server.loop
         self._transport: asyncio.Transport | None = None
         self._parser = httptools.HttpRequestParser(self)
+        self._peer: str | None = None  # the client's IP address, once it is taken in
         self._url: list[bytes] = []
         self._headers: list[tuple[bytes, bytes]] = []
         self._body: list[bytes] = []
@@ -123,7 +131,11 @@ class HttpConnection(asyncio.Protocol):
         self._head_seen = 0
         self._body_bytes = 0
         self._in_head = False
-        self._refused: tuple[int, str] | None = None
+        self._in_body = False
+        self._head_done = 0.0  # loop time the current request's head ended
+        self._refused: tuple[int, bytes] | None = None
+        self._drain = 0  # body bytes read and dropped after a refusal, at most
+        self._running_body = 0  # bytes of the server's body budget the running request holds
         self._pending: deque[Request] = deque()
         self._task: asyncio.Task[None] | None = None
         self._keep_alive = True
@@ -140,13 +152,18 @@ class HttpConnection(asyncio.Protocol):
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is not a subclass
+        if not self._take_in(_peer_host(transport)):
+            return
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self.deadline = self._loop.time() + self._limits.keepalive_timeout_s
+        self.deadline = self._loop.time() + self._limits.idle_timeout_s
         self._server.connections.add(self)
 
     def data_received(self, data: bytes) -> None:
+        if self._peer is None:
+            return  # refused at accept: nothing of it is read
+        in_head = self._in_head
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserUpgrade:
@@ -154,21 +171,25 @@ class HttpConnection(asyncio.Protocol):
             return
         except httptools.HttpParserError as exc:
             if self._refused is not None:
-                self._refuse_now(*self._refused)
+                self._refuse_body(*self._refused)
             else:
                 self._refuse_now(400, f"malformed HTTP request: {exc}")
             return
-        if self._in_head:  # a head split over reads: bound what httptools accumulates
+        if in_head and self._in_head:  # a head split over reads: bound what httptools holds
             self._head_seen += len(data)
-            if self._head_seen > self._limits.max_head_bytes + DRAIN_LIMIT:
-                self._refuse_now(431, "the request head is too large")
+            if self._head_seen > self._limits.max_head_bytes:
+                self._refuse_now(431, self._head_too_large())
 
     def eof_received(self) -> bool:
         return False  # a client that half-closes has gone: close, connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
-        self._pending.clear()
+        self._drop_pending()
+        self._drop_body()
+        if self._peer is not None:
+            self._server.peers.remove(self._peer)
+            self._peer = None
         self._server.connections.discard(self)
         if self._task is not None:
             self._task.cancel()
@@ -185,8 +206,13 @@ class HttpConnection(asyncio.Protocol):
         self._writing_paused = False
         if self._producer is not None:
             self._producer.resume_reading()
+        waiter, self._drained = self._drained, None
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
 
     # what handlers use
+
+    _drained: asyncio.Future[None] | None = None
 
     @property
     def keep_alive(self) -> bool:
@@ -198,11 +224,26 @@ class HttpConnection(asyncio.Protocol):
         """Whether the client reads chunked responses (HTTP/1.1)."""
         return self._current_http11
 
+    @property
+    def peer(self) -> tuple[str, int] | None:
+        """The client's address and port."""
+        if self._transport is None:
+            return None
+        address = self._transport.get_extra_info("peername")
+        return (str(address[0]), int(address[1])) if isinstance(address, tuple) else None
+
     def write(self, data: bytes) -> None:
         """Bytes of the response (head included) to the client, now."""
         if not self.lost and self._transport is not None:
             self.started = True
             self._transport.write(data)
+
+    async def drain(self) -> None:
+        """Wait while the client's socket buffer is full (a streaming response's pace)."""
+        if self._writing_paused and not self.lost:
+            if self._drained is None:
+                self._drained = self._loop.create_future()
+            await self._drained
 
     def respond(self, status: int, body: bytes, content_type: bytes = JSON_TYPE) -> None:
         """A whole response with ``body``."""
@@ -248,7 +289,7 @@ class HttpConnection(asyncio.Protocol):
         """Called by the server's sweep once ``deadline`` has passed."""
         if self._task is not None:
             return
-        if self._in_head or self._body_bytes:
+        if self._in_head or self._in_body:
             self._refuse_now(408, "the request was not received in time")
         elif self._transport is not None:
             self._transport.close()
@@ -258,14 +299,17 @@ class HttpConnection(asyncio.Protocol):
     def on_message_begin(self) -> None:
         self._url = []
         self._headers = []
-        self._body = []
+        if self._held_body:
+            self._drop_body()
+        else:
+            self._body = []
+            self._body_bytes = 0
         self._head_bytes = 0
         self._head_seen = 0
-        self._body_bytes = 0
         self._in_head = True
         self._refused = None
         if self._task is None:
-            self.deadline = self._loop.time() + self._limits.read_timeout_s
+            self.deadline = self._loop.time() + self._limits.head_timeout_s
 
     def on_url(self, url: bytes) -> None:
         self._url.append(url)
@@ -274,47 +318,61 @@ class HttpConnection(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._headers.append((name.lower(), value))
         self._count_head(len(name) + len(value) + 4)
-        if len(self._headers) > MAX_HEADERS:
-            self._refused = (431, f"more than {MAX_HEADERS} request headers")
-            raise ValueError(self._refused[1])
+        if len(self._headers) > self._limits.max_headers:
+            self._refuse_at_once(431, f"more than {self._limits.max_headers} request headers")
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        declared = next((v for k, v in self._headers if k == b"content-length"), None)
+        self._in_body = True
+        self._head_done = self._loop.time()
+        if self._task is None:
+            self.deadline = self._head_done + self._limits.body_timeout_s
+        declared = _content_length(self._headers)
         expect = next((v for k, v in self._headers if k == b"expect"), None)
         refusal = self._browser_refusal()
-        if refusal is not None:
-            self._refused = (refusal.status, refusal.message)
-            if declared is None or int(declared) > DRAIN_LIMIT or expect is not None:
-                raise ValueError(refusal.message)  # answered at once, connection closed
+        if refusal is not None:  # before anything else: a foreign page learns nothing more
+            self._refuse_later(refusal.status, refusal.message, 0)
+            sized = any(k == b"content-length" for k, _ in self._headers)
+            if not sized or declared > DRAIN_LIMIT or expect is not None:
+                raise ValueError("refused")  # answered at once, connection closed
             return  # a small body is read and dropped, so that the client reads the answer
-        too_large = declared is not None and int(declared) > self._limits.max_body_bytes
-        if too_large:
-            self._refused = (413, self._too_large_message())
-            if int(declared or 0) > self._limits.max_body_bytes + DRAIN_LIMIT:
-                raise ValueError(self._refused[1])  # answered at once, connection closed
+        if self._server.admit is not None:
+            self._admit()
+        if self._refused is None and declared > self._limits.max_body_bytes:
+            self._refuse_later(413, self._too_large_message(), self._limits.max_body_bytes)
+        if declared > self._drain and self._refused is not None:
+            raise ValueError("refused")  # answered at once, connection closed
+        if self._refused is None and declared and not self._hold(declared):
+            self._refuse_at_once(503, self._budget_message())
         if expect is not None and expect.lower() == b"100-continue":
-            if too_large:
-                raise ValueError(self._refused[1] if self._refused else "")
+            if self._refused is not None:
+                raise ValueError("refused")
             if self._task is None:  # never inside another request's response
                 self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
                 self.started = False
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)
+        if self._task is None:
+            self.deadline = self._limits.body_deadline(self._head_done, self._body_bytes)
         if self._refused is None and self._body_bytes > self._limits.max_body_bytes:
-            self._refused = (413, self._too_large_message())
-            self._body = []
-        if self._refused is None:
-            self._body.append(body)
-        elif self._body_bytes > self._limits.max_body_bytes + DRAIN_LIMIT:
-            raise ValueError(self._refused[1])
+            self._drop_body()
+            self._refuse_later(413, self._too_large_message(), self._limits.max_body_bytes)
+        if self._refused is not None:
+            if self._body_bytes > self._drain:
+                raise ValueError("refused")
+            return
+        if self._body_bytes > self._held_body and not self._hold(len(body)):  # chunked
+            self._drop_body()
+            self._refuse_at_once(503, self._budget_message())
+        self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._in_body = False
         if self._closing:  # refused earlier: what follows in the same read is dropped
             return
         if self._refused is not None:
-            self._refuse_now(*self._refused)  # read whole: the client can read the answer
+            self._refuse_body(*self._refused)  # read whole: the client can read the answer
             return
         target = b"".join(self._url)
         path, _, _ = target.partition(b"?")
@@ -330,8 +388,9 @@ class HttpConnection(asyncio.Protocol):
         )
         self._body = []
         self._body_bytes = 0
-        self.deadline = math.inf
+        self._held_body = 0  # now the request's, given back when its handler ends
         if self._task is None:
+            self.deadline = math.inf
             self._start(request)
         else:
             self._pending.append(request)
@@ -346,6 +405,7 @@ class HttpConnection(asyncio.Protocol):
         self._keep_alive = request.keep_alive
         self._current_http11 = request.http11
         self._current_cors = request.cors_origin
+        self._running_body = len(request.body)
         self.started = False
         self._task = self._loop.create_task(self._run(request))
 
@@ -368,6 +428,9 @@ class HttpConnection(asyncio.Protocol):
         finally:
             self._task = None
             self._producer = None
+            if self._running_body:
+                self._give(self._running_body)
+                self._running_body = 0
             self._next()
 
     def _next(self) -> None:
@@ -381,9 +444,69 @@ class HttpConnection(asyncio.Protocol):
             if not self._pending:
                 self._transport.resume_reading()
             return
-        self.deadline = self._loop.time() + self._limits.keepalive_timeout_s
+        now = self._loop.time()
+        if self._in_head:  # the next request's head began during the response
+            self.deadline = now + self._limits.head_timeout_s
+        elif self._in_body:
+            self.deadline = max(now, self._limits.body_deadline(self._head_done, self._body_bytes))
+        else:
+            self.deadline = now + self._limits.idle_timeout_s
 
-    def _browser_refusal(self) -> Refusal | None:
+    # limits
+
+    _held_body = 0  # bytes of the server's body budget taken for the body being read
+
+    def _take_in(self, peer: str) -> bool:
+        """Count the new connection against the caps; over one, answer 503 and close."""
+        why = self._server.peers.refusal(peer)
+        if why is None:
+            self._server.peers.add(peer)
+            self._peer = peer
+            return True
+        log.debug("refused a connection: %s", why)
+        self._closing = True
+        self._current_http11 = True
+        self._keep_alive = False
+        self.respond(503, error_body(why, "ServiceUnavailableError", 503))
+        if self._server.refused is not None:
+            self._server.refused(503)
+        if self._transport is not None:
+            self._transport.close()
+        return False
+
+    def _admit(self) -> None:
+        """Show the head to the server's ``admit`` before any of the body is read."""
+        if self._server.admit is None:
+            return
+        path = b"".join(self._url).partition(b"?")[0].decode("latin-1")
+        refusal = self._server.admit(self._parser.get_method(), path, tuple(self._headers))
+        if refusal is not None:
+            self._refused = (refusal.status, refusal.body)
+            self._drain = DRAIN_LIMIT
+
+    def _hold(self, size: int) -> bool:
+        """Take ``size`` bytes of the server's body budget for the body being read."""
+        if not self._server.budget.take(size):
+            return False
+        self._held_body += size
+        return True
+
+    def _give(self, size: int) -> None:
+        self._server.budget.give(size)
+
+    def _drop_body(self) -> None:
+        """Forget the body being read, giving its bytes back."""
+        self._body = []
+        self._body_bytes = 0
+        self._give(self._held_body)
+        self._held_body = 0
+
+    def _drop_pending(self) -> None:
+        """Forget the requests queued behind the running one, giving their bodies back."""
+        while self._pending:
+            self._give(len(self._pending.popleft().body))
+
+    def _browser_refusal(self) -> BrowserRefusal | None:
         host = origin = None
         for name, value in self._headers:
             if name == b"host":
@@ -401,7 +524,7 @@ class HttpConnection(asyncio.Protocol):
 
     def _cors_origin(self) -> bytes | None:
         origin = self._origin
-        if origin is None or not self._server.guard.cors_allows(origin):
+        if not self._server.cors or origin is None or not self._server.guard.cors_allows(origin):
             return None
         return origin.encode("latin-1")
 
@@ -418,23 +541,43 @@ class HttpConnection(asyncio.Protocol):
     def _count_head(self, size: int) -> None:
         self._head_bytes += size
         if self._head_bytes > self._limits.max_head_bytes:
-            self._refused = (
-                431,
-                f"the request head is larger than {self._limits.max_head_bytes} bytes",
-            )
-            raise ValueError(self._refused[1])
+            self._refuse_at_once(431, self._head_too_large())
+
+    def _head_too_large(self) -> str:
+        return f"the request head is larger than {self._limits.max_head_bytes} bytes"
 
     def _too_large_message(self) -> str:
         return f"the request body is larger than {self._limits.max_body_bytes} bytes"
 
+    def _budget_message(self) -> str:
+        return (
+            f"the server holds {self._server.budget.limit} bytes of request bodies, its limit; "
+            "retry later"
+        )
+
+    def _refuse_later(self, status: int, message: str, read: int) -> None:
+        """Refuse the request once its body is read and dropped (up to ``read`` + 1 MiB)."""
+        self._refused = (status, error_body(message, _error_type(status), status))
+        self._drain = read + DRAIN_LIMIT
+
+    def _refuse_at_once(self, status: int, message: str) -> None:
+        """Refuse the request now, reading no more (raised out of a parser callback)."""
+        self._refused = (status, error_body(message, _error_type(status), status))
+        raise ValueError(message)
+
     def _refuse_now(self, status: int, message: str) -> None:
         """Answer ``status`` (unless a response is running) and close the connection."""
+        self._refuse_body(status, error_body(message, _error_type(status), status))
+
+    def _refuse_body(self, status: int, body: bytes) -> None:
         self._keep_alive = False
         self._closing = True
-        self._pending.clear()
+        self._in_head = self._in_body = False
+        self._drop_pending()
+        self._drop_body()
         if self._task is None and not self.lost:
             self._current_cors = None
-            self.respond(status, error_body(message, _error_type(status), status))
+            self.respond(status, body)
             if self._server.refused is not None:
                 self._server.refused(status)
         if self._task is None and self._transport is not None:
@@ -454,6 +597,19 @@ def _cors_lines(origin: bytes) -> bytes:
     return b"access-control-allow-origin: %s\r\nvary: origin\r\n" % origin
 
 
+def _content_length(headers: list[tuple[bytes, bytes]]) -> int:
+    """The declared body size (httptools has checked the value's form); 0: none declared."""
+    declared = next((v for k, v in headers if k == b"content-length"), None)
+    return 0 if declared is None else int(declared)
+
+
+def _peer_host(transport: asyncio.BaseTransport) -> str:
+    address = transport.get_extra_info("peername")
+    if isinstance(address, tuple) and address:
+        return str(address[0])
+    return str(address)  # a Unix socket: one peer
+
+
 def _error_type(status: int) -> str:
     phrase = _REASONS.get(status, b"Error").decode()
     return "".join(word.capitalize() for word in phrase.replace("-", " ").split()) + "Error"
@@ -470,13 +626,19 @@ class HttpServer:
         tick: Callable[[float], None] | None = None,
         refused: Callable[[int], None] | None = None,
         guard: HttpGuard = LOOPBACK_ONLY,
+        cors: bool = True,
+        admit: Admit | None = None,
     ) -> None:
         self.handler = handler
         self.guard = guard  # which Host and Origin headers are answered (llmgw.httpguard)
+        self.cors = cors  # False: the handler writes CORS headers and answers preflights
         self.refused = refused  # told the status of every request refused before its handler
+        self.admit = admit
         self._tick = tick
         self.limits = limits
         self.connections: set[HttpConnection] = set()
+        self.peers = PeerCount(limits)
+        self.budget = BodyBudget(limits.max_body_buffer_bytes)
         self.stopping = False
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.Server | None = None
@@ -486,11 +648,18 @@ class HttpServer:
         self, host: str, port: int, *, ssl: _ssl.SSLContext | None = None
     ) -> tuple[str, int]:
         """Listen on ``host:port`` (TLS only, with ``ssl``); the bound address (port 0 → the
-        chosen one). A connection reaches ``HttpConnection`` once its handshake is done."""
+        chosen one). A connection reaches ``HttpConnection`` once its handshake is done (it
+        must be within ``head_timeout_s``)."""
         self._server = await self.loop.create_server(
-            lambda: HttpConnection(self), host, port, reuse_address=True, backlog=1024, ssl=ssl
+            lambda: HttpConnection(self),
+            host,
+            port,
+            reuse_address=True,
+            backlog=1024,
+            ssl=ssl,
+            ssl_handshake_timeout=None if ssl is None else self.limits.head_timeout_s,
         )
-        self._sweeper = self.loop.create_task(self._sweep(), name="gateway-sweep")
+        self._sweeper = self.loop.create_task(self._sweep(), name="http-sweep")
         sockname = self._server.sockets[0].getsockname()
         return str(sockname[0]), int(sockname[1])
 
@@ -524,4 +693,13 @@ class HttpServer:
                 self._tick(now)
 
 
-__all__ = ["JSON_TYPE", "HttpConnection", "HttpServer", "Request", "ServerLimits", "status_line"]
+__all__ = [
+    "JSON_TYPE",
+    "Admit",
+    "HttpConnection",
+    "HttpServer",
+    "Refusal",
+    "Request",
+    "ServerLimits",
+    "status_line",
+]
