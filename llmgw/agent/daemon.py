@@ -1,7 +1,10 @@
 """``llmgw agent``: discover this node, then keep its stream to the control server open.
 
 The node id is chosen once and kept in the state directory (``node-id``), so an agent
-restarted with the same ``--state-dir`` comes back as the same node. Discovery is the
+restarted with the same ``--state-dir`` comes back as the same node. So is a random
+instance id (``instance-id``); with the host's machine id it names this agent to the
+server, which refuses a second agent of a node while the first one is live and names the
+holder by them. Discovery is the
 simulated backend when ``--simulate`` names a fixture; otherwise NVML describes the GPUs
 (with no driver the agent reports this host and no GPUs, saying why).
 """
@@ -11,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import ssl
 import uuid
@@ -33,6 +37,9 @@ from llmgw.signals import stop_on_signals
 from llmgw.tls import ALPN_GRPC, TlsFileError, client_context
 
 log = logging.getLogger(__name__)
+
+MACHINE_ID_FILES = (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
+_INSTANCE_ID = re.compile(r"[0-9a-fA-F-]{8,64}")
 
 
 class AgentConfigError(ValueError):
@@ -103,6 +110,32 @@ def resolve_node_id(state_dir: Path, explicit: str | None) -> str:
     return node_id
 
 
+def resolve_instance_id(state_dir: Path) -> str:
+    """This agent's instance id: kept in ``STATE_DIR/instance-id``, created once."""
+    path = state_dir / "instance-id"
+    try:
+        instance_id = path.read_text().strip()
+    except FileNotFoundError:
+        instance_id = ""
+    if not _INSTANCE_ID.fullmatch(instance_id):
+        instance_id = uuid.uuid4().hex
+        state_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(instance_id + "\n")
+    return instance_id
+
+
+def machine_id(paths: Sequence[Path] = MACHINE_ID_FILES) -> str:
+    """The host's machine id (systemd's, else D-Bus's); '' when neither can be read."""
+    for path in paths:
+        try:
+            value = path.read_text().strip()
+        except OSError:
+            continue
+        if _INSTANCE_ID.fullmatch(value):
+            return value
+    return ""
+
+
 def discover(config: AgentConfig, node_id: str) -> NodeInfo:
     """What this node is: a simulated fixture, or this host as NVML and its files say."""
     if config.simulate:
@@ -145,6 +178,7 @@ class Agent:
         tls = _server_tls(config.ca_file)  # a bad CA file stops the agent before anything runs
         self.config = config
         self.node_id = resolve_node_id(config.state_dir, config.node_id)
+        self.instance_id = resolve_instance_id(config.state_dir)
         self.node = discover(config, self.node_id)
         self._telemetry = self._sampler()
         self.kv = KvEventHub(config.kv_events)  # the engines' KV blocks, for the stream
@@ -166,6 +200,8 @@ class Agent:
                 backoff=config.backoff,
                 token=config.token,
                 tls=tls,
+                instance_id=self.instance_id,
+                machine_id=machine_id(),
             ),
             node=lambda: self.node,
             telemetry=self.telemetry,

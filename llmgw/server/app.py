@@ -241,7 +241,7 @@ def _uvicorn_config(
         max_message_bytes=config.max_message_bytes,
         authorize=auth.check,
         guard=auth.guard,  # a revoked token's open calls end (llmgw.server.auth)
-        metrics=lambda: server_metrics(agents.plane, len(agents.connections)),
+        metrics=lambda: server_metrics(agents.plane, len(agents.connections), agents.stats()),
     )
     if config.test_hooks:
         log.warning("test hooks on: POST /debug/agents/NODE/command sends commands to agents")

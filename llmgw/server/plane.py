@@ -42,6 +42,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from grpclib.const import Status
+
 from llmgw.api.llmgw.v1 import (
     AuditEvent,
     Cluster,
@@ -57,6 +59,7 @@ from llmgw.api.llmgw.v1 import (
 from llmgw.protocol import read_shard_state
 from llmgw.server.desired import DesiredState
 from llmgw.server.encoded import freeze_node_info
+from llmgw.server.errors import ActionRefused, UnknownNode
 from llmgw.server.inventory import Inventory, InventoryConfig, NodeRecord
 from llmgw.server.kvblocks import DecodedKvDelta, KvBlocks, leader_replica
 from llmgw.server.kvfollow import KvFollowBoard
@@ -84,6 +87,8 @@ class ControlPlane:
         self.hub = WatchHub(self.snapshot)
         self.desired = DesiredState(store, self.hub)
         self._seen: dict[str, int] = {}  # node id → last heartbeat ms not yet in the store
+        self._ready: set[str] = set()  # nodes whose ever-READY mark may not be stored yet
+        self._stored_ready: dict[str, bool] = {}  # node id → ever-READY as the store has it
         self._recent: deque[AuditEvent] = deque(maxlen=RECENT_AUDIT)
         self.replicas: dict[str, ReplicaRecord] = {}  # every record, RETIRED ones too
         self.reconcile_soon: Callable[[], None] = _nothing  # set by the reconcile loop
@@ -108,7 +113,11 @@ class ControlPlane:
                 log.error("node %s: stored registration unreadable (%s)", stored.node_id, exc)
                 continue
             self.inventory.restore(
-                stored.node_id, info, cordoned=stored.cordoned, first_seen_ms=stored.first_seen_ms
+                stored.node_id,
+                info,
+                cordoned=stored.cordoned,
+                first_seen_ms=stored.first_seen_ms,
+                ever_ready=stored.ever_ready,
             )
         log.info("restored %d nodes from the store", len(self.inventory.nodes))
         self._started = time.monotonic()
@@ -205,7 +214,14 @@ class ControlPlane:
         self.kv_follow.drop_node(node.node_id)  # its first heartbeat reports every engine
         shards = [self.inventory.report_shard(node.node_id, s, now_ms=at) for s in message.shards]
         await self.store.save_node(
-            StoredNode(node.node_id, bytes(record.info), record.cordoned, record.first_seen_ms, at)
+            StoredNode(
+                node.node_id,
+                bytes(record.info),
+                record.cordoned,
+                record.first_seen_ms,
+                at,
+                record.ever_ready,
+            )
         )
         self._publish_node(record)
         for shard_id in gone:
@@ -224,6 +240,8 @@ class ControlPlane:
         )
         if delta is None:
             return False
+        if node_id not in self._seen and node_id not in self._ready:
+            self._ready.add(node_id)  # its first heartbeat since the last flush: ever READY
         self._seen[node_id] = at
         if beat.kv_follow:
             self.kv_follow.update(node_id, beat.kv_follow)
@@ -306,6 +324,7 @@ class ControlPlane:
         if expired:
             self.reconcile_soon()
         await self.flush()
+        await self.prune_never_ready()
 
     def _credit_stall(self, now: float) -> None:
         """Leave out of every heartbeat's age the time since the last tick beyond the usual."""
@@ -324,6 +343,83 @@ class ControlPlane:
     async def flush(self) -> None:
         seen, self._seen = self._seen, {}
         await self.store.touch_nodes(seen.items())
+        ready, self._ready = self._ready, set()
+        for node_id in sorted(ready):
+            if not self._stored_ready.get(node_id, False):
+                await self.store.mark_ever_ready(node_id)
+                self._stored_ready[node_id] = True
+
+    async def prune_never_ready(self) -> list[str]:
+        """Forget the nodes that registered, never sent a heartbeat, and are gone (see
+        ``Inventory.never_ready``); their ids."""
+        after_ms = int(self.inventory.config.never_ready_prune_s * 1000)
+        pruned = self.inventory.never_ready(now_ms(), after_ms)
+        for node_id in pruned:
+            await self._forget_node(node_id)
+            log.info(
+                "node %s pruned: it registered but never became READY in %gs",
+                node_id,
+                self.inventory.config.never_ready_prune_s,
+            )
+        return pruned
+
+    async def delete_node(self, node_id: str, *, force: bool) -> str:
+        """Forget a node an operator deleted; raises ActionRefused (why) or UnknownNode.
+
+        Refused while its agent is connected (it would register again at once), and while
+        shards the server thinks run are on it unless ``force``: their replicas are then
+        replaced elsewhere by the reconciler, as for a node gone past its grace."""
+        record = self.inventory.nodes.get(node_id)
+        if record is None:
+            raise UnknownNode(node_id)
+        if record.connected:
+            raise ActionRefused(
+                Status.FAILED_PRECONDITION,
+                f"node {node_id} is connected (agent at {record.peer or 'an unknown address'}): "
+                "stop its agent first, or drain it with 'llmgw drain-node'",
+            )
+        running = self._running_on(node_id)
+        if running and not force:
+            raise ActionRefused(
+                Status.FAILED_PRECONDITION,
+                f"node {node_id} has replicas the server thinks are running: "
+                f"{', '.join(running)}; drain them first, or give --force to forget the node "
+                "and have them placed elsewhere",
+            )
+        await self._forget_node(node_id)
+        if running:
+            return f"node {node_id} deleted; replicas {', '.join(running)} will be placed elsewhere"
+        return f"node {node_id} deleted"
+
+    def _running_on(self, node_id: str) -> list[str]:
+        """The live replicas with a shard planned on ``node_id`` or reported there running."""
+        ended = (ShardState.STOPPED, ShardState.FAILED)
+        replicas = {
+            record.replica_id
+            for record in self.replicas.values()
+            if record.lifecycle is not Lifecycle.RETIRED
+            and any(plan.node_id == node_id for plan in record.plan.shards)
+        }
+        replicas.update(
+            shard.replica_id or shard.shard_id
+            for shard in self.inventory.shards_of(node_id)
+            if read_shard_state(shard.status.state if shard.status else 0) not in ended
+        )
+        return sorted(replicas)
+
+    async def _forget_node(self, node_id: str) -> None:
+        """Remove a disconnected node from the store, the inventory and every watcher."""
+        await self.store.delete_node(node_id)
+        gone = self.inventory.remove(node_id)
+        self._seen.pop(node_id, None)
+        self._stored_ready.pop(node_id, None)
+        self.kv_blocks.drop_node(node_id, "its node was deleted")
+        self.kv_follow.drop_node(node_id)
+        for shard_id in gone:
+            self.hub.publish(WatchEvent(shard_removed=shard_id))
+        self.hub.publish(WatchEvent(node_removed=node_id))
+        self.reconcile_soon()
+        self._note_agents_back()
 
     def _publish_node(self, record: NodeRecord) -> None:
         node = self.inventory.node_view(record, time.monotonic())
