@@ -188,6 +188,8 @@ class Agent:
                 restart=config.restart,
                 startup_timeout_s=config.startup_timeout_s,
                 drain_settle_s=config.drain_settle_s,
+                node_id=self.node_id,
+                wait_for_server=True,
             ),
             launcher=self._launch,
             on_status=lambda status: self.link.send_status(status),
@@ -208,6 +210,7 @@ class Agent:
             shards=self.supervisor.statuses,
             on_command=self.supervisor.handle,
             kv=self.kv,
+            on_registered=self.supervisor.licence,
         )
 
     def _launch(self, spec: ShardSpec) -> LaunchSpec:
@@ -225,8 +228,9 @@ class Agent:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Run until SIGINT/SIGTERM (or ``stop``).
 
-        Engines are adopted (or started again) before the first registration; they keep
-        running when the agent stops, so that the next agent adopts them.
+        Engines are adopted before the first registration (and started again, or stopped,
+        only once the server accepted it: see ``Supervisor.licence``); they keep running
+        when the agent stops, so that the next agent adopts them.
         """
         stop = stop or asyncio.Event()
         await self.supervisor.open()

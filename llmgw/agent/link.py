@@ -145,8 +145,10 @@ class AgentLink:
         shards: Callable[[], Sequence[ShardStatus]] = list,
         on_command: CommandHandler | None = None,
         kv: KvSource | None = None,
+        on_registered: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
+        self._on_registered = on_registered  # each accepted registration (Supervisor.licence)
         self._kv = kv
         self._node = node
         self._telemetry = telemetry
@@ -210,6 +212,8 @@ class AgentLink:
                 _drain(self._outbox)  # Register carries the current state of every shard
                 interval_s = await self._register(stream)
                 self.backoff.succeeded()
+                if self._on_registered is not None:
+                    self._on_registered()
                 self.stats.sessions += 1
                 self.stats.connected = True
                 async with asyncio.TaskGroup() as tasks:

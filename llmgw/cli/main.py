@@ -123,6 +123,14 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="a node with no heartbeat for this long is NOT_READY (default: 5)",
     )
     p.add_argument(
+        "--prune-never-ready",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="forget a node that registered but never sent a heartbeat, has no shards and "
+        "is gone, this long after it was first seen (default: 300)",
+    )
+    p.add_argument(
         "--heartbeat-interval",
         type=float,
         default=1.0,

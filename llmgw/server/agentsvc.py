@@ -135,7 +135,8 @@ class AgentService(AgentServiceBase):
     ) -> None:
         self.plane = plane
         self.heartbeat_interval_ms = heartbeat_interval_ms
-        self.connections: dict[str, AgentConnection] = {}
+        self.connections: dict[str, AgentConnection] = {}  # registered streams, by node
+        self._claims: dict[str, AgentConnection] = {}  # the newest accepted stream, by node
         self.limiter = RegisterLimiter(limits)
         self.refused_duplicates = 0  # Registers refused because another agent holds the node
         self.sessions = 0  # agent streams accepted (registered) since the start
@@ -155,10 +156,9 @@ class AgentService(AgentServiceBase):
         return AgentStreamStats(self.sessions, self.refused_duplicates, self.limiter.refused)
 
     async def send(self, node_id: str, message: ControlMessage) -> bool:
-        """Send a command to a node's agent; False when it is not connected (or still
-        registering: its Registered goes first)."""
+        """Send a command to a node's agent; False when it is not connected."""
         connection = self.connections.get(node_id)
-        if connection is None or connection.number == 0:
+        if connection is None:
             return False
         await connection.send(message)
         return True
@@ -180,10 +180,11 @@ class AgentService(AgentServiceBase):
             log.warning("agent for node %s refused: %s", node_id, refusal)
             await _refuse(stream, Status.ALREADY_EXISTS, refusal, self._retry_after_s())
             return
-        self._replace(connection)  # before any await: a second newcomer sees this holder
+        self._claim(connection)  # before any await: a second newcomer sees this holder
         reason = "agent stream closed"
         try:
             connection.number = await self.plane.register(node, register, peer=peer)
+            self.connections[node_id] = connection
             self.sessions += 1
             await connection.send(
                 ControlMessage(
@@ -206,13 +207,15 @@ class AgentService(AgentServiceBase):
         finally:
             if self.connections.get(node_id) is connection:
                 del self.connections[node_id]
+            if self._claims.get(node_id) is connection:
+                del self._claims[node_id]
             if connection.number:
                 self.plane.disconnect(node_id, connection.number, reason)
 
     def _holder_refusal(self, newcomer: AgentConnection) -> str:
         """Why ``newcomer`` may not take its node ('' when it may): another agent's live
         session holds it."""
-        holder = self.connections.get(newcomer.node_id)
+        holder = self._claims.get(newcomer.node_id)
         if holder is None:
             return ""
         same_process = bool(newcomer.identity.run_id) and (
@@ -238,9 +241,9 @@ class AgentService(AgentServiceBase):
         about the grace once the holder is gone, rarely enough not to be a load."""
         return max(1.0, self.plane.inventory.config.grace_s / 2)
 
-    def _replace(self, connection: AgentConnection) -> None:
-        old = self.connections.get(connection.node_id)
-        self.connections[connection.node_id] = connection
+    def _claim(self, connection: AgentConnection) -> None:
+        old = self._claims.get(connection.node_id)
+        self._claims[connection.node_id] = connection
         if old is not None:
             log.info(
                 "node %s: agent (%s) takes over from its older stream (%s)",
@@ -252,7 +255,7 @@ class AgentService(AgentServiceBase):
 
     def shutdown(self) -> None:
         """End every agent stream with UNAVAILABLE, so agents reconnect at once."""
-        for connection in list(self.connections.values()):
+        for connection in {*self.connections.values(), *self._claims.values()}:
             connection.close("the control server is shutting down")
 
     async def _serve(

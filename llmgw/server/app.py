@@ -93,6 +93,7 @@ class ServerConfig:
     http_listen: Listen
     db_path: Path
     node_grace_s: float = 5.0
+    prune_never_ready_s: float = 300.0  # a node that never sent a heartbeat is forgotten
     heartbeat_interval_ms: int = 1000
     max_message_bytes: int = 4 << 20
     tick_s: float = 0.5
@@ -154,7 +155,10 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
     tls = _PortTls.load(config.tls)  # before anything binds or opens
     install_message_limit()
     async with Store(config.db_path) as store:
-        plane = ControlPlane(store, InventoryConfig(grace_s=config.node_grace_s))
+        inventory = InventoryConfig(
+            grace_s=config.node_grace_s, never_ready_prune_s=config.prune_never_ready_s
+        )
+        plane = ControlPlane(store, inventory)
         await plane.load()
         slot = _GatewaySlot()
         reports = RouterReports()  # gateways' reports: RouterService in, GetRouterStats out

@@ -177,7 +177,7 @@ async def test_commands_reach_the_agent(running: Running) -> None:
     )
     task = asyncio.create_task(link.run())
     try:
-        await _until(lambda: link.stats.connected)
+        await _until(lambda: "n1" in running.service.connections)
         sent = await running.service.send("n1", ControlMessage(stop_shard=StopShard(shard_id="x")))
         assert sent
         await _until(lambda: bool(got))
