@@ -8,17 +8,19 @@ fault is not on any request's path), three ``llmgw agent --simulate dgx-h100`` n
 (3 replicas, KV events on) and ``code`` (2 replicas of TP 2, KV events off). A steady load of
 chat completions (shared system prompts, streamed or not) goes through the gateway while,
 for ``--duration`` seconds, a fault every few seconds SIGKILLs the server, an agent or an
-engine, or SIGSTOPs the server, an agent, an engine or the gateway for a few seconds
+engine, or SIGSTOPs the server, an agent, an engine or the gateway for a few seconds, or
+runs a duplicate agent (a copy of an agent's state dir and node id) for a few seconds
 (chaoskit_faults). A sampler looks at the cluster twice a second (chaoskit_observe).
 Then the faults stop and the run checks (chaoskit_checks): desired state kept, never two
 copies of a replica, every deployment back at its count within ``--bound`` seconds of the
 last fault, no failed request but those on a faulted process, and the gateway's KV index
-equal to each engine's cache (the simulated engine's ``/debug/kv_cache``). Exit status 0
-only when every check passes.
+equal to each engine's cache (the simulated engine's ``/debug/kv_cache``), and every
+duplicate agent refused. Exit status 0 only when every check passes.
 
     .venv/bin/python scripts/chaos.py                      # 10 minutes of faults
     .venv/bin/python scripts/chaos.py --duration 120 --seed 7
     .venv/bin/python scripts/chaos.py --markdown           # a BENCHMARKS.md section
+    .venv/bin/python scripts/chaos.py --duration 90 --kinds duplicate-agent,kill-agent
 
 Progress goes to stderr; the report to stdout (``--json FILE`` writes it as JSON too). Every
 process the run started, engines included, is killed at the end, whatever happens.
@@ -46,6 +48,7 @@ from chaoskit_checks import (
     check_convergence,
     check_copies,
     check_desired,
+    check_duplicates,
     check_kv,
     check_requests,
     converged_at,
@@ -264,6 +267,9 @@ async def _under_faults(
         check_requests(load.records, faults.records, opts.slack_s),
         check_kv(kv.differences(), {r: len(k or ()) for r, k in kv.engines.items()}),
         _check_exits(cluster),
+        check_duplicates(
+            {name: (cluster.logs / f"{name}.log").read_text() for name in cluster.duplicates()}
+        ),
     )
     return ChaosReport(
         command=command_line(),
@@ -322,7 +328,8 @@ def _settings(opts: Options, samples: int, skipped: int) -> dict[str, str]:
         "deployments": "chat: 3 replicas, TP 1, KV events on (sim engine, "
         f"{opts.kv_blocks} KV blocks of 16 tokens); code: 2 replicas, TP 2, KV events off",
         "faults": f"{opts.duration_s:g} s, one at a time every 2-6 s, kinds: "
-        f"{', '.join(opts.kinds)}; kills restart after 0.5-3 s, stops last 2-6 s",
+        f"{', '.join(opts.kinds)}; kills restart after 0.5-3 s, stops last 2-6 s, "
+        "a duplicate agent runs 3-8 s",
         "load": f"~{opts.rate:g} chat completions/s through the gateway, half streamed, "
         f"3 shared system prompts, 4-24 tokens ({skipped} arrivals skipped at 32 in flight)",
         "bounds": f"back at count within {opts.bound_s:g} s of the last fault; a failed request "

@@ -8,6 +8,10 @@ One fault at a time, a random pause (``gap_s``) before each, for ``duration_s``:
   restarts it).
 * ``stop-server``, ``stop-agent``, ``stop-engine``, ``stop-gateway``: SIGSTOP, ``stop_s``
   later SIGCONT: a hung process.
+* ``duplicate-agent``: once an agent is registered, a second agent process with a copy of
+  its state dir and its node id runs for ``duplicate_s``, then is SIGKILLed. The server
+  must refuse it (the node, its replicas and its engines stay the first agent's); the
+  check ``duplicate_agents_refused`` (chaoskit_checks) reads its log.
 
 Each fault is recorded with its target's pid and, on this process's monotonic clock, when
 it began (the signal) and ended (the restart, the SIGCONT; a kill of an engine ends when it
@@ -32,6 +36,7 @@ log = logging.getLogger("chaos.faults")
 KINDS: Final = (
     "kill-server", "kill-agent", "kill-engine",
     "stop-server", "stop-agent", "stop-engine", "stop-gateway",
+    "duplicate-agent",
 )  # fmt: skip
 
 
@@ -43,6 +48,7 @@ class FaultConfig:
     gap_s: tuple[float, float] = (2.0, 6.0)
     restart_delay_s: tuple[float, float] = (0.5, 3.0)
     stop_s: tuple[float, float] = (2.0, 6.0)
+    duplicate_s: tuple[float, float] = (3.0, 8.0)
     kinds: tuple[str, ...] = KINDS
 
 
@@ -84,6 +90,8 @@ class FaultLoop:
                 )  # fmt: skip
 
     async def _one(self, kind: str) -> FaultRecord | None:
+        if kind == "duplicate-agent":
+            return await self._duplicate_agent()
         action, _, role = kind.partition("-")
         if role == "engine":
             return await self._engine(action)
@@ -115,6 +123,19 @@ class FaultLoop:
             f"{action}-engine", engine.shard_id, engine.pid, started, time.monotonic(),
             model=engine.model, node=engine.node, replica=engine.replica_id,
         )  # fmt: skip
+
+    async def _duplicate_agent(self) -> FaultRecord | None:
+        """A second agent of a registered node (a copied state dir) for a few seconds."""
+        node = self._rng.choice(self._cluster.nodes)
+        if not await self._cluster.registered(node, timeout_s=15.0):
+            return None  # its agent is not back from an earlier fault: nothing to duplicate
+        started = time.monotonic()
+        name, pid = self._cluster.start_duplicate(node)
+        try:
+            await asyncio.sleep(self._rng.uniform(*self._config.duplicate_s))
+        finally:
+            self._cluster.kill(name)
+        return FaultRecord("duplicate-agent", name, pid, started, time.monotonic(), node=node)
 
     async def _hang(self, pid: int) -> None:
         """SIGSTOP, a while, SIGCONT (always: a cancelled run leaves nothing stopped)."""

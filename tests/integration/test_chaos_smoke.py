@@ -28,6 +28,7 @@ CHECKS = {
     "only requests on a faulted process failed",
     "KV index = engines' caches",
     "no process crashed",
+    "duplicate agents refused",
 }
 
 

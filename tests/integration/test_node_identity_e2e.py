@@ -101,7 +101,6 @@ def test_a_duplicate_agent_is_refused_naming_the_holder_and_takes_over_when_it_d
     replica = _apply_one_replica(fleet, tmp_path)
     pids = _shard_pids(fleet)
     assert all(pids.values())
-    instance = (fleet.root / "n1" / "instance-id").read_text().strip()
 
     clone = fleet.root / "n1-clone"
     shutil.copytree(fleet.root / "n1", clone)
@@ -120,6 +119,7 @@ def test_a_duplicate_agent_is_refused_naming_the_holder_and_takes_over_when_it_d
     refused = _metric(fleet, 'llmgw_agent_registrations_refused_total{reason="duplicate"}')
     assert 2 <= refused <= 8, f"{refused} refusals in 10 s: not a slow, steady retry"
     log = fleet.log("dup")
+    instance = (fleet.root / "n1" / "instance-id").read_text().strip()
     assert "ALREADY_EXISTS" in log and "held by a live agent" in log
     assert f"instance '{instance}'" in log and "peer 127.0.0.1:" in log
 
@@ -190,15 +190,28 @@ async def _flood(port: int, count: int) -> dict[Status | None, int]:
     return outcomes
 
 
-def test_a_registration_flood_is_limited_and_its_nodes_are_pruned(cluster: Cluster) -> None:
-    cluster.start_server("--prune-never-ready", "3")
+def test_a_registration_flood_is_refused_and_the_server_keeps_serving(cluster: Cluster) -> None:
+    cluster.start_server()
+    started = time.monotonic()
     outcomes = asyncio.run(_flood(cluster.grpc_port, 150))
-    assert outcomes.get(Status.RESOURCE_EXHAUSTED, 0) >= 100, outcomes
+    elapsed = time.monotonic() - started
+    # the server's defaults: a burst of 30 per peer host, then 5 a second
+    assert outcomes.get(Status.RESOURCE_EXHAUSTED, 0) >= 50, outcomes
+    assert outcomes.get(None, 0) <= 30 + 5 * elapsed + 5, (outcomes, elapsed)
     assert cluster.healthy()
     fake = {n for n in cluster.nodes() if n.startswith("fake-")}
-    assert 0 < len(fake) <= 40, f"{len(fake)} fake nodes stored"
-    wait_for(lambda: not any(n.startswith("fake-") for n in cluster.nodes()), 15, "pruned")
-    cluster.start_agent("n1", "cpu-only")  # a real agent still joins
+    assert len(fake) == outcomes[None], f"{len(fake)} fake nodes stored"
+    time.sleep(2)  # the per-peer bucket refills: a real agent from the same host joins
+    cluster.start_agent("n1", "cpu-only")
+    wait_for(lambda: cluster.node_states().get("n1") == READY, 30, "n1 READY")
+
+
+def test_nodes_that_never_became_ready_are_pruned(cluster: Cluster) -> None:
+    cluster.start_server("--prune-never-ready", "15")
+    assert asyncio.run(_flood(cluster.grpc_port, 5)) == {None: 5}
+    assert len(cluster.nodes()) == 5
+    wait_for(lambda: not cluster.nodes(), 40, "the never-READY nodes pruned")
+    cluster.start_agent("n1", "cpu-only")
     wait_for(lambda: cluster.node_states() == {"n1": READY}, 30, "n1 READY")
     time.sleep(4)  # a node that sent heartbeats is never pruned, even once gone
     cluster.kill("n1")
@@ -236,7 +249,6 @@ def test_an_agent_whose_state_dir_was_wiped_stops_the_engines_it_left(
     _apply_one_replica(fleet, tmp_path)
     (old_pid,) = _shard_pids(fleet).values()
     environ = Path(f"/proc/{old_pid}/environ").read_bytes().split(b"\0")
-    assert any(item.startswith(b"LLMGW_SHARD=n1/") for item in environ)
 
     fleet.kill("n1")
     shutil.rmtree(fleet.root / "n1")  # the state dir is lost; the engine keeps serving
@@ -245,6 +257,7 @@ def test_an_agent_whose_state_dir_was_wiped_stops_the_engines_it_left(
         fleet.start_agent("n1", "dgx-h100", "--engine-bin", SIM_BIN, *BACKOFF)
         wait_for(lambda: not _alive(old_pid), 30, "the engine the agent left stopped")
         assert "marked as this node's but no record names it" in fleet.log("n1")
+        assert any(item.startswith(b"LLMGW_SHARD=n1/") for item in environ)
         replica = wait_for(lambda: _ready_replica(fleet), 60, "the replica READY again")
         (new_pid,) = _shard_pids(fleet).values()
         assert new_pid != old_pid and replica["state"] == "SHARD_STATE_READY"
