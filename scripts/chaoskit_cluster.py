@@ -149,6 +149,16 @@ class ChaosCluster:
         """The names of the duplicate agents started so far (their logs are NAME.log)."""
         return [name for name in self.procs if name.startswith("dup")]
 
+    async def logged(self, name: str, needles: Sequence[str], timeout_s: float) -> bool:
+        """Wait until ``name``'s log holds one of ``needles``; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = (self.logs / f"{name}.log").read_text(errors="replace")
+            if any(needle in text for needle in needles):
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
     async def registered(self, node: str, timeout_s: float) -> bool:
         """Wait until ``node``'s agent is registered: since its latest start, its log's last
         word on the stream is a registration, not a failure."""

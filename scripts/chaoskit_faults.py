@@ -9,7 +9,8 @@ One fault at a time, a random pause (``gap_s``) before each, for ``duration_s``:
 * ``stop-server``, ``stop-agent``, ``stop-engine``, ``stop-gateway``: SIGSTOP, ``stop_s``
   later SIGCONT: a hung process.
 * ``duplicate-agent``: once an agent is registered, a second agent process with a copy of
-  its state dir and its node id runs for ``duplicate_s``, then is SIGKILLed. The server
+  its state dir and its node id starts, runs ``duplicate_s`` from the server's first answer
+  to it, then is SIGKILLed. The server
   must refuse it (the node, its replicas and its engines stay the first agent's); the
   check ``duplicate_agents_refused`` (chaoskit_checks) reads its log.
 
@@ -131,7 +132,8 @@ class FaultLoop:
             return None  # its agent is not back from an earlier fault: nothing to duplicate
         started = time.monotonic()
         name, pid = self._cluster.start_duplicate(node)
-        try:
+        try:  # from its first answer from the server (an agent takes seconds to start)
+            await self._cluster.logged(name, ("ALREADY_EXISTS", "registered with"), 60.0)
             await asyncio.sleep(self._rng.uniform(*self._config.duplicate_s))
         finally:
             self._cluster.kill(name)
