@@ -66,6 +66,8 @@ from llmgw.server.plane import ControlPlane
 log = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 10.0
+DUPLICATE_WARN_S = 60.0
+"""A refused duplicate agent of a node is logged at WARNING at most this often."""
 RETRY_AFTER_KEY = "retry-after-ms"
 """Trailing metadata of a refused Connect: milliseconds until asking again is worth it."""
 
@@ -139,6 +141,7 @@ class AgentService(AgentServiceBase):
         self._claims: dict[str, AgentConnection] = {}  # the newest accepted stream, by node
         self.limiter = RegisterLimiter(limits)
         self.refused_duplicates = 0  # Registers refused because another agent holds the node
+        self._duplicate_warned: dict[str, float] = {}  # node id → monotonic time of a WARNING
         self.sessions = 0  # agent streams accepted (registered) since the start
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
@@ -177,7 +180,7 @@ class AgentService(AgentServiceBase):
         connection = AgentConnection(node_id, stream, AgentIdentity.of(register, peer))
         if refusal := self._holder_refusal(connection):
             self.refused_duplicates += 1
-            log.warning("agent for node %s refused: %s", node_id, refusal)
+            self._log_duplicate(node_id, refusal)
             await _refuse(stream, Status.ALREADY_EXISTS, refusal, self._retry_after_s())
             return
         self._claim(connection)  # before any await: a second newcomer sees this holder
@@ -235,6 +238,17 @@ class AgentService(AgentServiceBase):
             f"node id (a copied state dir?): give this one its own --node-id and --state-dir. "
             f"It takes over only once the holder has been silent for {grace:g}s"
         )
+
+    def _log_duplicate(self, node_id: str, refusal: str) -> None:
+        """WARNING for a node's first refused duplicate, then at most once a minute (a
+        duplicate asks again every few seconds); DEBUG in between."""
+        now = time.monotonic()
+        last = self._duplicate_warned.get(node_id)
+        if last is None or now - last >= DUPLICATE_WARN_S:
+            self._duplicate_warned[node_id] = now
+            log.warning("agent for node %s refused: %s", node_id, refusal)
+        else:
+            log.debug("agent for node %s refused: %s", node_id, refusal)
 
     def _retry_after_s(self) -> float:
         """When a refused duplicate should ask again: often enough to take over within
