@@ -8,20 +8,22 @@ fault is not on any request's path), three ``llmgw agent --simulate dgx-h100`` n
 (3 replicas, KV events on) and ``code`` (2 replicas of TP 2, KV events off). A steady load of
 chat completions (shared system prompts, streamed or not) goes through the gateway while,
 for ``--duration`` seconds, a fault every few seconds SIGKILLs the server, an agent or an
-engine, SIGSTOPs the server, an agent, an engine or the gateway for a few seconds, or fills
+engine, SIGSTOPs the server, an agent, an engine or the gateway for a few seconds, fills
 the server's state disk (a small tmpfs the run mounts when it may: root; else that fault is
-left out, saying so) and frees it (chaoskit_faults, chaoskit_disk). A sampler looks at
-the cluster twice a second (chaoskit_observe).
+left out, saying so) and frees it (chaoskit_faults, chaoskit_disk), or runs a duplicate agent
+(a copy of an agent's state dir and node id) for a few seconds. A sampler looks at the
+cluster twice a second (chaoskit_observe).
 Then the faults stop and the run checks (chaoskit_checks): desired state kept, never two
 copies of a replica, every deployment back at its count within ``--bound`` seconds of the
 last fault, no failed request but those on a faulted process, the gateway's KV index
 equal to each engine's cache (the simulated engine's ``/debug/kv_cache``), no process
-exited by itself, and the server writable again after each fill of its disk. Exit status 0
-only when every check passes.
+exited by itself, the server writable again after each fill of its disk, and every
+duplicate agent refused. Exit status 0 only when every check passes.
 
     .venv/bin/python scripts/chaos.py                      # 10 minutes of faults
     .venv/bin/python scripts/chaos.py --duration 120 --seed 7
     .venv/bin/python scripts/chaos.py --markdown           # a BENCHMARKS.md section
+    .venv/bin/python scripts/chaos.py --duration 90 --kinds duplicate-agent,kill-agent
 
 Progress goes to stderr; the report to stdout (``--json FILE`` writes it as JSON too). Every
 process the run started, engines included, is killed at the end, whatever happens.
@@ -50,6 +52,7 @@ from chaoskit_checks import (
     check_copies,
     check_desired,
     check_disk,
+    check_duplicates,
     check_kv,
     check_requests,
     converged_at,
@@ -119,6 +122,7 @@ class Options:
     kv_blocks: int
     kinds: tuple[str, ...]
     run_id: str
+    in_turn: bool = False
 
 
 # -- phases --------------------------------------------------------------------------------
@@ -243,7 +247,8 @@ async def _under_faults(
     document_text, counts = desired
     load = Load(cluster.gateway, LoadConfig(rate=opts.rate), random.Random(rng.random()))
     sampler = Sampler(cluster, client)
-    faults = FaultLoop(cluster, FaultConfig(opts.duration_s, kinds=opts.kinds), rng)
+    config = FaultConfig(opts.duration_s, kinds=opts.kinds, in_turn=opts.in_turn)
+    faults = FaultLoop(cluster, config, rng)
     stop_load, stop_sampler = asyncio.Event(), asyncio.Event()
     async with asyncio.TaskGroup() as tasks:
         sampling = tasks.create_task(sampler.run(stop_sampler))
@@ -271,6 +276,9 @@ async def _under_faults(
         check_kv(kv.differences(), {r: len(k or ()) for r, k in kv.engines.items()}),
         _check_exits(cluster),
         check_disk(faults.records, opts.bound_s),
+        check_duplicates(
+            {name: (cluster.logs / f"{name}.log").read_text() for name in cluster.duplicates()}
+        ),
     )
     return ChaosReport(
         command=command_line(),
@@ -335,8 +343,10 @@ def _settings(opts: Options, samples: int, skipped: int, disk: StateDisk | None)
         f"doubling to {agents.restart_backoff_max_s:g} s), all on 127.0.0.1",
         "deployments": "chat: 3 replicas, TP 1, KV events on (sim engine, "
         f"{opts.kv_blocks} KV blocks of 16 tokens); code: 2 replicas, TP 2, KV events off",
-        "faults": f"{opts.duration_s:g} s, one at a time every 2-6 s, kinds: "
-        f"{', '.join(opts.kinds)}; kills restart after 0.5-3 s, stops last 2-6 s",
+        "faults": f"{opts.duration_s:g} s, one at a time every 2-6 s, kinds"
+        f"{' in turn' if opts.in_turn else ''}: "
+        f"{', '.join(opts.kinds)}; kills restart after 0.5-3 s, stops last 2-6 s, "
+        "a duplicate agent runs 3-8 s",
         "load": f"~{opts.rate:g} chat completions/s through the gateway, half streamed, "
         f"3 shared system prompts, 4-24 tokens ({skipped} arrivals skipped at 32 in flight)",
         "bounds": f"back at count within {opts.bound_s:g} s of the last fault; a failed request "
@@ -361,6 +371,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-blocks", type=int, default=512,
                    help="KV blocks per chat engine: few, so blocks get evicted (512)")  # fmt: skip
     p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated")
+    p.add_argument("--in-turn", action="store_true",
+                   help="each kind in turn (a seeded shuffle) instead of at random")  # fmt: skip
     p.add_argument("--state-dir", type=Path, default=None,
                    help="keep the run's database and logs here (default: a temp dir)")  # fmt: skip
     p.add_argument("--run-id", default=None,
@@ -378,7 +390,7 @@ def _options(args: argparse.Namespace) -> Options:
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000
     run_id = args.run_id or f"chaos-{uuid.uuid4().hex[:12]}"
     return Options(args.duration, seed, args.rate, args.bound, args.slack, args.kv_blocks,
-                   kinds, run_id)  # fmt: skip
+                   kinds, run_id, args.in_turn)  # fmt: skip
 
 
 def _state_disk(root: Path, opts: Options) -> tuple[StateDisk | None, Options]:

@@ -15,6 +15,8 @@
 5. **KV index**: the gateway's index equals each KV-events engine's own cache.
 6. **State disk**: after each time the server's state disk was filled (``fill-disk``), the
    server's ``/healthz`` was 200 again (it takes writes again by itself) within the bound.
+7. **Duplicate agents refused**: every duplicate agent (a copy of a registered agent's
+   state dir and node id) was refused by the server naming the holder, and never registered.
 """
 
 from __future__ import annotations
@@ -75,6 +77,22 @@ def check_desired(
         " as applied" if not details else f": {len(details)} differ"
     )
     return Check(name, not details, summary, tuple(details))
+
+
+def check_duplicates(logs: Mapping[str, str]) -> Check:
+    """Each duplicate agent's log (by its name): refused as a duplicate, never registered."""
+    details = []
+    for name, text in sorted(logs.items()):
+        if "registered with" in text:
+            details.append(f"{name} registered: it took its node over")
+        elif "ALREADY_EXISTS" not in text or "held by a live agent" not in text:
+            details.append(f"{name} was not refused as a duplicate")
+    summary = (
+        f"{len(logs)} duplicate agents, each refused naming the holder"
+        if not details
+        else f"{len(details)} of {len(logs)} duplicate agents not refused"
+    )
+    return Check("duplicate agents refused", not details, summary, tuple(details))
 
 
 def check_copies(samples: Sequence[Sample], orphan_grace_s: float) -> Check:

@@ -14,10 +14,12 @@ engine started while the server is down cannot take the port the server restarts
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import os
 import random
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -97,6 +99,7 @@ class ChaosCluster:
         self.gateways = {GATEWAY: f"http://127.0.0.1:{reserved_port(self._rng)}"}
         self.engine_ports = format_port_range(pick_window(rng=self._rng))  # its own engines'
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
+        self._duplicates = 0  # duplicate agents started (chaoskit_faults: duplicate-agent)
         self.logs.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -143,6 +146,45 @@ class ChaosCluster:
                 "--engine-bin", SIM_ENGINE_BIN,
                 "--restart-backoff", str(opts.restart_backoff_s),
                 "--restart-backoff-max", str(opts.restart_backoff_max_s))  # fmt: skip
+
+    # -- a duplicate agent (chaoskit_faults: duplicate-agent) --------------------------------
+
+    def start_duplicate(self, node: str) -> tuple[str, int]:
+        """A second agent of ``node`` on a fresh copy of its state dir: its name and pid."""
+        self._duplicates += 1
+        name = f"dup{self._duplicates}-{node}"
+        clone = self.root / "duplicates" / name
+        shutil.copytree(self.root / node, clone, ignore=shutil.ignore_patterns("kv"))
+        args = list(self._args(node))
+        args[args.index("--state-dir") + 1] = str(clone)
+        self.procs[name] = self._spawn(name, args)
+        return name, self.procs[name].pid
+
+    def duplicates(self) -> list[str]:
+        """The names of the duplicate agents started so far (their logs are NAME.log)."""
+        return [name for name in self.procs if name.startswith("dup")]
+
+    async def logged(self, name: str, needles: Sequence[str], timeout_s: float) -> bool:
+        """Wait until ``name``'s log holds one of ``needles``; False after ``timeout_s``."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = (self.logs / f"{name}.log").read_text(errors="replace")
+            if any(needle in text for needle in needles):
+                return True
+            await asyncio.sleep(0.2)
+        return False
+
+    async def registered(self, node: str, timeout_s: float) -> bool:
+        """Wait until ``node``'s agent is registered: since its latest start, its log's last
+        word on the stream is a registration, not a failure."""
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            text = (self.logs / f"{node}.log").read_text(errors="replace")
+            run = text.rpartition("=== chaos: starting")[2]
+            if run.rfind("registered with") > run.rfind("retrying with backoff"):
+                return True
+            await asyncio.sleep(0.2)
+        return False
 
     def _spawn(self, name: str, args: Sequence[str]) -> subprocess.Popen[bytes]:
         env = {**os.environ, "PYTHONUNBUFFERED": "1", RUN_ENV: self.run_id}

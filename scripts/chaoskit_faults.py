@@ -12,6 +12,11 @@ One fault at a time, a random pause (``gap_s``) before each, for ``duration_s``:
   freed for a moment, filled again for a shorter while, and freed; the server must stay up
   and take writes again by itself. Its record says how often ``/healthz`` answered 503
   (the server saw the disk full) and how long after the end it was 200 again.
+* ``duplicate-agent``: once an agent is registered, a second agent process with a copy of
+  its state dir and its node id starts, runs ``duplicate_s`` from the server's first answer
+  to it, then is SIGKILLed. The server
+  must refuse it (the node, its replicas and its engines stay the first agent's); the
+  check ``duplicate_agents_refused`` (chaoskit_checks) reads its log.
 
 Each fault is recorded with its target's pid and, on this process's monotonic clock, when
 it began (the signal) and ended (the restart, the SIGCONT; a kill of an engine ends when it
@@ -37,6 +42,7 @@ log = logging.getLogger("chaos.faults")
 KINDS: Final = (
     "kill-server", "kill-agent", "kill-engine",
     "stop-server", "stop-agent", "stop-engine", "stop-gateway", "fill-disk",
+    "duplicate-agent",
 )  # fmt: skip
 HEALTHY_AGAIN_S: Final = 30.0  # after a fill-disk, the most it waits for /healthz 200
 
@@ -49,7 +55,9 @@ class FaultConfig:
     gap_s: tuple[float, float] = (2.0, 6.0)
     restart_delay_s: tuple[float, float] = (0.5, 3.0)
     stop_s: tuple[float, float] = (2.0, 6.0)
+    duplicate_s: tuple[float, float] = (3.0, 8.0)
     kinds: tuple[str, ...] = KINDS
+    in_turn: bool = False  # each kind in turn (a seeded shuffle, repeated), not at random
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,6 +94,7 @@ class FaultLoop:
         self._cluster = cluster
         self._config = config
         self._rng = rng
+        self._turns: list[str] = []  # with in_turn: the kinds still to come in this round
         self.records: list[FaultRecord] = []
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -94,7 +103,7 @@ class FaultLoop:
             await self._pause(self._config.gap_s, deadline, stop)
             if stop.is_set() or time.monotonic() >= deadline:
                 return
-            record = await self._one(self._rng.choice(self._config.kinds))
+            record = await self._one(self._next_kind())
             if record is not None:
                 self.records.append(record)
                 log.info(
@@ -103,7 +112,18 @@ class FaultLoop:
                     f": {record.note}" if record.note else "",
                 )  # fmt: skip
 
+    def _next_kind(self) -> str:
+        """A kind drawn at random, or with ``in_turn`` the next of a seeded shuffle of them
+        (reshuffled once each has had its turn), so that a short run meets every kind."""
+        if not self._config.in_turn:
+            return self._rng.choice(self._config.kinds)
+        if not self._turns:
+            self._turns = self._rng.sample(self._config.kinds, len(self._config.kinds))
+        return self._turns.pop(0)
+
     async def _one(self, kind: str) -> FaultRecord | None:
+        if kind == "duplicate-agent":
+            return await self._duplicate_agent()
         action, _, role = kind.partition("-")
         if kind == "fill-disk":
             return await self._fill_disk()
@@ -180,6 +200,20 @@ class FaultLoop:
                 return time.monotonic() - start
             await asyncio.sleep(0.25)
         return None
+
+    async def _duplicate_agent(self) -> FaultRecord | None:
+        """A second agent of a registered node (a copied state dir) for a few seconds."""
+        node = self._rng.choice(self._cluster.nodes)
+        if not await self._cluster.registered(node, timeout_s=15.0):
+            return None  # its agent is not back from an earlier fault: nothing to duplicate
+        started = time.monotonic()
+        name, pid = self._cluster.start_duplicate(node)
+        try:  # from its first answer from the server (an agent takes seconds to start)
+            await self._cluster.logged(name, ("ALREADY_EXISTS", "registered with"), 60.0)
+            await asyncio.sleep(self._rng.uniform(*self._config.duplicate_s))
+        finally:
+            self._cluster.kill(name)
+        return FaultRecord("duplicate-agent", name, pid, started, time.monotonic(), node=node)
 
     async def _hang(self, pid: int) -> None:
         """SIGSTOP, a while, SIGCONT (always: a cancelled run leaves nothing stopped)."""

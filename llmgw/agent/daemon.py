@@ -2,9 +2,11 @@
 
 The node id is chosen once and kept in the state directory (``node-id``), so an agent
 restarted with the same ``--state-dir`` comes back as the same node; so is the cluster its
-engines belong to (``cluster-id``, ``llmgw.agent.cluster``; ``--join-cluster`` replaces it).
-The state directory holds engine API keys: it and everything in it are owner-only
-(0700/0600), tightened on start if found looser (``llmgw.statefiles``). Discovery is the
+engines belong to (``cluster-id``, ``llmgw.agent.cluster``; ``--join-cluster`` replaces it),
+and a random instance id (``instance-id``): with the host's machine id it names this agent
+to the server, which refuses a second agent of a node while the first one is live and names
+the holder by them. The state directory holds engine API keys: it and everything in it are
+owner-only (0700/0600), tightened on start if found looser (``llmgw.statefiles``). Discovery is the
 simulated backend when ``--simulate`` names a fixture; otherwise NVML describes the GPUs
 (with no driver the agent reports this host and no GPUs, saying why).
 """
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import socket
 import ssl
 import urllib.parse
@@ -40,6 +43,9 @@ from llmgw.statefiles import FILE_MODE, private_tree
 from llmgw.tls import ALPN_GRPC, TlsFileError, client_context
 
 log = logging.getLogger(__name__)
+
+MACHINE_ID_FILES = (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
+_INSTANCE_ID = re.compile(r"[0-9a-fA-F-]{8,64}")
 
 
 class AgentConfigError(ValueError):
@@ -148,6 +154,32 @@ def resolve_node_id(state_dir: Path, explicit: str | None) -> str:
     return node_id
 
 
+def resolve_instance_id(state_dir: Path) -> str:
+    """This agent's instance id: kept in ``STATE_DIR/instance-id``, created once."""
+    path = state_dir / "instance-id"
+    try:
+        instance_id = path.read_text().strip()
+    except FileNotFoundError:
+        instance_id = ""
+    if not _INSTANCE_ID.fullmatch(instance_id):
+        instance_id = uuid.uuid4().hex
+        state_dir.mkdir(parents=True, exist_ok=True)
+        path.write_text(instance_id + "\n")
+    return instance_id
+
+
+def machine_id(paths: Sequence[Path] = MACHINE_ID_FILES) -> str:
+    """The host's machine id (systemd's, else D-Bus's); '' when neither can be read."""
+    for path in paths:
+        try:
+            value = path.read_text().strip()
+        except OSError:
+            continue
+        if _INSTANCE_ID.fullmatch(value):
+            return value
+    return ""
+
+
 def discover(config: AgentConfig, node_id: str) -> NodeInfo:
     """What this node is: a simulated fixture, or this host as NVML and its files say."""
     if config.simulate:
@@ -190,6 +222,7 @@ class Agent:
         tls = _server_tls(config.ca_file)  # a bad CA file stops the agent before anything runs
         self.config = config
         self.node_id = resolve_node_id(config.state_dir, config.node_id)
+        self.instance_id = resolve_instance_id(config.state_dir)
         self.node = discover(config, self.node_id)
         try:
             self.membership = ClusterMembership(config.state_dir, join=config.join_cluster)
@@ -203,6 +236,8 @@ class Agent:
                 restart=config.restart,
                 startup_timeout_s=config.startup_timeout_s,
                 drain_settle_s=config.drain_settle_s,
+                node_id=self.node_id,
+                wait_for_server=True,
             ),
             launcher=self._launch,
             on_status=lambda status: self.link.send_status(status),
@@ -215,6 +250,8 @@ class Agent:
                 backoff=config.backoff,
                 token=config.token,
                 tls=tls,
+                instance_id=self.instance_id,
+                machine_id=machine_id(),
             ),
             node=lambda: self.node,
             telemetry=self.telemetry,
@@ -222,6 +259,7 @@ class Agent:
             on_command=self.supervisor.handle,
             kv=self.kv,
             membership=self.membership,
+            on_registered=self.supervisor.licence,
         )
 
     def _launch(self, spec: ShardSpec) -> LaunchSpec:
@@ -239,8 +277,9 @@ class Agent:
     async def run(self, stop: asyncio.Event | None = None) -> None:
         """Run until SIGINT/SIGTERM (or ``stop``).
 
-        Engines are adopted (or started again) before the first registration; they keep
-        running when the agent stops, so that the next agent adopts them.
+        Engines are adopted before the first registration (and started again, or stopped,
+        only once the server accepted it: see ``Supervisor.licence``); they keep running
+        when the agent stops, so that the next agent adopts them.
         """
         stop = stop or asyncio.Event()
         await self.supervisor.open()

@@ -16,6 +16,14 @@ With a ``tls`` context (``llmgw.tls.client_context``, from ``--ca-file``) the st
 TLS and the server's certificate is verified, its name against ``host``; a certificate that
 does not verify is logged and retried the same way (it may be replaced meanwhile).
 
+Every Register says who this agent is: ``instance_id`` (kept in its state dir),
+``machine_id`` and ``run_id`` (random per process, so that its own reconnect replaces its
+old stream). A server that already holds the node for another live agent refuses with
+ALREADY_EXISTS naming that holder; a refusal's ``retry-after-ms`` trailer (that one, and
+RESOURCE_EXHAUSTED from the registration limits) sets the delay before the next attempt,
+so a duplicate agent asks again every few seconds, logs why, and takes the node over once
+the holder is gone.
+
 KV deltas do not go through the outbound queue: with a ``kv`` source (the agent's
 `~llmgw.agent.kvevents.KvEventHub`), every session sends a full copy of every engine's
 blocks right after registering, then the net changes as the source batches them. While no
@@ -36,6 +44,7 @@ import asyncio
 import logging
 import ssl
 import time
+import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -69,6 +78,8 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONNECT_PATH = "/llmgw.v1.AgentService/Connect"
+RETRY_AFTER_KEY = "retry-after-ms"  # a refusal's trailer: when asking again is worth it
+RETRY_AFTER_MAX_MS = 300_000  # a server's hint is followed up to five minutes
 
 CommandHandler = Callable[[ControlMessage], Awaitable[None]]
 OUTBOX_LIMIT = 10_000  # queued messages; beyond it the oldest is dropped (Register resyncs)
@@ -85,6 +96,8 @@ class LinkConfig:
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
     token: str | None = field(default=None, repr=False)  # sent as a bearer token; never logged
     tls: ssl.SSLContext | None = field(default=None, repr=False, compare=False)  # None: plaintext
+    instance_id: str = ""  # this agent's id, kept in its state dir (llmgw.agent.daemon)
+    machine_id: str = ""  # /etc/machine-id; "" when unknown
 
 
 class KvSource(Protocol):
@@ -105,6 +118,14 @@ class KvSource(Protocol):
 
 class SessionEnded(Exception):
     """A session with the server ended; the message says why."""
+
+
+class RegisterRefused(SessionEnded):
+    """The server refused the registration; ``retry_after_s`` is its hint (None: none)."""
+
+    def __init__(self, why: str, retry_after_s: float | None) -> None:
+        super().__init__(why)
+        self.retry_after_s = retry_after_s
 
 
 @dataclass(slots=True)
@@ -131,9 +152,11 @@ class AgentLink:
         on_command: CommandHandler | None = None,
         kv: KvSource | None = None,
         membership: ClusterMembership | None = None,
+        on_registered: Callable[[], None] | None = None,
     ) -> None:
         self.config = config
         self._membership = membership
+        self._on_registered = on_registered  # each accepted registration (Supervisor.licence)
         self._kv = kv
         self._node = node
         self._telemetry = telemetry
@@ -143,6 +166,7 @@ class AgentLink:
         self._outbox: asyncio.Queue[AgentMessage] = asyncio.Queue(maxsize=OUTBOX_LIMIT)
         self._send_lock = asyncio.Lock()
         self.backoff = Backoff(config.backoff, what=f"control server {config.host}:{config.port}")
+        self.run_id = uuid.uuid4().hex  # this process: its reconnects replace its old stream
 
     def send_status(self, status: ShardStatus) -> None:
         """Queue a shard status for the current (or next) session's stream; none while
@@ -177,7 +201,8 @@ class AgentLink:
                 OSError,
                 TimeoutError,
             ) as exc:
-                self.backoff.failed(self._why(exc))
+                hint = exc.retry_after_s if isinstance(exc, RegisterRefused) else None
+                self.backoff.failed(self._why(exc), retry_after_s=hint)
             finally:
                 self.stats.connected = False
 
@@ -202,6 +227,8 @@ class AgentLink:
                 _drain(self._outbox)  # Register carries the current state of every shard
                 interval_s = await self._register(stream)
                 self.backoff.succeeded()
+                if self._on_registered is not None and not self._holding:
+                    self._on_registered()  # engines held for another cluster stay untouched
                 self.stats.sessions += 1
                 self.stats.connected = True
                 async with asyncio.TaskGroup() as tasks:
@@ -227,10 +254,16 @@ class AgentLink:
             node=self._node(),
             shards=list(self._shards()),
             cluster_id=membership.remembered if membership is not None else "",
+            instance_id=self.config.instance_id,
+            machine_id=self.config.machine_id,
+            run_id=self.run_id,
         )
         async with asyncio.timeout(self.config.register_timeout_s):
             await stream.send_message(AgentMessage(register=register))
-            reply = await stream.recv_message()
+            try:
+                reply = await stream.recv_message()
+            except GRPCError as exc:
+                raise RegisterRefused(_describe(exc), _retry_after_s(stream)) from exc
         if reply is None or reply.registered is None:
             await stream.recv_trailing_metadata()  # raises the server's GRPCError if any
             raise SessionEnded("the server did not acknowledge the registration")
@@ -334,6 +367,15 @@ def _kind(message: ControlMessage) -> str:
         if getattr(message, name) is not None:
             return name
     return "unknown"
+
+
+def _retry_after_s(stream: _Stream) -> float | None:
+    """The server's ``retry-after-ms`` trailer in seconds; None when absent or malformed."""
+    metadata = stream.trailing_metadata
+    value = metadata.get(RETRY_AFTER_KEY) if metadata is not None else None
+    if not isinstance(value, str) or not value.isdigit():
+        return None
+    return min(int(value), RETRY_AFTER_MAX_MS) / 1000
 
 
 def _describe(exc: BaseException) -> str:

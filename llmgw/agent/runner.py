@@ -31,6 +31,7 @@ from llmgw.agent.enginelog import DEFAULT_LINES, EngineLog
 from llmgw.agent.engines.base import LaunchSpec
 from llmgw.agent.errors import EngineFailed, SocketFolderError, SpawnError
 from llmgw.agent.ipcdir import private_dir
+from llmgw.agent.marks import shard_mark
 from llmgw.agent.probe import EngineProbe, ProbeTimeouts
 from llmgw.agent.process import EngineProcess
 from llmgw.agent.records import EngineRecord, RecordStore
@@ -63,6 +64,13 @@ class SupervisorConfig:
     probe: ProbeTimeouts = field(default_factory=ProbeTimeouts)
     log_lines: int = DEFAULT_LINES
     host: str = "127.0.0.1"
+    # The node this agent runs as: every engine it spawns carries ``LLMGW_SHARD=NODE/SHARD``
+    # in its environment (``llmgw.agent.marks``), so an agent whose state dir was lost finds
+    # them. "" marks nothing.
+    node_id: str = ""
+    # Spawn, restart or stop nothing until the server accepted this agent (Supervisor.licence):
+    # a second agent of the node (a copied state dir) must not touch the holder's engines.
+    wait_for_server: bool = False
 
     @property
     def log_dir(self) -> Path:
@@ -98,6 +106,7 @@ class RunnerContext:
     probe: EngineProbe
     records: RecordStore
     emit: StatusSink
+    licensed: asyncio.Event = field(default_factory=asyncio.Event)  # the server accepted us
 
 
 class ShardRunner:
@@ -236,6 +245,7 @@ class ShardRunner:
             ready_at: float | None = None
             try:
                 if self.process is None:
+                    await self.ctx.licensed.wait()
                     self._spawn()
                 await self._until_ready()
                 ready_at = time.monotonic()
@@ -338,7 +348,12 @@ class ShardRunner:
             f"shard {self.shard_id} (restart {self.restarts}): {shlex.join(_masked(argv))}"
         )
         try:
-            process = EngineProcess.spawn(argv, {**os.environ, **command.env}, fd)
+            env = {
+                **os.environ,
+                **command.env,
+                **shard_mark(self.ctx.config.node_id, self.shard_id),
+            }
+            process = EngineProcess.spawn(argv, env, fd)
         except SpawnError as exc:
             raise EngineFailed(str(exc)) from exc
         finally:

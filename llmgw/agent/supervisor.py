@@ -19,6 +19,15 @@ added environment) changes nothing; with another command the old engine is stopp
 the new one started. Opening the supervisor adopts the engines a previous agent left
 running (``llmgw.agent.records``); closing it leaves every engine running.
 
+With ``wait_for_server`` the supervisor only watches until :meth:`Supervisor.licence` (the
+server accepted this agent's registration): no engine is spawned, restarted or stopped
+before, so a second agent of a node (a copied state dir, refused by the server) never
+touches the holder's engines. At the licence it looks for engines marked as this node's
+(``llmgw.agent.marks``) that no record names (its state dir was lost) and stops them
+cleanly (SIGTERM to the group, SIGKILL after ``stop_grace_s``) before it carries out any
+StartShard: the server starts them again where it wants them, instead of finding their
+ports held by engines nobody supervises.
+
 With a `KvEventHub`, the supervisor follows the KV events of every shard whose command
 publishes them (``LaunchSpec.kv_events``) while the shard is LOADING, READY or DRAINING
 (an adopted engine starts LOADING), and forgets them in any other state: a stopped, failed
@@ -38,6 +47,7 @@ from typing import Self
 
 from llmgw.agent.engines.base import EngineError, LaunchSpec, ShardSpec, check_profile
 from llmgw.agent.kvevents import KvEventHub
+from llmgw.agent.marks import marked_engines
 from llmgw.agent.probe import EngineProbe
 from llmgw.agent.process import EngineProcess, is_running, kill_leftovers
 from llmgw.agent.records import SHARD_ID, EngineRecord, RecordStore
@@ -82,6 +92,7 @@ class Supervisor:
         self._records = RecordStore(config.records_dir)
         self._shards: dict[str, ShardRunner] = {}
         self._ctx: RunnerContext | None = None
+        self._sweep: asyncio.Task[None] | None = None  # stops unknown marked engines
 
     async def __aenter__(self) -> Self:
         await self.open()
@@ -96,6 +107,8 @@ class Supervisor:
         """Start working: adopt the engines a previous agent left (or start them again)."""
         probe = EngineProbe(self.config.probe, host=self.config.host)
         self._ctx = RunnerContext(self.config, probe, self._records, self._emit)
+        if not self.config.wait_for_server:
+            self._ctx.licensed.set()
         records, errors = self._records.load_all()
         for path, error in errors:
             log.warning("%s; removing it", error)
@@ -105,6 +118,9 @@ class Supervisor:
 
     async def close(self) -> None:
         """Stop supervising; the engines keep running, to be adopted by the next agent."""
+        if self._sweep is not None:
+            self._sweep.cancel()
+            await asyncio.gather(self._sweep, return_exceptions=True)
         runners, self._shards = list(self._shards.values()), {}
         await asyncio.gather(*(runner.close() for runner in runners))
         if self._ctx is not None:
@@ -154,9 +170,34 @@ class Supervisor:
 
     # --- commands --------------------------------------------------------------------------
 
+    def licence(self) -> None:
+        """The server accepted this agent: act on engines from now on (idempotent)."""
+        ctx = self._context()
+        if ctx.licensed.is_set():
+            return
+        ctx.licensed.set()
+        self._sweep = asyncio.create_task(self._stop_unknown_engines(), name="unknown-engines")
+
+    async def _stop_unknown_engines(self) -> None:
+        """Stop the engines marked as this node's that no runner knows (see the module doc)."""
+        known = {r.process.pid for r in self._shards.values() if r.process is not None}
+        unknown = [e for e in marked_engines(self.config.node_id) if e.identity.pid not in known]
+        for engine in unknown:
+            log.warning(
+                "shard %s: engine pid %d is marked as this node's but no record names it (was "
+                "the state dir lost?); stopping it so the server can start it again",
+                engine.shard_id,
+                engine.identity.pid,
+            )
+        await asyncio.gather(
+            *(EngineProcess(e.identity).terminate(self.config.stop_grace_s) for e in unknown)
+        )
+
     async def start(self, message: StartShard) -> None:
         """Run the shard ``message`` describes (idempotent; a new command replaces the old)."""
         ctx = self._context()
+        if self._sweep is not None and not self._sweep.done():
+            await asyncio.shield(self._sweep)  # its ports are free before anything starts
         if not SHARD_ID.match(message.shard_id):
             self._emit(_refused(message, "invalid shard id (letters, digits, '.', '_', '-')"))
             return
@@ -236,7 +277,9 @@ class Supervisor:
             why = f"cannot rebuild its command: {refused}" if refused else "its command changed"
             runner.begin(NEW_STATE, f"stopping engine pid {pid} of a previous agent: {why}")
             old = EngineProcess(record.identity)
-            runner.schedule(lambda: self._relaunch(runner, old, refused), interrupt=False)
+            runner.schedule(
+                self._licensed(lambda: self._relaunch(runner, old, refused)), interrupt=False
+            )
             return
         kill_leftovers(record.identity)
         self._records.delete(record.shard_id)
@@ -261,7 +304,17 @@ class Supervisor:
         runner.resume_stop(EngineProcess(record.identity))
         why = "stopped (the stop a previous agent began)"
         grace = self.config.stop_grace_s
-        runner.schedule(self._then_forget(runner, lambda: runner.halt(grace, why)), interrupt=False)
+        halt = self._licensed(lambda: runner.halt(grace, why))
+        runner.schedule(self._then_forget(runner, halt), interrupt=False)
+
+    def _licensed(self, op: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
+        """``op`` once the server accepted this agent (it stops an engine)."""
+
+        async def when_licensed() -> None:
+            await self._context().licensed.wait()
+            await op()
+
+        return when_licensed
 
     async def _relaunch(self, runner: ShardRunner, old: EngineProcess, refused: str) -> None:
         await old.terminate(self.config.stop_grace_s)

@@ -119,9 +119,14 @@ def _requests(
     return out
 
 
-async def run_delete(server: str, kind: str, name: str) -> int:
-    """``llmgw delete deployment NAME``."""
-    result = await _call(server, lambda client: client.delete_deployment(name))
+async def run_delete(server: str, kind: str, name: str, *, force: bool = False) -> int:
+    """``llmgw delete deployment NAME`` and ``llmgw delete node NAME [--force]``."""
+    if kind == "node":
+        result = await _call(server, lambda client: client.delete_node(name, force=force))
+    elif force:
+        raise CliError("--force applies to 'delete node' only")
+    else:
+        result = await _call(server, lambda client: client.delete_deployment(name))
     sys.stdout.write(f"{result.message}\n")
     return 0
 

@@ -147,6 +147,14 @@ def _add_server(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
         help="a node with no heartbeat for this long is NOT_READY (default: 5)",
     )
     p.add_argument(
+        "--prune-never-ready",
+        type=float,
+        default=300.0,
+        metavar="SECONDS",
+        help="forget a node that registered but never sent a heartbeat, has no shards and "
+        "is gone, this long after it was first seen (default: 300)",
+    )
+    p.add_argument(
         "--heartbeat-interval",
         type=float,
         default=1.0,
@@ -400,9 +408,21 @@ def _add_desired(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     _add_server_url(p)
     p.set_defaults(command=_run_apply)
-    p = sub.add_parser("delete", help="delete a deployment", description="Delete a deployment.")
-    p.add_argument("kind", choices=["deployment"])
+    p = sub.add_parser(
+        "delete",
+        help="delete a deployment, or a node that is gone",
+        description="Delete a deployment, or forget a node that is gone. A node is refused "
+        "while its agent is connected, and while the server thinks replicas run on it "
+        "unless --force (they are then placed elsewhere).",
+    )
+    p.add_argument("kind", choices=["deployment", "node"])
     p.add_argument("name", metavar="NAME")
+    p.add_argument(
+        "--force",
+        action="store_true",
+        help="(node) forget it even with replicas the server thinks run there; they are "
+        "placed elsewhere",
+    )
     _add_server_url(p)
     p.set_defaults(command=_run_delete)
     p = sub.add_parser(
@@ -622,7 +642,7 @@ def _run_apply(args: argparse.Namespace) -> int:
 def _run_delete(args: argparse.Namespace) -> int:
     from llmgw.cli.apply import run_delete
 
-    return asyncio.run(run_delete(args.server, args.kind, args.name))
+    return asyncio.run(run_delete(args.server, args.kind, args.name, force=args.force))
 
 
 def _run_events(args: argparse.Namespace) -> int:

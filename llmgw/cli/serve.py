@@ -42,6 +42,7 @@ def run_server_command(args: argparse.Namespace) -> int:
             http_listen=Listen.parse(args.http_listen, "--http-listen"),
             db_path=args.db or default_db_path(),
             node_grace_s=_positive(args.node_grace, "--node-grace"),
+            prune_never_ready_s=_positive(args.prune_never_ready, "--prune-never-ready"),
             heartbeat_interval_ms=int(
                 _positive(args.heartbeat_interval, "--heartbeat-interval") * 1000
             ),

@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from llmgw.cli.main import CliError
+from llmgw.protocol import NODE_ID_RULE, valid_node_id
 from llmgw.server.auth import Role, StoredToken, hash_token, new_token
 from llmgw.server.errors import StoreError
 from llmgw.server.store import Store
@@ -46,6 +47,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     create = verbs.add_parser("create", help="create a token and print it once")
     create.add_argument("--role", required=True, choices=CREATABLE_ROLES)
     create.add_argument("--note", default="", metavar="TEXT", help="who or what it is for")
+    create.add_argument(
+        "--node",
+        action="append",
+        default=[],
+        metavar="ID",
+        help="(agent role) the node ids this token may register, repeatable or comma-separated; "
+        "without it an agent token may register any node id",
+    )
     _add_db(create)
     create.set_defaults(command=run_create)
     listing = verbs.add_parser("list", help="list tokens (ids, roles, created; never a token)")
@@ -72,24 +81,41 @@ def _db(args: argparse.Namespace) -> Path:
 
 
 def run_create(args: argparse.Namespace) -> int:
+    role = Role(args.role)
+    nodes = bound_nodes(args.node, role)
     token = new_token()
-    token_id = _run(_create(_db(args), Role(args.role), hash_token(token), args.note))
+    token_id = _run(_create(_db(args), role, hash_token(token), args.note, nodes))
     sys.stdout.write(token + "\n")
-    sys.stderr.write(f"token {token_id} ({args.role}) created; it is not shown again\n")
+    bound = f" bound to node{'s' if len(nodes) > 1 else ''} {', '.join(nodes)}" if nodes else ""
+    sys.stderr.write(f"token {token_id} ({args.role}){bound} created; it is not shown again\n")
     return 0
 
 
-async def _create(path: Path, role: Role, digest: str, note: str) -> int:
+def bound_nodes(values: list[str], role: Role) -> list[str]:
+    """The node ids of ``--node`` (repeatable, comma lists), checked; CliError naming a bad one."""
+    nodes = sorted({n.strip() for value in values for n in value.split(",") if n.strip()})
+    if nodes and role is not Role.AGENT:
+        raise CliError(f"--node binds agent tokens only, not a {role.value} token")
+    for node_id in nodes:
+        if not valid_node_id(node_id):
+            raise CliError(f"--node {node_id!r} is not a valid node id ({NODE_ID_RULE})")
+    if values and not nodes:
+        raise CliError("--node needs at least one node id")
+    return nodes
+
+
+async def _create(path: Path, role: Role, digest: str, note: str, nodes: list[str]) -> int:
     async with Store(path) as store:
-        return await store.add_token(role, digest, note)
+        return await store.add_token(role, digest, note, nodes)
 
 
 def run_list(args: argparse.Namespace) -> int:
     tokens = _run(_list(_db(args)))
-    sys.stdout.write(f"{'ID':>4}  {'ROLE':<9} {'CREATED':<20} NOTE\n")
+    sys.stdout.write(f"{'ID':>4}  {'ROLE':<9} {'CREATED':<20} {'NODES':<20} NOTE\n")
     for t in tokens:
         created = datetime.fromtimestamp(t.created_ms / 1000, UTC).strftime("%Y-%m-%d %H:%M:%S")
-        sys.stdout.write(f"{t.token_id:>4}  {t.role.value:<9} {created:<20} {t.note}\n")
+        nodes = ",".join(sorted(t.nodes)) or "-"
+        sys.stdout.write(f"{t.token_id:>4}  {t.role.value:<9} {created:<20} {nodes:<20} {t.note}\n")
     return 0
 
 

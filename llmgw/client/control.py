@@ -11,6 +11,7 @@ from llmgw.api.llmgw.v1 import (
     ApplyDeploymentRequest,
     Cluster,
     DeleteDeploymentRequest,
+    DeleteNodeRequest,
     EngineProfile,
     GetClusterRequest,
     GetRouterStatsRequest,
@@ -77,6 +78,9 @@ class ControlClient:
 
     async def delete_deployment(self, name: str) -> ActionResult:
         return await self._act("DeleteDeployment", DeleteDeploymentRequest(name=name))
+
+    async def delete_node(self, node_id: str, *, force: bool = False) -> ActionResult:
+        return await self._act("DeleteNode", DeleteNodeRequest(node_id=node_id, force=force))
 
     async def start_replica(self, deployment: str, *, replica_id: str = "") -> ActionResult:
         request = ReplicaRequest(replica_id=replica_id, deployment=deployment)

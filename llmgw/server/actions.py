@@ -29,7 +29,14 @@ from llmgw.server.errors import ActionRefused, UnknownNode, quoted
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
 
-__all__ = ["ActionRefused", "drain_node", "drain_replica", "reprofile", "start_replica"]
+__all__ = [
+    "ActionRefused",
+    "delete_node",
+    "drain_node",
+    "drain_replica",
+    "reprofile",
+    "start_replica",
+]
 
 _LIVE = (Lifecycle.ACTIVE, Lifecycle.SURGE)
 
@@ -145,3 +152,11 @@ async def drain_node(plane: ControlPlane, node_id: str, *, actor: str) -> str:
     if not moving:
         return f"node {node_id} cordoned; no replica runs there"
     return f"node {node_id} cordoned; replacing {', '.join(moving)} elsewhere, one at a time"
+
+
+async def delete_node(plane: ControlPlane, node_id: str, *, force: bool) -> str:
+    """Forget a gone node (refused while connected, or running shards without ``force``)."""
+    try:
+        return await plane.delete_node(node_id, force=force)
+    except UnknownNode as exc:
+        raise ActionRefused(Status.NOT_FOUND, str(exc)) from exc

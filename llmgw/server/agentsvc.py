@@ -11,14 +11,27 @@ handed to the plane's block store; a malformed one is counted and logged, and th
 goes on. Commands (StartShard, StopShard, DrainShard) go down the same
 stream through :meth:`AgentService.send`.
 
-A node that reconnects while its old stream still looks alive is owned by the newer
-connection; the older stream is cancelled.
+**One agent per node.** The established live session wins: a Register for a node whose
+stream is open and heartbeated within the node grace (``Inventory.live``) is refused with
+ALREADY_EXISTS naming the holder (its instance id, machine id and peer address) and a
+retry hint (trailing metadata ``retry-after-ms``), and nothing changes for the holder. The
+same agent process reconnecting (the same ``run_id``: its old stream died on its side) and
+any agent of a node whose holder is silent past the grace take the node over; the older
+stream is then cancelled.
+
+Before that, every Connect is counted against the registration rate limits
+(``llmgw.server.admission``: per peer host and overall; over them RESOURCE_EXHAUSTED with
+``retry-after-ms``), and a Register made with an agent token bound to node ids
+(``llmgw token create --role agent --node ID``) for another node id is refused with
+PERMISSION_DENIED.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from dataclasses import dataclass
 from typing import Any
 
 import grpclib.const
@@ -44,23 +57,61 @@ from llmgw.protocol import (
     protocol_supported,
     valid_node_id,
 )
+from llmgw.server.admission import RegisterLimiter, RegisterLimits
+from llmgw.server.auth import current_principal
 from llmgw.server.codec import field_bytes, wire_of
 from llmgw.server.encoded import freeze_node_info
 from llmgw.server.errors import quoted
 from llmgw.server.kvblocks import KvDeltaRefused, decode_kv_delta
+from llmgw.server.metrics import AgentStreamStats
 from llmgw.server.plane import ControlPlane
 from llmgw.server.statefile import CLUSTER_ID_RULE, valid_cluster_id
 
 log = logging.getLogger(__name__)
 
 REGISTER_TIMEOUT_S = 10.0
+DUPLICATE_WARN_S = 60.0
+"""A refused duplicate agent of a node is logged at WARNING at most this often."""
+RETRY_AFTER_KEY = "retry-after-ms"
+"""Trailing metadata of a refused Connect: milliseconds until asking again is worth it."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentIdentity:
+    """Who an agent says it is (``Register``), and where it connects from."""
+
+    instance_id: str
+    machine_id: str
+    run_id: str
+    peer: str
+
+    @classmethod
+    def of(cls, register: Register, peer: str) -> AgentIdentity:
+        return cls(
+            instance_id=register.instance_id[:64],
+            machine_id=register.machine_id[:64],
+            run_id=register.run_id[:64],
+            peer=peer,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"instance {quoted(self.instance_id or '?')}, machine {quoted(self.machine_id or '?')}"
+            f", peer {self.peer or '?'}"
+        )
 
 
 class AgentConnection:
     """The server's end of one agent stream: sends are serialized by a lock."""
 
-    def __init__(self, node_id: str, stream: grpclib.server.Stream[Any, Any]) -> None:
+    def __init__(
+        self,
+        node_id: str,
+        stream: grpclib.server.Stream[Any, Any],
+        identity: AgentIdentity | None = None,
+    ) -> None:
         self.node_id = node_id
+        self.identity = identity or AgentIdentity("", "", "", "")
         self.number = 0
         self._stream = stream
         self._lock = asyncio.Lock()
@@ -81,10 +132,21 @@ class AgentConnection:
 class AgentService(AgentServiceBase):
     """The agents' side of the control server."""
 
-    def __init__(self, plane: ControlPlane, *, heartbeat_interval_ms: int = 1000) -> None:
+    def __init__(
+        self,
+        plane: ControlPlane,
+        *,
+        heartbeat_interval_ms: int = 1000,
+        limits: RegisterLimits | None = None,
+    ) -> None:
         self.plane = plane
         self.heartbeat_interval_ms = heartbeat_interval_ms
-        self.connections: dict[str, AgentConnection] = {}
+        self.connections: dict[str, AgentConnection] = {}  # registered streams, by node
+        self._claims: dict[str, AgentConnection] = {}  # the newest accepted stream, by node
+        self.limiter = RegisterLimiter(limits)
+        self.refused_duplicates = 0  # Registers refused because another agent holds the node
+        self._duplicate_warned: dict[str, float] = {}  # node id → monotonic time of a WARNING
+        self.sessions = 0  # agent streams accepted (registered) since the start
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
         return {
@@ -96,6 +158,10 @@ class AgentService(AgentServiceBase):
             ),
         }
 
+    def stats(self) -> AgentStreamStats:
+        """Streams registered and Connects refused since the start (for ``/metrics``)."""
+        return AgentStreamStats(self.sessions, self.refused_duplicates, self.limiter.refused)
+
     async def send(self, node_id: str, message: ControlMessage) -> bool:
         """Send a command to a node's agent; False when it is not connected."""
         connection = self.connections.get(node_id)
@@ -105,13 +171,28 @@ class AgentService(AgentServiceBase):
         return True
 
     async def _connect(self, stream: grpclib.server.Stream[AgentMessage, ControlMessage]) -> None:
+        peer = _peer(stream)
+        why, wait_s = self.limiter.admit(peer.rpartition(":")[0], time.monotonic())
+        if why:
+            log.debug("agent registration from %s refused: %s", peer, why)
+            await _refuse(stream, Status.RESOURCE_EXHAUSTED, f"{why}; retry in {wait_s:.1f}s",
+                          wait_s)  # fmt: skip
+            return
         register, node = await _receive_register(stream)
         node_id = node.node_id
-        connection = AgentConnection(node_id, stream)
-        connection.number = await self.plane.register(node, register, peer=_peer(stream))
-        self._replace(connection)
+        _check_bound(node_id)
+        connection = AgentConnection(node_id, stream, AgentIdentity.of(register, peer))
+        if refusal := self._holder_refusal(connection):
+            self.refused_duplicates += 1
+            self._log_duplicate(node_id, refusal)
+            await _refuse(stream, Status.ALREADY_EXISTS, refusal, self._retry_after_s())
+            return
+        self._claim(connection)  # before any await: a second newcomer sees this holder
         reason = "agent stream closed"
         try:
+            connection.number = await self.plane.register(node, register, peer=peer)
+            self.connections[node_id] = connection
+            self.sessions += 1
             await connection.send(
                 ControlMessage(
                     registered=Registered(
@@ -134,18 +215,66 @@ class AgentService(AgentServiceBase):
         finally:
             if self.connections.get(node_id) is connection:
                 del self.connections[node_id]
-            self.plane.disconnect(node_id, connection.number, reason)
+            if self._claims.get(node_id) is connection:
+                del self._claims[node_id]
+            if connection.number:
+                self.plane.disconnect(node_id, connection.number, reason)
 
-    def _replace(self, connection: AgentConnection) -> None:
-        old = self.connections.get(connection.node_id)
-        self.connections[connection.node_id] = connection
+    def _holder_refusal(self, newcomer: AgentConnection) -> str:
+        """Why ``newcomer`` may not take its node ('' when it may): another agent's live
+        session holds it."""
+        holder = self._claims.get(newcomer.node_id)
+        if holder is None:
+            return ""
+        same_process = bool(newcomer.identity.run_id) and (
+            newcomer.identity.run_id == holder.identity.run_id
+        )
+        if same_process:
+            return ""  # its own reconnect: the old stream died on its side
+        registering = holder.number == 0  # its Register is being stored right now
+        if not registering and not self.plane.inventory.live(
+            holder.node_id, holder.number, time.monotonic()
+        ):
+            return ""  # silent past the grace: it is gone, whatever its socket says
+        grace = self.plane.inventory.config.grace_s
+        return (
+            f"node {newcomer.node_id} is held by a live agent ({holder.identity.describe()}); "
+            f"this agent ({newcomer.identity.describe()}) is refused. Two agents with one "
+            f"node id (a copied state dir?): give this one its own --node-id and --state-dir. "
+            f"It takes over only once the holder has been silent for {grace:g}s"
+        )
+
+    def _log_duplicate(self, node_id: str, refusal: str) -> None:
+        """WARNING for a node's first refused duplicate, then at most once a minute (a
+        duplicate asks again every few seconds); DEBUG in between."""
+        now = time.monotonic()
+        last = self._duplicate_warned.get(node_id)
+        if last is None or now - last >= DUPLICATE_WARN_S:
+            self._duplicate_warned[node_id] = now
+            log.warning("agent for node %s refused: %s", node_id, refusal)
+        else:
+            log.debug("agent for node %s refused: %s", node_id, refusal)
+
+    def _retry_after_s(self) -> float:
+        """When a refused duplicate should ask again: often enough to take over within
+        about the grace once the holder is gone, rarely enough not to be a load."""
+        return max(1.0, self.plane.inventory.config.grace_s / 2)
+
+    def _claim(self, connection: AgentConnection) -> None:
+        old = self._claims.get(connection.node_id)
+        self._claims[connection.node_id] = connection
         if old is not None:
-            log.info("node %s reconnected; closing its older stream", connection.node_id)
+            log.info(
+                "node %s: agent (%s) takes over from its older stream (%s)",
+                connection.node_id,
+                connection.identity.describe(),
+                old.identity.describe(),
+            )
             old.close("superseded by a newer connection of the same node")
 
     def shutdown(self) -> None:
         """End every agent stream with UNAVAILABLE, so agents reconnect at once."""
-        for connection in list(self.connections.values()):
+        for connection in {*self.connections.values(), *self._claims.values()}:
             connection.close("the control server is shutting down")
 
     async def _serve(
@@ -217,6 +346,30 @@ async def _receive_register(
     if problems := text_problems(node, "Register.node"):  # they would forge printed rows
         raise GRPCError(Status.INVALID_ARGUMENT, "registration refused: " + "; ".join(problems))
     return register, freeze_node_info(node, wire=node_wire)
+
+
+async def _refuse(
+    stream: grpclib.server.Stream[Any, Any], status: Status, message: str, retry_after_s: float
+) -> None:
+    """End the call with ``status`` and a ``retry-after-ms`` hint in the trailers."""
+    await stream.send_trailing_metadata(
+        status=status,
+        status_message=message,
+        metadata={RETRY_AFTER_KEY: str(max(1, round(retry_after_s * 1000)))},
+    )
+
+
+def _check_bound(node_id: str) -> None:
+    """PERMISSION_DENIED when the caller's agent token is bound to other node ids."""
+    principal = current_principal()
+    if principal is None or not principal.nodes or node_id in principal.nodes:
+        return
+    bound = ", ".join(sorted(principal.nodes))
+    raise GRPCError(
+        Status.PERMISSION_DENIED,
+        f"this agent token ({principal.actor}) is bound to node {bound}; it may not register "
+        f"node {quoted(node_id)}",
+    )
 
 
 def _peer(stream: grpclib.server.Stream[Any, Any]) -> str:

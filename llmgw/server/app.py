@@ -118,6 +118,7 @@ class ServerConfig:
     http_listen: Listen
     db_path: Path
     node_grace_s: float = 5.0
+    prune_never_ready_s: float = 300.0  # a node that never sent a heartbeat is forgotten
     heartbeat_interval_ms: int = 1000
     max_message_bytes: int = 4 << 20
     tick_s: float = 0.5
@@ -180,7 +181,10 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
 
 async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> None:
     async with Store(config.db_path) as store:
-        plane = ControlPlane(store, InventoryConfig(grace_s=config.node_grace_s))
+        inventory = InventoryConfig(
+            grace_s=config.node_grace_s, never_ready_prune_s=config.prune_never_ready_s
+        )
+        plane = ControlPlane(store, inventory)
         await plane.load()
         slot = _GatewaySlot()
         reports = RouterReports()  # gateways' reports: RouterService in, GetRouterStats out
@@ -313,7 +317,7 @@ def _grpc_web_server(
         max_message_bytes=config.max_message_bytes,
         authorize=auth.check,
         guard=lambda func: unavailable_when_unwritable(auth.guard(func)),  # revoked: ends
-        metrics=lambda: server_metrics(agents.plane, len(agents.connections)),
+        metrics=lambda: server_metrics(agents.plane, len(agents.connections), agents.stats()),
         health=agents.plane.store.health.reason,  # 503 while the database takes no writes
     )
     if config.test_hooks:

@@ -2,10 +2,11 @@
 
 Roles: ``viewer`` reads (GetCluster, Watch, ListProfiles, GetRouterStats); ``operator`` is a
 viewer that also acts on replicas and nodes; ``admin`` is an operator that also applies and
-deletes deployments (and manages tokens, through ``llmgw token`` on the server's file);
-only an admin reads profiles' env values: other roles see their names, each value
+deletes deployments and nodes (and manages tokens, through ``llmgw token`` on the server's
+file); only an admin reads profiles' env values: other roles see their names, each value
 :data:`REDACTED` (:func:`sees_secrets`).
-``agent`` may only join (``AgentService.Connect``) and ``gateway`` may only follow the router
+``agent`` may only join (``AgentService.Connect``; a token made with ``--node`` only as
+those node ids) and ``gateway`` may only follow the router
 feed (``RouterService.Feed``, which carries replica API keys) and report its routing figures
 (``RouterService.Report``); an admin is neither.
 
@@ -107,6 +108,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     _CONTROL + "DrainNode": Role.OPERATOR,
     _CONTROL + "ApplyDeployment": Role.ADMIN,
     _CONTROL + "DeleteDeployment": Role.ADMIN,
+    _CONTROL + "DeleteNode": Role.ADMIN,
     "/llmgw.v1.AgentService/Connect": Role.AGENT,
     "/llmgw.v1.RouterService/Feed": Role.GATEWAY,
     "/llmgw.v1.RouterService/Report": Role.GATEWAY,
@@ -148,6 +150,7 @@ class StoredToken:
     hash: str
     created_ms: int
     note: str
+    nodes: frozenset[str] = frozenset()  # an agent token bound to these node ids; empty: any
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,6 +161,7 @@ class Principal:
     role: Role
     note: str = ""
     token_hash: str = field(default="", repr=False)  # the stored hash; "" for the join token
+    nodes: frozenset[str] = frozenset()  # the node ids an agent token may register; empty: any
 
     @property
     def actor(self) -> str:
@@ -169,6 +173,11 @@ class Principal:
 _principal: contextvars.ContextVar[Principal | None] = contextvars.ContextVar(
     "llmgw_principal", default=None
 )
+
+
+def current_principal() -> Principal | None:
+    """The caller of the call being served; None when authentication is off."""
+    return _principal.get()
 
 
 def current_actor() -> str:
@@ -244,7 +253,7 @@ class Authenticator:
             stored = self._by_hash.get(digest)
         if stored is None or not hmac.compare_digest(stored.hash, digest):
             raise GRPCError(Status.UNAUTHENTICATED, "the bearer token is not valid")
-        return Principal(stored.token_id, stored.role, stored.note, stored.hash)
+        return Principal(stored.token_id, stored.role, stored.note, stored.hash, stored.nodes)
 
     async def _refresh(self, max_age_s: float) -> None:
         now = time.monotonic()

@@ -44,6 +44,7 @@ from llmgw.api.llmgw.v1 import (
     Cluster,
     ControlServiceBase,
     DeleteDeploymentRequest,
+    DeleteNodeRequest,
     EngineProfile,
     GetClusterRequest,
     GetRouterStatsRequest,
@@ -216,6 +217,11 @@ class ControlService(ControlServiceBase):
     async def drain_node(self, message: NodeRequest) -> ActionResult:
         work = actions.drain_node(self.plane, message.node_id, actor=current_actor())
         return await self._act("drain-node", f"node/{message.node_id[:64]}", work)
+
+    async def delete_node(self, message: DeleteNodeRequest) -> ActionResult:
+        work = actions.delete_node(self.plane, message.node_id, force=message.force)
+        target = f"node/{message.node_id[:64]}"
+        return await self._act("delete-node", target, work)
 
     async def _act(self, action: str, target: str, work: Coroutine[Any, Any, str]) -> ActionResult:
         """Run an operator action and audit it: "ok: WHAT" or "refused: WHY"."""

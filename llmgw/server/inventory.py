@@ -13,7 +13,13 @@ the operator API shows beside it in ``Node.telemetry``.
 
 Connections are numbered: when an agent reconnects before the server noticed its old
 stream die, the newer connection owns the node and the end of the older one changes
-nothing.
+nothing. A connection is *live* (:meth:`Inventory.live`) while it owns the node and its
+last heartbeat is within the grace; ``llmgw.server.agentsvc`` refuses a second agent of a
+node while the first one's connection is live.
+
+A node that registered but never sent a heartbeat (``ever_ready`` false: a registration
+flood, an agent that never got going) and has no shards is pruned once it has been
+disconnected and first seen longer ago than the bound (:meth:`Inventory.never_ready`).
 """
 
 from __future__ import annotations
@@ -58,6 +64,7 @@ class NodeRecord:
     # server's): neither adopted nor stopped; the node is NOT_READY while it holds them.
     unadopted: dict[str, ShardStatus] = field(default_factory=dict)  # by shard id
     unadopted_cluster: str = ""  # the cluster they belong to; "" when none are held
+    ever_ready: bool = True  # a heartbeat came on one of its streams (False: newly registered)
 
     @property
     def connected(self) -> bool:
@@ -66,9 +73,11 @@ class NodeRecord:
 
 @dataclass(frozen=True, slots=True)
 class InventoryConfig:
-    """How long a node may stay silent before it is NOT_READY."""
+    """How long a node may stay silent before it is NOT_READY, and how long one that never
+    sent a heartbeat is kept."""
 
     grace_s: float = 5.0
+    never_ready_prune_s: float = 300.0
 
 
 class Inventory:
@@ -84,10 +93,18 @@ class Inventory:
     # --- nodes -----------------------------------------------------------------------
 
     def restore(
-        self, node_id: str, info: EncodedNodeInfo, *, cordoned: bool, first_seen_ms: int
+        self,
+        node_id: str,
+        info: EncodedNodeInfo,
+        *,
+        cordoned: bool,
+        first_seen_ms: int,
+        ever_ready: bool = True,
     ) -> None:
         """Bring back a node the store remembers; it is NOT_READY until its agent returns."""
-        self.nodes[node_id] = NodeRecord(info=info, first_seen_ms=first_seen_ms, cordoned=cordoned)
+        self.nodes[node_id] = NodeRecord(
+            info=info, first_seen_ms=first_seen_ms, cordoned=cordoned, ever_ready=ever_ready
+        )
 
     def register(
         self, node: NodeInfo, protocol_version: int, *, peer: str, now_ms: int, now_mono: float
@@ -96,7 +113,7 @@ class Inventory:
         frozen = freeze_node_info(node)
         record = self.nodes.get(node.node_id)
         if record is None:
-            record = NodeRecord(info=frozen, first_seen_ms=now_ms)
+            record = NodeRecord(info=frozen, first_seen_ms=now_ms, ever_ready=False)
             self.nodes[node.node_id] = record
         self._next_connection += 1
         record.info = frozen
@@ -123,6 +140,7 @@ class Inventory:
         record.last_heartbeat_ms = now_ms
         record.last_heartbeat_mono = now_mono
         record.reason = ""
+        record.ever_ready = True
         known = record.info.gpu_uuids
         record.telemetry.update((gpu.uuid, gpu) for gpu in beat.gpus if gpu.uuid in known)
         if beat.memory is not None:
@@ -152,6 +170,35 @@ class Inventory:
                 record.reason = f"no heartbeat for {self.config.grace_s:g}s"
                 expired.append(record)
         return expired
+
+    def live(self, node_id: str, connection: int, now_mono: float) -> bool:
+        """Whether ``connection`` owns the node and heartbeated within the grace."""
+        record = self.nodes.get(node_id)
+        if record is None or record.connection != connection or connection == 0:
+            return False
+        seen = record.last_heartbeat_mono
+        return seen is not None and now_mono - seen <= self.config.grace_s
+
+    def never_ready(self, now_ms: int, after_ms: int) -> list[str]:
+        """Disconnected nodes without shards that never sent a heartbeat and were first seen
+        more than ``after_ms`` ago (to be pruned)."""
+        with_shards = {shard.node_id for shard in self.shards.values()}
+        return [
+            node_id
+            for node_id, record in self.nodes.items()
+            if not record.ever_ready
+            and not record.connected
+            and node_id not in with_shards
+            and now_ms - record.first_seen_ms > after_ms
+        ]
+
+    def remove(self, node_id: str) -> list[str]:
+        """Forget a node and the shards reported on it; the removed shards' ids."""
+        self.nodes.pop(node_id, None)
+        gone = [shard_id for shard_id, s in self.shards.items() if s.node_id == node_id]
+        for shard_id in gone:
+            del self.shards[shard_id]
+        return gone
 
     def set_cordoned(self, node_id: str, cordoned: bool) -> NodeRecord:
         """Cordon or uncordon a node; raises UnknownNode."""

@@ -6,6 +6,10 @@ It carries no secrets (node, replica and shard ids, counts), so it is served wit
 token, like ``/healthz``. Families::
 
     llmgw_agents_connected                              agent streams open now
+    llmgw_agent_sessions_total                          agent streams registered (a flapping
+                                                        node shows here)
+    llmgw_agent_registrations_refused_total{reason}     Connects refused: duplicate (another
+                                                        agent holds the node), rate (limits)
     llmgw_kv_events_batches_total{node,replica,shard}   KV event batches the node's agent
                                                         applied from the engine
     llmgw_kv_events_applied_total{…}                    events in them
@@ -36,6 +40,7 @@ engine's series goes when its shard stops or fails or its node's stream ends.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 from llmgw.server.kvblocks import KvBlocksStats
 from llmgw.server.kvfollow import EngineFollowStats
@@ -80,7 +85,18 @@ _STORE_COUNTERS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def server_metrics(plane: ControlPlane, agents_connected: int) -> bytes:
+@dataclass(frozen=True, slots=True)
+class AgentStreamStats:
+    """What the agent service has seen of agent streams since the start."""
+
+    sessions: int = 0
+    refused_duplicate: int = 0
+    refused_rate: int = 0
+
+
+def server_metrics(
+    plane: ControlPlane, agents_connected: int, streams: AgentStreamStats | None = None
+) -> bytes:
     """The server's metrics now, from its plane and its number of agent streams."""
     shards = plane.inventory.shards
 
@@ -94,6 +110,7 @@ def server_metrics(plane: ControlPlane, agents_connected: int) -> bytes:
         replica_of=replica_of,
         follow_refused=plane.kv_follow.refused,
         store=plane.kv_blocks.stats(),
+        streams=streams or AgentStreamStats(),
     )
 
 
@@ -104,11 +121,19 @@ def render_server_metrics(
     replica_of: Callable[[str, str], str],
     follow_refused: int,
     store: KvBlocksStats,
+    streams: AgentStreamStats | None = None,
 ) -> bytes:
     """The exposition text of these figures (``replica_of(node, shard)`` names replicas)."""
     out: list[str] = []
     family(out, "llmgw_agents_connected", "gauge", "Agent streams open now.")
     _sample(out, "llmgw_agents_connected", "", agents_connected)
+    streams = streams or AgentStreamStats()
+    family(out, "llmgw_agent_sessions_total", "counter", "Agent streams registered.")
+    _sample(out, "llmgw_agent_sessions_total", "", streams.sessions)
+    refused = "llmgw_agent_registrations_refused_total"
+    family(out, refused, "counter", "Agent Connects refused, by reason.")
+    _sample(out, refused, '{reason="duplicate"}', streams.refused_duplicate)
+    _sample(out, refused, '{reason="rate"}', streams.refused_rate)
     labels = [_engine_labels(e, replica_of(e.node_id, e.shard_id)) for e in engines]
     for name, attr, help_ in _FOLLOW_COUNTERS:
         family(out, name, "counter", help_)

@@ -57,6 +57,8 @@ import time
 from collections import deque
 from collections.abc import Callable, Iterable, Mapping, Sequence
 
+from grpclib.const import Status
+
 from llmgw.api.llmgw.v1 import (
     AuditEvent,
     Cluster,
@@ -72,7 +74,7 @@ from llmgw.api.llmgw.v1 import (
 from llmgw.protocol import read_shard_state
 from llmgw.server.desired import DesiredState
 from llmgw.server.encoded import freeze_node_info
-from llmgw.server.errors import StoreUnwritable, UnknownNode
+from llmgw.server.errors import ActionRefused, StoreUnwritable, UnknownNode
 from llmgw.server.inventory import Inventory, InventoryConfig, NodeRecord
 from llmgw.server.kvblocks import DecodedKvDelta, KvBlocks, leader_replica
 from llmgw.server.kvfollow import KvFollowBoard
@@ -105,6 +107,8 @@ class ControlPlane:
         self._unsaved_nodes: set[str] = set()  # registrations the store could not take yet
         self._unsaved_audit: list[AuditRecord] = []  # audit records it could not take yet
         self._retry = WriteRetry()  # when flush may try again after a failed write
+        self._ready: set[str] = set()  # nodes whose ever-READY mark may not be stored yet
+        self._stored_ready: dict[str, bool] = {}  # node id → ever-READY as the store has it
         self._recent: deque[AuditEvent] = deque(maxlen=RECENT_AUDIT)
         self.replicas: dict[str, ReplicaRecord] = {}  # every record, RETIRED ones too
         self.reconcile_soon: Callable[[], None] = _nothing  # set by the reconcile loop
@@ -132,7 +136,11 @@ class ControlPlane:
                 why = f"it holds the registration of node {info.node_id!r}"
                 raise unreadable_row(self.store.path, "nodes", stored.node_id, why)
             self.inventory.restore(
-                stored.node_id, info, cordoned=stored.cordoned, first_seen_ms=stored.first_seen_ms
+                stored.node_id,
+                info,
+                cordoned=stored.cordoned,
+                first_seen_ms=stored.first_seen_ms,
+                ever_ready=stored.ever_ready,
             )
         log.info(
             "cluster %s: restored %d nodes from the store",
@@ -283,6 +291,8 @@ class ControlPlane:
         )
         if delta is None:
             return False
+        if node_id not in self._seen and node_id not in self._ready:
+            self._ready.add(node_id)  # its first heartbeat since the last flush: ever READY
         self._seen[node_id] = at
         if beat.kv_follow:
             self.kv_follow.update(node_id, beat.kv_follow)
@@ -376,6 +386,7 @@ class ControlPlane:
         if expired:
             self.reconcile_soon()
         await self.flush()
+        await self.prune_never_ready()
 
     def _credit_stall(self, now: float) -> None:
         """Leave out of every heartbeat's age the time since the last tick beyond the usual."""
@@ -406,7 +417,7 @@ class ControlPlane:
             self._retry.succeeded()
 
     async def _write_unsaved(self) -> None:
-        if not (self._seen or self._unsaved_nodes or self._unsaved_audit):
+        if not (self._seen or self._unsaved_nodes or self._unsaved_audit or self._ready):
             if self.store.health.problem is not None:
                 await self.store.probe_write()  # nothing to write: does it take writes?
             return
@@ -426,13 +437,100 @@ class ControlPlane:
         except StoreUnwritable:
             self._unsaved_audit[:0] = audit
             raise
+        ready, self._ready = self._ready, set()
+        for node_id in sorted(ready):
+            if self._stored_ready.get(node_id, False):
+                continue
+            try:
+                await self.store.mark_ever_ready(node_id)
+            except StoreUnwritable:
+                self._ready |= {n for n in ready if not self._stored_ready.get(n, False)}
+                raise
+            self._stored_ready[node_id] = True
 
     @staticmethod
     def _stored_node(record: NodeRecord, last_seen_ms: int) -> StoredNode:
         info = record.info
         return StoredNode(
-            info.node_id, bytes(info), record.cordoned, record.first_seen_ms, last_seen_ms
+            info.node_id,
+            bytes(info),
+            record.cordoned,
+            record.first_seen_ms,
+            last_seen_ms,
+            record.ever_ready,
         )
+
+    async def prune_never_ready(self) -> list[str]:
+        """Forget the nodes that registered, never sent a heartbeat, and are gone (see
+        ``Inventory.never_ready``); their ids."""
+        after_ms = int(self.inventory.config.never_ready_prune_s * 1000)
+        pruned = self.inventory.never_ready(now_ms(), after_ms)
+        for node_id in pruned:
+            await self._forget_node(node_id)
+            log.info(
+                "node %s pruned: it registered but never became READY in %gs",
+                node_id,
+                self.inventory.config.never_ready_prune_s,
+            )
+        return pruned
+
+    async def delete_node(self, node_id: str, *, force: bool) -> str:
+        """Forget a node an operator deleted; raises ActionRefused (why) or UnknownNode.
+
+        Refused while its agent is connected (it would register again at once), and while
+        shards the server thinks run are on it unless ``force``: their replicas are then
+        replaced elsewhere by the reconciler, as for a node gone past its grace."""
+        record = self.inventory.nodes.get(node_id)
+        if record is None:
+            raise UnknownNode(node_id)
+        if record.connected:
+            raise ActionRefused(
+                Status.FAILED_PRECONDITION,
+                f"node {node_id} is connected (agent at {record.peer or 'an unknown address'}): "
+                "stop its agent first, or drain it with 'llmgw drain-node'",
+            )
+        running = self._running_on(node_id)
+        if running and not force:
+            raise ActionRefused(
+                Status.FAILED_PRECONDITION,
+                f"node {node_id} has replicas the server thinks are running: "
+                f"{', '.join(running)}; drain them first, or give --force to forget the node "
+                "and have them placed elsewhere",
+            )
+        await self._forget_node(node_id)
+        if running:
+            return f"node {node_id} deleted; replicas {', '.join(running)} will be placed elsewhere"
+        return f"node {node_id} deleted"
+
+    def _running_on(self, node_id: str) -> list[str]:
+        """The live replicas with a shard planned on ``node_id`` or reported there running."""
+        ended = (ShardState.STOPPED, ShardState.FAILED)
+        replicas = {
+            record.replica_id
+            for record in self.replicas.values()
+            if record.lifecycle is not Lifecycle.RETIRED
+            and any(plan.node_id == node_id for plan in record.plan.shards)
+        }
+        replicas.update(
+            shard.replica_id or shard.shard_id
+            for shard in self.inventory.shards_of(node_id)
+            if read_shard_state(shard.status.state if shard.status else 0) not in ended
+        )
+        return sorted(replicas)
+
+    async def _forget_node(self, node_id: str) -> None:
+        """Remove a disconnected node from the store, the inventory and every watcher."""
+        await self.store.delete_node(node_id)
+        gone = self.inventory.remove(node_id)
+        self._seen.pop(node_id, None)
+        self._stored_ready.pop(node_id, None)
+        self.kv_blocks.drop_node(node_id, "its node was deleted")
+        self.kv_follow.drop_node(node_id)
+        for shard_id in gone:
+            self.hub.publish(WatchEvent(shard_removed=shard_id))
+        self.hub.publish(WatchEvent(node_removed=node_id))
+        self.reconcile_soon()
+        self._note_agents_back()
 
     def _publish_node(self, record: NodeRecord) -> None:
         node = self.inventory.node_view(record, time.monotonic())

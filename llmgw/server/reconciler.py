@@ -251,6 +251,8 @@ class _Round:
 
     def node_gone(self, node_id: str) -> str:
         node = self.s.nodes.get(node_id)
+        if node is None:  # an operator deleted it (llmgw delete node --force)
+            return f"node {node_id} was deleted"
         since = None if node is None or node.ready else node.not_ready_since
         if since is None or self.s.now - since < self.cfg.node_grace_s:
             return ""

@@ -10,7 +10,8 @@ drained by an operator; ``replace``: moved off a drained node); and the tokens o
 ``llmgw.server.auth`` (their SHA-256 only, never the tokens).
 
 Schema versions (``PRAGMA user_version``): 1 holds nodes and the audit log; 2 adds the
-profiles and deployments tables; 3 adds the replicas table; 4 the replica requests; 5 the tokens.
+profiles and deployments tables; 3 adds the replicas table; 4 the replica requests; 5 the tokens;
+6 the node ids a token is bound to and whether a node was ever READY (issue 13).
 Opening an older file migrates it forward step by step in one transaction; a newer one is
 refused. Beside the versioned schema, the ``llmgw_meta`` table holds the database's
 identity (its cluster id: ``llmgw.server.statefile``, which also says which files are
@@ -67,7 +68,7 @@ from llmgw.statefiles import owner_only_umask, private_dir, private_files, sidec
 
 log = logging.getLogger(__name__)
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 
 _SCHEMA_1 = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -127,8 +128,23 @@ CREATE TABLE IF NOT EXISTS tokens (
 );
 """
 
+_COLUMNS_6 = (
+    ("tokens", "nodes", "TEXT NOT NULL DEFAULT ''"),  # bound node ids, comma-separated
+    ("nodes", "ever_ready", "INTEGER NOT NULL DEFAULT 1"),  # a heartbeat ever came
+)
+"""Version 6 adds columns; SQLite has no ADD COLUMN IF NOT EXISTS, so the script adds the
+ones a file lacks (`_add_columns`)."""
+_SCHEMA_6 = ""
+
 # The script that brings a file from version N-1 to N, by N.
-_MIGRATIONS = {1: _SCHEMA_1, 2: _SCHEMA_2, 3: _SCHEMA_3, 4: _SCHEMA_4, 5: _SCHEMA_5}
+_MIGRATIONS = {
+    1: _SCHEMA_1,
+    2: _SCHEMA_2,
+    3: _SCHEMA_3,
+    4: _SCHEMA_4,
+    5: _SCHEMA_5,
+    6: _SCHEMA_6,
+}
 
 REQUEST_KINDS = ("retire", "replace")
 """What an operator asked of a replica: retire it (a drain), or replace it (a node drain)."""
@@ -143,6 +159,7 @@ class StoredNode:
     cordoned: bool
     first_seen_ms: int
     last_seen_ms: int
+    ever_ready: bool = True  # a heartbeat came on one of its streams (never-READY ones are pruned)
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,6 +317,7 @@ class Store:
         if version == SCHEMA_VERSION:
             return
         script = "".join(_MIGRATIONS[v] for v in range(version + 1, SCHEMA_VERSION + 1))
+        script += await _add_columns(db, _COLUMNS_6)
         # One transaction: a migration cut short leaves the file at its old version.
         await db.executescript(f"BEGIN;\n{script}\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;")
         if version:
@@ -335,21 +353,49 @@ class Store:
 
     async def load_nodes(self) -> list[StoredNode]:
         """Every node ever seen, oldest first."""
-        query = "SELECT node_id, info, cordoned, first_seen, last_seen FROM nodes ORDER BY rowid"
+        query = (
+            "SELECT node_id, info, cordoned, first_seen, last_seen, ever_ready FROM nodes"
+            " ORDER BY rowid"
+        )
         async with self._conn.execute(query) as cursor:
             rows = await cursor.fetchall()
-        return [StoredNode(r[0], bytes(r[1]), bool(r[2]), int(r[3]), int(r[4])) for r in rows]
+        return [
+            StoredNode(r[0], bytes(r[1]), bool(r[2]), int(r[3]), int(r[4]), bool(r[5]))
+            for r in rows
+        ]
 
     @_write
     async def save_node(self, node: StoredNode) -> None:
-        """Insert or replace a node's registration; keeps its first-seen time and cordon."""
+        """Insert or replace a node's registration; keeps its first-seen time, its cordon
+        and whether it was ever READY."""
         await self._conn.execute(
-            "INSERT INTO nodes (node_id, info, cordoned, first_seen, last_seen)"
-            " VALUES (?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET"
+            "INSERT INTO nodes (node_id, info, cordoned, first_seen, last_seen, ever_ready)"
+            " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET"
             " info = excluded.info, last_seen = excluded.last_seen",
-            (node.node_id, node.info, int(node.cordoned), node.first_seen_ms, node.last_seen_ms),
+            (
+                node.node_id,
+                node.info,
+                int(node.cordoned),
+                node.first_seen_ms,
+                node.last_seen_ms,
+                int(node.ever_ready),
+            ),
         )
         await self._conn.commit()
+
+    @_write
+    async def mark_ever_ready(self, node_id: str) -> None:
+        """Record that a heartbeat came from a node (it is no longer pruned as never READY)."""
+        await self._conn.execute("UPDATE nodes SET ever_ready = 1 WHERE node_id = ?", (node_id,))
+        await self._conn.commit()
+
+    @_write
+    async def delete_node(self, node_id: str) -> bool:
+        """Forget a node; False when there was none with that id."""
+        async with self._conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,)) as cur:
+            deleted = cur.rowcount > 0
+        await self._conn.commit()
+        return deleted
 
     @_write
     async def set_cordoned(self, node_id: str, cordoned: bool) -> None:
@@ -398,11 +444,13 @@ class Store:
     # --- tokens ---------------------------------------------------------------------
 
     @_write
-    async def add_token(self, role: Role, token_hash: str, note: str = "") -> int:
-        """Store a token's hash with its role; its id."""
+    async def add_token(
+        self, role: Role, token_hash: str, note: str = "", nodes: Iterable[str] = ()
+    ) -> int:
+        """Store a token's hash with its role (and the node ids it is bound to); its id."""
         async with self._conn.execute(
-            "INSERT INTO tokens (role, hash, created, note) VALUES (?, ?, ?, ?)",
-            (role.value, token_hash, now_ms(), note),
+            "INSERT INTO tokens (role, hash, created, note, nodes) VALUES (?, ?, ?, ?, ?)",
+            (role.value, token_hash, now_ms(), note, ",".join(sorted(set(nodes)))),
         ) as cursor:
             token_id = cursor.lastrowid
         await self._conn.commit()
@@ -413,14 +461,17 @@ class Store:
     async def load_tokens(self) -> list[StoredToken]:
         """Every stored token, by id; a row with an unknown role is a StoreError naming it
         (skipped, it could leave no token and so turn authentication off)."""
-        query = "SELECT id, role, hash, created, note FROM tokens ORDER BY id"
+        query = "SELECT id, role, hash, created, note, nodes FROM tokens ORDER BY id"
         async with self._conn.execute(query) as cursor:
             rows = await cursor.fetchall()
         tokens = []
-        for token_id, role, digest, created, note in rows:
+        for token_id, role, digest, created, note, nodes in rows:
+            bound = frozenset(filter(None, str(nodes).split(",")))
             try:
                 tokens.append(
-                    StoredToken(int(token_id), Role(role), str(digest), int(created), str(note))
+                    StoredToken(
+                        int(token_id), Role(role), str(digest), int(created), str(note), bound
+                    )
                 )
             except ValueError as exc:
                 raise unreadable_row(self._path, "tokens", str(token_id), exc) from exc
@@ -574,6 +625,18 @@ def _sync_directory(folder: Path) -> None:
 
 
 # --- replica records as JSON ----------------------------------------------------------------
+
+
+async def _add_columns(db: aiosqlite.Connection, columns: Iterable[tuple[str, str, str]]) -> str:
+    """``ALTER TABLE … ADD COLUMN`` for each (table, column, type) the file lacks; a table
+    the same migration creates has them already."""
+    script = ""
+    for table, column, kind in columns:
+        async with db.execute(f"PRAGMA table_info({table})") as cursor:
+            present = {str(row[1]) for row in await cursor.fetchall()}
+        if column not in present:  # an absent table is created earlier in the script
+            script += f"ALTER TABLE {table} ADD COLUMN {column} {kind};\n"
+    return script
 
 
 def encode_replica(record: ReplicaRecord) -> str:

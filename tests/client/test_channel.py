@@ -20,6 +20,7 @@ from llmgw.api.llmgw.v1 import (
     Cluster,
     ControlServiceBase,
     DeleteDeploymentRequest,
+    DeleteNodeRequest,
     Deployment,
     EngineProfile,
     GetClusterRequest,
@@ -79,7 +80,7 @@ class Control(ControlServiceBase):
         return await self._record(message)
 
     uncordon_node = drain_node = cordon_node  # type: ignore[assignment]
-    apply_deployment = delete_deployment = _record  # type: ignore[assignment]
+    apply_deployment = delete_deployment = delete_node = _record  # type: ignore[assignment]
     start_replica = drain_replica = reprofile_replica = _record  # type: ignore[assignment]
 
     async def list_profiles(self, message: ListProfilesRequest) -> ListProfilesResponse:
@@ -116,6 +117,7 @@ MUTATIONS: list[tuple[str, tuple[Any, ...], dict[str, str], Any]] = [
         ApplyDeploymentRequest(deployment=Deployment(name="chat"), dry_run=True),
     ),
     ("delete_deployment", ("chat",), {}, DeleteDeploymentRequest(name="chat")),
+    ("delete_node", ("n1",), {"force": True}, DeleteNodeRequest(node_id="n1", force=True)),
     ("start_replica", ("chat",), {}, ReplicaRequest(deployment="chat")),
     (
         "drain_replica",

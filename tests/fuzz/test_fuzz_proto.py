@@ -106,7 +106,7 @@ def test_every_request_type_is_covered() -> None:
         "AgentMessage", "ApplyDeploymentRequest", "NodeRequest", "RouterFeedRequest",
         "ReprofileReplicaRequest", "WatchRequest",
     }  # fmt: skip
-    assert len(HANDLERS) == 15
+    assert len(HANDLERS) == 16
 
 
 @examples(300)
@@ -336,6 +336,7 @@ class FakeAgentStream:
         self._messages = [codec.decode(w, AgentMessage) for w in wires]
         self.sent: list[Any] = []
         self.peer = None
+        self.ended: Status | None = None
 
     async def recv_message(self) -> Any:
         return self._messages.pop(0) if self._messages else None
@@ -350,6 +351,9 @@ class FakeAgentStream:
 
     async def send_message(self, message: Any) -> None:
         self.sent.append(message)
+
+    async def send_trailing_metadata(self, *, status: Status, **_: Any) -> None:
+        self.ended = status  # a refusal with a retry hint (a registration over the rate)
 
 
 _REGISTER = bytes(
@@ -401,8 +405,13 @@ async def test_the_agent_stream_handler_keeps_no_memory_per_refused_stream(
         for _ in range(1000):
             await asyncio.sleep(0)  # a loop turn, as between network reads: asyncio drops
             # the Register timeout's cancelled timer handles only when it runs
-            with pytest.raises(GRPCError):
-                await service._connect(FakeAgentStream([heartbeat]))  # type: ignore[arg-type]
+            stream = FakeAgentStream([heartbeat])
+            try:
+                await service._connect(stream)  # type: ignore[arg-type]
+            except GRPCError as exc:
+                assert exc.status is Status.INVALID_ARGUMENT, exc
+            else:  # past the registration rate: refused before its first message is read
+                assert stream.ended is Status.RESOURCE_EXHAUSTED
 
     assert await async_growth(refuse_all) < 32 * 1024
     assert (await ControlService(plane).get_cluster(GetClusterRequest())).nodes == []

@@ -188,21 +188,79 @@ async def test_commands_reach_the_agent(running: Running) -> None:
         await asyncio.gather(task, return_exceptions=True)
 
 
-async def test_a_reconnect_supersedes_the_old_stream(running: Running) -> None:
-    links = [
-        AgentLink(LinkConfig("127.0.0.1", running.port, backoff=FAST), node=_node, telemetry=list)
-        for _ in range(2)
-    ]
-    first = asyncio.create_task(links[0].run())
+async def test_a_second_agent_of_a_live_node_is_refused_naming_the_holder(
+    running: Running,
+) -> None:
+    config = LinkConfig("127.0.0.1", running.port, backoff=FAST, instance_id="aaaa1111")
+    holder = AgentLink(config, node=_node, telemetry=list)
+    first = asyncio.create_task(holder.run())
     try:
-        await _until(lambda: links[0].stats.connected)
-        second = asyncio.create_task(links[1].run())
-        await _until(lambda: links[1].stats.connected)
-        # the older stream was closed by the server: its link counts a failure
-        await _until(lambda: links[0].backoff.failures >= 1 or links[0].stats.sessions > 1)
+        await _until(lambda: holder.stats.connected)
+        with pytest.raises(GRPCError) as refused:
+            await _register_once(running.port, instance_id="bbbb2222", run_id="other")
+        assert refused.value.status is Status.ALREADY_EXISTS
+        message = refused.value.message or ""
+        assert "'aaaa1111'" in message and "'bbbb2222'" in message, message
+        await asyncio.sleep(0.3)
+        assert holder.stats.sessions == 1 and holder.backoff.failures == 0
         assert running.plane.snapshot().nodes[0].state is NodeState.READY
-        second.cancel()
-        await asyncio.gather(second, return_exceptions=True)
     finally:
         first.cancel()
         await asyncio.gather(first, return_exceptions=True)
+
+
+async def test_the_same_agent_process_reconnecting_supersedes_its_old_stream(
+    running: Running,
+) -> None:
+    link = AgentLink(
+        LinkConfig("127.0.0.1", running.port, backoff=FAST), node=_node, telemetry=list
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        await _until(lambda: link.stats.connected)
+        old = running.service.connections["n1"]
+        await _register_once(running.port, run_id=link.run_id)
+        assert old.closed_because.startswith("superseded")
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+
+
+async def test_a_silent_holder_is_taken_over_after_the_grace(running: Running) -> None:
+    channel = grpclib.client.Channel("127.0.0.1", running.port)
+    try:
+        silent = channel.request(
+            CONNECT_PATH, Cardinality.STREAM_STREAM, AgentMessage, ControlMessage
+        )
+        with pytest.raises(GRPCError) as ended:
+            async with silent:
+                register = Register(protocol_version=PROTOCOL_VERSION, node=_node(), run_id="s")
+                await silent.send_message(AgentMessage(register=register))
+                assert (await silent.recv_message()) is not None  # Registered; then silence
+                with pytest.raises(GRPCError):  # within the grace (1 s) the holder still wins
+                    await _register_once(running.port, run_id="new")
+                await asyncio.sleep(1.5)
+                await _register_once(running.port, run_id="new")
+                await silent.recv_message()
+        assert ended.value.status is Status.UNAVAILABLE
+        assert "superseded" in (ended.value.message or "")
+    finally:
+        channel.close()
+
+
+async def _register_once(port: int, *, instance_id: str = "", run_id: str = "") -> None:
+    """Register as n1 on a raw stream, wait for Registered, hang up (GRPCError if refused)."""
+    channel = grpclib.client.Channel("127.0.0.1", port)
+    register = Register(
+        protocol_version=PROTOCOL_VERSION, node=_node(), instance_id=instance_id, run_id=run_id
+    )
+    try:
+        async with channel.request(
+            CONNECT_PATH, Cardinality.STREAM_STREAM, AgentMessage, ControlMessage
+        ) as stream:
+            await stream.send_message(AgentMessage(register=register))
+            reply = await stream.recv_message()
+            assert reply is not None and reply.registered is not None
+            await stream.cancel()
+    finally:
+        channel.close()

@@ -53,7 +53,7 @@ ACTIONS = {
     "UncordonNode",
     "DrainNode",
 }
-DESIRED = {"ApplyDeployment", "DeleteDeployment"}
+DESIRED = {"ApplyDeployment", "DeleteDeployment", "DeleteNode"}  # admin only
 
 
 def every_rpc() -> set[str]:
@@ -155,7 +155,7 @@ async def test_a_version_4_file_migrates_to_tokens(tmp_path: Path) -> None:
         await add(store, Role.ADMIN)
         assert len(await store.load_tokens()) == 1
     with sqlite3.connect(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
 
 
 async def test_off_without_tokens_then_on(store: Store) -> None:

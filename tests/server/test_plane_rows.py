@@ -21,8 +21,8 @@ BAD_ROWS = [
     ("profiles", "INSERT INTO profiles VALUES ('p', x'ffff', 'fp', 0)", "'p'"),
     ("profiles", "INSERT INTO profiles VALUES ('q', ?, 'fp', 0)", "'q'"),  # holds 'p'
     ("deployments", "INSERT INTO deployments VALUES ('d', x'0a', 0)", "'d'"),
-    ("nodes", "INSERT INTO nodes VALUES ('n1', x'ff01', 0, 0, 0)", "'n1'"),
-    ("nodes", "INSERT INTO nodes VALUES ('n2', ?, 0, 0, 0)", "'n2'"),  # holds n1
+    ("nodes", "INSERT INTO nodes VALUES ('n1', x'ff01', 0, 0, 0, 1)", "'n1'"),
+    ("nodes", "INSERT INTO nodes VALUES ('n2', ?, 0, 0, 0, 1)", "'n2'"),  # holds n1
     ("replicas", "INSERT INTO replicas VALUES ('r1', '{\"replica_id\": 1', 0)", "'r1'"),
     ("replica_requests", "INSERT INTO replica_requests VALUES ('r1', 'explode', 0)", "'r1'"),
     ("tokens", "INSERT INTO tokens (role, hash, created) VALUES ('root', 'h', 0)", "'1'"),
@@ -53,7 +53,7 @@ async def test_readable_rows_load(tmp_path: Path) -> None:
     with sqlite3.connect(db) as conn:
         conn.execute("INSERT INTO profiles VALUES ('p', ?, 'fp', 0)", (PROFILE,))
         conn.execute("INSERT INTO deployments VALUES ('d', ?, 0)", (DEPLOYMENT,))
-        conn.execute("INSERT INTO nodes VALUES ('n1', ?, 0, 0, 0)", (NODE,))
+        conn.execute("INSERT INTO nodes VALUES ('n1', ?, 0, 0, 0, 1)", (NODE,))
     conn.close()
     async with Store(db) as store:
         plane = ControlPlane(store)

@@ -27,7 +27,7 @@ from llmgw.server.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.grpcweb import GrpcWebApp
 from llmgw.server.kvblocks import KvBlocksStats
 from llmgw.server.kvfollow import EngineFollowStats
-from llmgw.server.metrics import render_server_metrics, server_metrics
+from llmgw.server.metrics import AgentStreamStats, render_server_metrics, server_metrics
 from llmgw.server.plane import ControlPlane
 from llmgw.server.store import Store
 from llmgw.sim.engine.config import KvEventsConfig
@@ -91,8 +91,12 @@ def test_every_figure_is_a_sample_under_its_own_name_and_labels() -> None:
         replica_of=lambda node, shard: "r1" if (node, shard) == ("n1", "s1") else "",
         follow_refused=6,
         store=STORE,
+        streams=AgentStreamStats(sessions=7, refused_duplicate=8, refused_rate=9),
     ).decode()
     samples = parse(text)
+    refused = "llmgw_agent_registrations_refused_total"
+    assert samples[(refused, frozenset({("reason", "duplicate")}))] == 8
+    assert samples[(refused, frozenset({("reason", "rate")}))] == 9
     one, two = engine_labels("n1", "r1", "s1"), engine_labels('n"2', "", "s\\2")
     for i, name in enumerate(FOLLOW):
         assert samples[(f"llmgw_kv_events_{name}_total", one)] == 10 + i
@@ -103,6 +107,7 @@ def test_every_figure_is_a_sample_under_its_own_name_and_labels() -> None:
     unlabelled = {name: v for (name, labels), v in samples.items() if not labels}
     assert unlabelled == {
         "llmgw_agents_connected": 2,
+        "llmgw_agent_sessions_total": 7,
         "llmgw_kv_follow_refused_total": 6,
         "llmgw_kv_store_replicas": 2,
         "llmgw_kv_store_blocks": 30,

@@ -15,6 +15,7 @@ __all__ = (
     "ControlServiceBase",
     "ControlServiceStub",
     "DeleteDeploymentRequest",
+    "DeleteNodeRequest",
     "Deployment",
     "DrainShard",
     "EngineProfile",
@@ -381,6 +382,21 @@ class DeleteDeploymentRequest(betterproto2.Message):
 default_message_pool.register_message(
     "llmgw.v1", "DeleteDeploymentRequest", DeleteDeploymentRequest
 )
+
+
+@dataclass(eq=False, repr=False)
+class DeleteNodeRequest(betterproto2.Message):
+    """
+    Added with issue 13. Refused while the node's agent is connected; refused while the
+    server thinks shards run on it unless `force` (its replicas are then placed elsewhere).
+    """
+
+    node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    force: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+
+
+default_message_pool.register_message("llmgw.v1", "DeleteNodeRequest", DeleteNodeRequest)
 
 
 @dataclass(eq=False, repr=False)
@@ -1221,6 +1237,24 @@ class Register(betterproto2.Message):
     of `shards` and stops none of them: it shows them in Node.unadopted_shards.
     """
 
+    instance_id: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+    """
+    Added with issue 13 (node identity): who this agent is, so that a second agent with
+    the same node id (a cloned state dir) is refused with the holder named.
+
+    random, created once and kept in the agent's state dir
+    """
+
+    machine_id: "str" = betterproto2.field(11, betterproto2.TYPE_STRING)
+    """
+    /etc/machine-id (or the D-Bus one); "" when unknown
+    """
+
+    run_id: "str" = betterproto2.field(12, betterproto2.TYPE_STRING)
+    """
+    random per agent process: its own reconnects replace
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Register", Register)
 
@@ -2014,6 +2048,27 @@ class ControlServiceStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         )
 
+    async def delete_node(
+        self,
+        message: "DeleteNodeRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "ActionResult":
+        """
+        Added with issue 13: forget a node that is gone (refused while it is connected).
+        """
+
+        return await self._unary_unary(
+            "/llmgw.v1.ControlService/DeleteNode",
+            message,
+            ActionResult,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 class RouterServiceStub(betterproto2_grpclib.ServiceStub):
     async def feed(
@@ -2147,6 +2202,13 @@ class ControlServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def delete_node(self, message: "DeleteNodeRequest") -> "ActionResult":
+        """
+        Added with issue 13: forget a node that is gone (refused while it is connected).
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_get_cluster(
         self, stream: "grpclib.server.Stream[GetClusterRequest, Cluster]"
     ) -> None:
@@ -2244,6 +2306,14 @@ class ControlServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.get_router_stats(request)
         await stream.send_message(response)
 
+    async def __rpc_delete_node(
+        self, stream: "grpclib.server.Stream[DeleteNodeRequest, ActionResult]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.delete_node(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/llmgw.v1.ControlService/GetCluster": grpclib.const.Handler(
@@ -2317,6 +2387,12 @@ class ControlServiceBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 GetRouterStatsRequest,
                 RouterStats,
+            ),
+            "/llmgw.v1.ControlService/DeleteNode": grpclib.const.Handler(
+                self.__rpc_delete_node,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                DeleteNodeRequest,
+                ActionResult,
             ),
         }
 

@@ -1,0 +1,48 @@
+"""Engines are found again by the mark in their environment (a real child process)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from llmgw.agent.marks import MARK_ENV, marked_engines, shard_mark
+from llmgw.agent.process import read_stat
+
+
+def test_no_node_id_marks_nothing() -> None:
+    assert shard_mark("", "s1") == {}
+    assert marked_engines("") == []
+
+
+def test_a_marked_session_leader_is_found_and_its_children_and_other_nodes_are_not() -> None:
+    script = "import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)']); time.sleep(30)"  # noqa: E501
+    env = {**os.environ, **shard_mark("mark-test-n1", "r1-0")}
+    leader = subprocess.Popen([sys.executable, "-c", script], env=env, start_new_session=True)
+    other = subprocess.Popen(
+        [sys.executable, "-c", "import time; time.sleep(30)"],
+        env={**os.environ, MARK_ENV: "mark-test-n2/r9-0"},
+        start_new_session=True,
+    )
+    try:
+        deadline = time.monotonic() + 10  # until the leader's child (marked too) runs
+        while len(_session_members(leader.pid)) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert len(_session_members(leader.pid)) == 2
+        found = marked_engines("mark-test-n1")
+        assert [(e.shard_id, e.identity.pid) for e in found] == [("r1-0", leader.pid)]
+    finally:
+        for proc in (leader, other):
+            os.killpg(proc.pid, 9)
+            proc.wait()
+
+
+def _session_members(session: int) -> list[int]:
+    members = []
+    for entry in Path("/proc").iterdir():
+        stat = read_stat(int(entry.name)) if entry.name.isdigit() else None
+        if stat is not None and stat.session == session and stat.state not in "ZX":
+            members.append(int(entry.name))
+    return members
