@@ -100,7 +100,9 @@ def request(port: int, head: bytes, source: str = "127.0.0.1") -> int:
 
 
 def get_healthz(port: int, source: str = "127.0.0.1") -> int:
-    return request(port, b"GET /healthz HTTP/1.1\r\nhost: t\r\nconnection: close\r\n\r\n", source)
+    return request(
+        port, b"GET /healthz HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\r\n", source
+    )
 
 
 def rss_kib(pid: int) -> int:
@@ -113,7 +115,7 @@ def rss_kib(pid: int) -> int:
 def test_a_slowloris_head_is_cut_at_the_header_timeout(limited: Cluster) -> None:
     def attack(port: int) -> None:
         with connect(port) as sock:
-            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: t\r\nx-slow: ")
+            sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\nx-slow: ")
             started, sent = time.monotonic(), 0
             sock.settimeout(1.0)
             while time.monotonic() - started < HEADER_TIMEOUT_S + SWEEP_SLACK_S:
@@ -141,7 +143,7 @@ def test_a_body_a_byte_a_second_is_cut_after_its_grace(limited: Cluster) -> None
     def attack(port: int) -> None:
         with connect(port) as sock:
             sock.sendall(
-                b"POST /v1/completions HTTP/1.1\r\nhost: t\r\n"
+                b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\n"
                 b"content-type: application/grpc-web+proto\r\ncontent-length: 100000\r\n\r\n"
             )
             started = time.monotonic()
@@ -173,7 +175,11 @@ def test_a_silent_connection_is_closed_after_the_idle_timeout(limited: Cluster) 
 def test_a_1mb_header_is_431_and_the_server_does_not_grow(limited: Cluster) -> None:
     pid = limited.procs["server"].pid
     before = rss_kib(pid)
-    head = b"POST /v1/completions HTTP/1.1\r\nhost: t\r\nx-big: " + b"a" * (1 << 20) + b"\r\n\r\n"
+    head = (
+        b"POST /v1/completions HTTP/1.1\r\nhost: localhost\r\nx-big: "
+        + b"a" * (1 << 20)
+        + b"\r\n\r\n"
+    )
 
     def attack(port: int) -> None:
         for _ in range(10):
@@ -217,7 +223,7 @@ def test_bodies_beyond_the_buffer_budget_are_refused_unread(limited: Cluster) ->
     def head(port: int, length: int) -> bytes:
         path = GRPC_WEB_CALL if port == limited.http_port else b"/v1/completions"
         return (
-            b"POST %s HTTP/1.1\r\nhost: t\r\ncontent-type: application/grpc-web+proto\r\n"
+            b"POST %s HTTP/1.1\r\nhost: localhost\r\ncontent-type: application/grpc-web+proto\r\n"
             b"content-length: %d\r\n\r\n" % (path, length)
         )
 
@@ -251,7 +257,8 @@ def test_keyless_32mib_posts_to_the_gateway_are_401_before_the_body(
     pid = cluster.procs["server"].pid
     before = rss_kib(pid)
     head = (
-        b"POST /v1/chat/completions HTTP/1.1\r\nhost: t\r\ncontent-type: application/json\r\n"
+        b"POST /v1/chat/completions HTTP/1.1\r\nhost: localhost\r\n"
+        b"content-type: application/json\r\n"
         b"content-length: %d\r\n\r\n" % (32 << 20)
     )
     socks = [connect(cluster.gateway_port) for _ in range(40)]
@@ -267,7 +274,7 @@ def test_keyless_32mib_posts_to_the_gateway_are_401_before_the_body(
     grown = rss_kib(pid) - before
     assert grown < 16 * 1024, f"the server grew by {grown} KiB"
     authorized = head.replace(
-        b"host: t\r\n", f"host: t\r\nauthorization: Bearer {KEY}\r\n".encode()
+        b"host: localhost\r\n", f"host: localhost\r\nauthorization: Bearer {KEY}\r\n".encode()
     )
     with connect(cluster.gateway_port) as sock:  # a keyed one is taken in: no answer yet
         sock.sendall(authorized)
