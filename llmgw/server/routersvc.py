@@ -159,6 +159,9 @@ class _Sources:
         while not self._hub.done() and not (self.synced and self._kv.pending):
             waiting: set[asyncio.Future[Any]] = {self._hub}
             if self.synced:
+                # nothing is owed (the loop's condition): a wakeup still set is stale, and
+                # waiting on it would return at once, forever (a busy loop at 100 % CPU)
+                self._kv.wakeup.clear()
                 waiting.add(asyncio.ensure_future(self._kv.wakeup.wait()))
             try:
                 await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)

@@ -511,7 +511,7 @@ def test_real_vllm_shard_through_the_agent(real_vllm: RealVllm, fleet: Cluster) 
         stream.join(120)
         stopped = watch.wait("rv-0", S.STOPPED, within=120)
     assert stream.error is None and stream.chunks[-1] == "[DONE]"
-    assert stream.completion_tokens() == stream.max_tokens
+    assert stream.completion_tokens() == stream.max_tokens, stream.chunks[-4:]
     assert stopped.reason == "drained: no request in flight"
     assert draining.since_unix_ms < stream.done_at_ms <= stopped.since_unix_ms + 50
     assert session_members(again.pid) == []

@@ -425,3 +425,41 @@ async def test_the_in_server_gateways_kv_index_fills(plane: ControlPlane) -> Non
         _shard(plane, "chat-1", ShardState.STOPPED)
         await _until(lambda: not index.blocks_of("chat-1"), "the drop")
     assert plane.kv_blocks.stats().watchers == 0
+
+
+class _StaleWakeup:
+    """A KV watcher whose wakeup is set with nothing owed; counts how often it is asked."""
+
+    def __init__(self) -> None:
+        self.wakeup = asyncio.Event()
+        self.wakeup.set()
+        self.asked = 0
+
+    @property
+    def pending(self) -> bool:
+        self.asked += 1
+        return False
+
+
+async def test_a_stale_kv_wakeup_does_not_spin_the_feed() -> None:
+    """A set wakeup with nothing owed once kept the feed in a busy loop (the server at
+    100 % CPU, found with real vLLM: its engines slowed to a crawl)."""
+    from llmgw.server.routersvc import _Sources
+
+    async def no_events() -> AsyncIterator[WatchEvent]:
+        await asyncio.Event().wait()
+        yield WatchEvent()  # never reached
+
+    kv = _StaleWakeup()
+    sources = _Sources(no_events(), kv)  # type: ignore[arg-type]
+    sources.synced = True
+    waiting = asyncio.ensure_future(sources.next())
+    await asyncio.sleep(0.2)
+    assert not waiting.done()
+    assert kv.asked <= 3, f"the feed asked {kv.asked} times in 0.2 s: it spins"
+    kv.wakeup.set()  # something owed after all: it looks again, and goes on waiting
+    await asyncio.sleep(0.05)
+    assert not waiting.done() and kv.asked <= 5
+    waiting.cancel()
+    await asyncio.gather(waiting, return_exceptions=True)
+    await sources.aclose()
