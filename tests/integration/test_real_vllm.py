@@ -506,10 +506,12 @@ def test_real_vllm_shard_through_the_agent(real_vllm: RealVllm, fleet: Cluster) 
         stream = Stream(adopted.endpoint, "key-rv", max_tokens=1024)
         stream.start()
         assert stream.first_chunk.wait(60)
-        command(fleet, "n1", {"drainShard": {"shardId": "rv-0", "graceSeconds": 120}})
+        # The grace is only a bound: the drain ends when the stream does. This machine's CPU
+        # vLLM streams 5-9 tokens/s while the suite runs, so 1,024 tokens may take 200 s.
+        command(fleet, "n1", {"drainShard": {"shardId": "rv-0", "graceSeconds": 600}})
         draining = watch.wait("rv-0", S.DRAINING, within=10)
-        stream.join(120)
-        stopped = watch.wait("rv-0", S.STOPPED, within=120)
+        stream.join(600)
+        stopped = watch.wait("rv-0", S.STOPPED, within=600)
     assert stream.error is None and stream.chunks[-1] == "[DONE]"
     assert stream.completion_tokens() == stream.max_tokens, stream.chunks[-4:]
     assert stopped.reason == "drained: no request in flight"
