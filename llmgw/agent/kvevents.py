@@ -21,10 +21,17 @@ which vLLM gives each DP rank) are checked batch by batch:
 What an engine can cost the agent is bounded: ZMQ drops a connection whose message part
 passes ``max_message_bytes`` before reading it (the SUB then reconnects and syncs again,
 resetting the engine's blocks), live and replayed batches held during a replay are bounded
-in count and bytes, and a mirror holding more than ``max_blocks`` blocks (more than any
-engine caches) is a decode error that resets it. The socket folders must be the agent's
-alone (`llmgw.agent.ipcdir.check_private_dir`) before the subscriber connects: whoever
-could bind a socket there would feed the agent their blocks.
+in count and bytes, and a mirror holds at most the engine's own block count: a
+``BlockStored`` that leaves more is a decode error that resets the mirror. The shard's
+runner reads the count once the engine is READY (``vllm:cache_config_info`` on its
+``/metrics``, `llmgw.agent.probe.parse_kv_blocks`) and the supervisor hands it to
+`KvEventHub.cap`; until then, and for an engine that does not tell it, the fixed
+``max_blocks`` bounds each mirror (it is also the most a cap may be). A mirror already
+holding more than a new cap resets the same way. (Blocks that outlive their eviction in a
+mirror, as ``kv_cache_report_mode="full"`` makes them, `llmgw.kvcache.mirror`, thus end in a
+reset once they pass the engine's count.) The socket folders must be the agent's alone
+(`llmgw.agent.ipcdir.check_private_dir`) before the subscriber connects: whoever could bind
+a socket there would feed the agent their blocks.
 
 `KvEventHub` owns the subscribers (``follow``/``forget``, driven by shard states) and is
 what the stream reads: `KvEventHub.full_copy` (every engine's blocks, for a new stream) and
@@ -85,9 +92,11 @@ class KvFollowConfig:
     # connection of a longer message before buffering it (the subscriber then syncs again).
     max_message_bytes: int = 16 * 2**20
     max_held_bytes: int = 256 * 2**20  # payloads held during a replay, live and replayed
-    # Blocks in one mirror (one engine's data-parallel rank): more than an engine caches.
-    # vLLM's num_gpu_blocks is ~65k for an 8B model on a 141 GB GPU and ~10**6 for a tiny
-    # model there; CPU offloading tiers add theirs. More is a decode error: the mirror resets.
+    # Blocks in one mirror (one engine's data-parallel rank) until the engine's own count is
+    # known (KvEventHub.cap, once it is READY), and the most a cap may be: more than an engine
+    # caches. vLLM's num_gpu_blocks is ~65k for an 8B model on a 141 GB GPU and ~10**6 for a
+    # tiny model there; CPU offloading tiers add theirs. More is a decode error: the mirror
+    # resets.
     max_blocks: int = 2**23
 
 
@@ -167,6 +176,7 @@ class EngineSubscriber:
         self.config = config
         self.mirrors: dict[int, BlockMirror] = {}
         self.last_seq: int | None = None
+        self.max_blocks = config.max_blocks  # per mirror; `cap` lowers it to the engine's
         self._ctx = ctx
         self._on_change = on_change
         self._counts = _Counts()
@@ -185,6 +195,25 @@ class EngineSubscriber:
             c.batches, c.events, c.gaps, c.replays, c.replay_failures, c.resets, c.restarts,
             c.decode_errors, blocks, self.last_seq,
         )  # fmt: skip
+
+    def cap(self, blocks: int) -> None:
+        """Bound each mirror, now and of ranks still to come, at ``blocks`` (the engine's own
+        count; at most ``config.max_blocks``). A mirror already holding more resets, as an
+        overflow would: a decode error, one warning for all of them."""
+        self.max_blocks = max(1, min(blocks, self.config.max_blocks))
+        over = {rank: len(m) for rank, m in self.mirrors.items() if len(m) > self.max_blocks}
+        for mirror in self.mirrors.values():
+            mirror.max_blocks = self.max_blocks
+        if not over:
+            return
+        for rank in over:
+            self.mirrors[rank].reset()
+        self._counts.decode_errors += len(over)
+        self._counts.resets += len(over)
+        held = ", ".join(f"rank {rank}: {count}" for rank, count in sorted(over.items()))
+        log.warning("shard %s: KV events: mirrors hold more than the engine's %d blocks (%s); "
+                    "resetting them", self.shard_id, self.max_blocks, held)  # fmt: skip
+        self._on_change()
 
     async def run(self) -> None:
         """Follow the engine until cancelled; an unexpected error reopens the sockets."""
@@ -436,7 +465,7 @@ class EngineSubscriber:
         mirror = self.mirrors.get(rank)
         if mirror is None:
             mirror = self.mirrors[rank] = BlockMirror(
-                compute_keys=self.config.compute_keys, max_blocks=self.config.max_blocks
+                compute_keys=self.config.compute_keys, max_blocks=self.max_blocks
             )
         clears = mirror.clears
         try:
@@ -500,6 +529,16 @@ class KvEventHub:
         self._engines[shard_id] = (sub, task)
         log.info("shard %s: following KV events on %s", shard_id, endpoints.endpoint)
 
+    def cap(self, shard_id: str, blocks: int) -> None:
+        """Bound the shard's mirrors at its engine's block count (`EngineSubscriber.cap`);
+        nothing happens for a shard not followed. A new subscriber (another engine process)
+        starts from ``config.max_blocks`` again, until it is capped in turn."""
+        entry = self._engines.get(shard_id)
+        if entry is None:
+            return
+        entry[0].cap(blocks)
+        log.info("shard %s: KV mirrors hold at most %d blocks", shard_id, entry[0].max_blocks)
+
     def forget(self, shard_id: str) -> None:
         """Stop following a shard's engine; upstream drops its blocks with the next deltas."""
         entry = self._engines.pop(shard_id, None)
@@ -519,6 +558,12 @@ class KvEventHub:
     def counters(self) -> dict[str, KvEventCounters]:
         """Each followed engine's counters, by shard id."""
         return {shard: sub.counters() for shard, (sub, _) in sorted(self._engines.items())}
+
+    def max_blocks(self, shard_id: str) -> int | None:
+        """The bound on each of the shard's mirrors now (its engine's count once capped, else
+        ``config.max_blocks``); None for a shard not followed."""
+        entry = self._engines.get(shard_id)
+        return entry[0].max_blocks if entry is not None else None
 
     def full_copy(self) -> list[KvDelta]:
         """Every followed engine's blocks (reset first): what a new stream starts with."""

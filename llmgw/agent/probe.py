@@ -6,17 +6,23 @@ So: a refused connection means STARTING, a ``/health`` that fails or is not 200 
 LOADING, and ``/health`` 200 followed by ``/v1/models`` 200 (with the engine's API key)
 means READY. Every request has explicit timeouts and no connection is reused (an engine
 restarted on the same port must not meet a stale pooled connection).
+
+``/metrics`` tells the requests an engine holds (a drain waits for none) and, read once when
+the engine turns READY, its KV block count (``vllm:cache_config_info``): what the agent caps
+the engine's KV event mirrors at (``llmgw.agent.kvevents``).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import httpx
 
 from llmgw.agent.engines.base import LaunchSpec
 from llmgw.api.llmgw.v1 import ShardState
+from llmgw.promtext import int_label, read_sample
 
 IN_FLIGHT_GAUGES = frozenset(
     {
@@ -29,7 +35,9 @@ IN_FLIGHT_GAUGES = frozenset(
     }
 )
 """Gauges whose sum is the number of requests an engine holds (running or queued)."""
+_IN_FLIGHT_PREFIXES = tuple(sorted(IN_FLIGHT_GAUGES))
 _MAX_COUNT = 2.0**53  # the in-flight count a page can report at most
+CACHE_INFO = "vllm:cache_config_info"
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,15 +69,26 @@ class InFlight:
     supported: bool = True
 
 
+@dataclass(frozen=True, slots=True)
+class BlockCount:
+    """The KV blocks one engine (one data-parallel rank) caches; ``count`` None: unknown."""
+
+    count: int | None
+    detail: str
+
+
 def parse_in_flight(text: str) -> int | None:
     """Sum of the in-flight gauges in a Prometheus text page; None when it has none."""
     total = 0.0
     found = False
     for line in text.splitlines():
-        if not line or line.startswith("#"):
+        if not line.startswith(_IN_FLIGHT_PREFIXES):
             continue
-        name, value = _sample(line)
-        if name in IN_FLIGHT_GAUGES and value is not None:
+        try:
+            name, _, value = read_sample(line)
+        except ValueError:
+            continue
+        if name in IN_FLIGHT_GAUGES and math.isfinite(value):
             found = True
             total += value
     if not found:
@@ -78,20 +97,57 @@ def parse_in_flight(text: str) -> int | None:
     return round(min(max(total, -_MAX_COUNT), _MAX_COUNT))
 
 
-def _sample(line: str) -> tuple[str, float | None]:
-    """``name{labels} value [timestamp]`` → (name, value); label values may hold spaces."""
-    brace = line.find("{")
-    space = line.find(" ")
-    if brace != -1 and (space == -1 or brace < space):
-        name, rest = line[:brace], line[line.rfind("}") + 1 :]
-    else:
-        name, _, rest = line.partition(" ")
-    fields = rest.split()
+def parse_kv_blocks(text: str) -> int | None:
+    """The KV blocks one engine caches, from the ``vllm:cache_config_info`` samples of a
+    ``/metrics`` page (one per data-parallel rank: the largest); None when unknown.
+
+    Blocks are ``num_gpu_blocks`` plus ``num_cpu_blocks`` (a CPU tier publishes its blocks
+    too), in the hashes events carry: a hybrid model whose ``block_size`` is k times its
+    ``hash_block_size`` may publish k hashes per block. Unknown: no sample, a sample with
+    ``num_gpu_blocks`` missing, 0 or not a number ("None"), or a CPU offloading tier
+    (``kv_offloading_size`` set) whose ``num_cpu_blocks`` is not said.
+    """
+    counts: list[int] = []
+    for line in text.splitlines():
+        if not line.startswith(CACHE_INFO):
+            continue
+        try:
+            name, labels, _ = read_sample(line)
+        except ValueError:
+            return None
+        if name != CACHE_INFO:
+            continue
+        count = _engine_blocks(labels)
+        if count is None:
+            return None
+        counts.append(count)
+    return max(counts, default=None)
+
+
+def _engine_blocks(labels: dict[str, str]) -> int | None:
+    gpu = int_label(labels, "num_gpu_blocks")
+    if not gpu:
+        return None
+    cpu = int_label(labels, "num_cpu_blocks")
+    if cpu is None and _offloads(labels):
+        return None  # a CPU tier of some GiB: its blocks are not said
+    size, hash_size = int_label(labels, "block_size"), int_label(labels, "hash_block_size")
+    per_block = -(-size // hash_size) if size and hash_size and hash_size < size else 1
+    return (gpu + (cpu or 0)) * per_block
+
+
+def _offloads(labels: dict[str, str]) -> bool:
+    """Whether ``kv_offloading_size`` (GiB; "None" when off) sets up a CPU tier."""
     try:
-        value = float(fields[0]) if fields else None
+        return float(labels.get("kv_offloading_size", "None")) > 0
     except ValueError:
-        return name, None
-    return name, value if value is not None and math.isfinite(value) else None
+        return False
+
+
+def has_kv_connector(argv: Sequence[str]) -> bool:
+    """Whether an engine command adds a KV connector (vLLM's ``--kv-transfer-config``, as
+    LMCache does): its tiers publish blocks that ``cache_config_info`` does not count."""
+    return any(arg.partition("=")[0].replace("_", "-") == "--kv-transfer-config" for arg in argv)
 
 
 class EngineProbe:
@@ -149,18 +205,37 @@ class EngineProbe:
 
     async def in_flight(self, launch: LaunchSpec) -> InFlight:
         """Requests running or queued in the engine, from its ``/metrics``."""
+        text, why = await self._metrics(launch)
+        if text is None:
+            return InFlight(None, why)
+        count = parse_in_flight(text)
+        if count is None:
+            return InFlight(None, "/metrics has no in-flight gauge", supported=False)
+        return InFlight(count, f"{count} requests in flight")
+
+    async def kv_blocks(self, launch: LaunchSpec) -> BlockCount:
+        """The KV blocks the engine caches, from its ``/metrics`` (asked once it is READY)."""
+        if has_kv_connector(launch.argv):
+            return BlockCount(None, "a KV connector's tiers are not in its block count")
+        text, why = await self._metrics(launch)
+        if text is None:
+            return BlockCount(None, why)
+        count = parse_kv_blocks(text)
+        if count is None:
+            return BlockCount(None, f"/metrics does not tell its blocks ({CACHE_INFO})")
+        return BlockCount(count, f"{count} KV blocks")
+
+    async def _metrics(self, launch: LaunchSpec) -> tuple[str | None, str]:
+        """The engine's ``/metrics`` page, or None and why there is none."""
         try:
             reply = await self._client.get(
                 self.endpoint(launch) + "/metrics", headers=_auth(launch)
             )
         except httpx.HTTPError as exc:
-            return InFlight(None, f"/metrics: {_describe(exc)}")
+            return None, f"/metrics: {_describe(exc)}"
         if reply.status_code != 200:
-            return InFlight(None, f"/metrics answered {reply.status_code}")
-        count = parse_in_flight(reply.text)
-        if count is None:
-            return InFlight(None, "/metrics has no in-flight gauge", supported=False)
-        return InFlight(count, f"{count} requests in flight")
+            return None, f"/metrics answered {reply.status_code}"
+        return reply.text, ""
 
 
 def _auth(launch: LaunchSpec) -> dict[str, str]:

@@ -10,7 +10,9 @@ interrupted; the next operation waits for it. Cancelling a runner (the agent sto
 leaves its engine running, to be adopted by the next agent.
 
 Every state change goes through the lifecycle table (``llmgw.agent.shards``) and is
-emitted as a ``ShardStatus`` with its reason.
+emitted as a ``ShardStatus`` with its reason. When an engine that publishes KV events turns
+READY, the runner reads its ``/metrics`` once more for its KV block count and hands it to
+``RunnerContext.kv_blocks`` (the supervisor caps the engine's mirrors at it).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from llmgw.api.llmgw.v1 import ShardState, ShardStatus, StartShard
 log = logging.getLogger(__name__)
 
 StatusSink = Callable[[ShardStatus], None]
+KvBlocksSink = Callable[[str, int], None]
+"""Told ``(shard_id, blocks)``: the KV blocks a shard's engine caches, once it is READY."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -107,6 +111,7 @@ class RunnerContext:
     records: RecordStore
     emit: StatusSink
     licensed: asyncio.Event = field(default_factory=asyncio.Event)  # the server accepted us
+    kv_blocks: KvBlocksSink | None = None  # where an engine's KV block count goes
 
 
 class ShardRunner:
@@ -381,12 +386,25 @@ class ShardRunner:
             if seen.state is ShardState.READY:
                 self._advance(ShardState.LOADING, f"port {launch.port} accepting")
                 self._set(ShardState.READY, seen.detail)
+                await self._tell_kv_blocks(launch)
                 return
             if seen.state is ShardState.LOADING:
                 self._advance(ShardState.LOADING, seen.detail)
             if time.monotonic() >= deadline:
                 raise EngineFailed(f"not ready after {timeout:g} s (last probe: {last})")
             await self._pause(self.ctx.config.startup_probe_s)
+
+    async def _tell_kv_blocks(self, launch: LaunchSpec) -> None:
+        """The engine's KV block count (one ``/metrics`` read), for the cap on its mirrors."""
+        sink = self.ctx.kv_blocks
+        if sink is None or launch.kv_events is None:
+            return
+        seen = await self.ctx.probe.kv_blocks(launch)
+        if seen.count is None:
+            log.info("shard %s: KV block count unknown (%s): its mirrors keep the fixed bound",
+                     self.shard_id, seen.detail)  # fmt: skip
+            return
+        sink(self.shard_id, seen.count)
 
     async def _while_ready(self) -> None:
         config = self.ctx.config

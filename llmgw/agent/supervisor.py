@@ -31,7 +31,8 @@ ports held by engines nobody supervises.
 With a `KvEventHub`, the supervisor follows the KV events of every shard whose command
 publishes them (``LaunchSpec.kv_events``) while the shard is LOADING, READY or DRAINING
 (an adopted engine starts LOADING), and forgets them in any other state: a stopped, failed
-or restarting engine's blocks leave the mirror, and upstream, at once.
+or restarting engine's blocks leave the mirror, and upstream, at once. The KV block count
+each engine tells when it turns READY caps its mirrors (`KvEventHub.cap`).
 """
 
 from __future__ import annotations
@@ -106,7 +107,10 @@ class Supervisor:
     async def open(self) -> None:
         """Start working: adopt the engines a previous agent left (or start them again)."""
         probe = EngineProbe(self.config.probe, host=self.config.host)
-        self._ctx = RunnerContext(self.config, probe, self._records, self._emit)
+        kv_blocks = self._kv.cap if self._kv is not None else None
+        self._ctx = RunnerContext(
+            self.config, probe, self._records, self._emit, kv_blocks=kv_blocks
+        )
         if not self.config.wait_for_server:
             self._ctx.licensed.set()
         records, errors = self._records.load_all()

@@ -449,6 +449,54 @@ async def test_a_large_full_copy_is_split_into_messages(sock_dir: Path) -> None:
         await engine.stop()
 
 
+async def test_a_cap_learned_for_the_shard_makes_one_block_more_reset_the_mirror(
+    hub: KvEventHub, engine: Engine
+) -> None:
+    hub.follow("s1", engine.endpoints)
+    assert hub.max_blocks("s1") == FAST.max_blocks  # the fallback until told
+    hub.cap("s1", 40)  # before the first batch: the rank's mirror is made with the cap
+    index = Index()
+    await joined(hub, index, engine)
+    engine.pub.publish([engine.store(40 - len(engine.blocks))])
+    counters = await synced(hub, index, "s1", engine)
+    assert counters.blocks == 40 and hub.max_blocks("s1") == 40  # the cap, not more
+    assert counters.decode_errors == counters.resets == 0 and index.of("s1") == engine.blocks
+
+    engine.pub.publish([engine.store(1)])  # the 41st block
+    engine.pub.publish([engine.store(1)])  # and the follow goes on from the next batch
+    counters = await synced(hub, index, "s1", engine)
+    assert counters.decode_errors == 1 and counters.resets == 1
+    assert counters.blocks == 1 and len(index.of("s1")) == 1
+    assert set(index.of("s1")) <= set(engine.blocks) and index.messages[-1].reset
+
+
+async def test_a_cap_below_what_a_mirror_holds_resets_it_and_a_cap_has_a_ceiling(
+    sock_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    engine = Engine(endpoints_in(sock_dir))
+    await engine.start()
+    hub = KvEventHub(KvFollowConfig(flush_interval_s=0.01, max_blocks=100))
+    try:
+        index = Index()
+        await joined(hub, index, engine)
+        engine.pub.publish([engine.store(5)])
+        held = (await synced(hub, index, "s1", engine)).blocks
+        hub.cap("nobody", 1)  # a shard not followed: nothing to cap, nothing breaks
+        hub.cap("s1", held - 1)
+        counters = hub.counters()["s1"]
+        assert counters.blocks == 0 and hub.max_blocks("s1") == held - 1
+        assert counters.decode_errors == 1 and counters.resets == 1
+        index.apply(hub.take_deltas())
+        assert index.of("s1") == {} and index.messages[-1].reset
+        assert len([r for r in caplog.records if "more than the engine's" in r.getMessage()]) == 1
+
+        hub.cap("s1", 10**12)  # an engine cannot lift the fixed bound
+        assert hub.max_blocks("s1") == 100 and hub.max_blocks("nobody") is None
+    finally:
+        await hub.aclose()
+        await engine.stop()
+
+
 # -- property: lost batches, replays, restarts → the index equals the engine's cache -------
 
 _STEPS = st.lists(
@@ -515,6 +563,7 @@ def test_after_losses_replays_and_restarts_the_index_equals_the_engines_cache(
 # -- the agent: a sim engine with KV events on, and the agent's stream ---------------------
 
 PROMPT = ("The quick brown fox jumps over the lazy dog. " * 8).strip()  # 80 tokens: 5 blocks
+SIM_BLOCKS = 300  # the simulated engine's KV blocks (4,800 tokens: one 4,096-token request)
 
 
 class FakeControl:
@@ -573,7 +622,10 @@ def _start_sim_shard() -> StartShard:
         gpu_class="cpu",
         model_path="tiny-sim",
         kv_events=True,
-        args=["--sim-prefill-ms-per-token", "0", "--sim-decode-ms-per-token", "0"],
+        args=[
+            *("--sim-prefill-ms-per-token", "0", "--sim-decode-ms-per-token", "0"),
+            *("--sim-kv-blocks", str(SIM_BLOCKS)),
+        ],
     )
     return StartShard(
         shard_id="kv1", replica_id="r1", profile=profile, profile_fingerprint="fp-kv", api_key="k"
@@ -639,6 +691,8 @@ async def test_the_agent_streams_kv_deltas_and_each_new_stream_starts_with_a_ful
         await until(lambda: fake.sessions)
         await fake.commands.put(ControlMessage(start_shard=_start_sim_shard()))
         await until(lambda: fake.state("kv1") is ShardState.READY, 30)
+        # the engine's own block count bounds its mirror, read from its /metrics once READY
+        await until(lambda: agent.kv.max_blocks("kv1") == SIM_BLOCKS)
         tokens = await _prompt(fake.statuses("kv1")[-1].endpoint)
         digests = block_hashes(tokens, 16, algo="sha256_cbor", seed="0", vllm_version="0.32.0")
         engine = dict(zip((event_hash(d) for d in digests), block_keys(tokens, 16), strict=True))
@@ -663,6 +717,7 @@ async def test_the_agent_streams_kv_deltas_and_each_new_stream_starts_with_a_ful
         await until(lambda: not _caught_up(second, fake.kv(1)).of("kv1"), 2.0)
         await until(lambda: fake.statuses("kv1")[-1].pid not in (0, killed), 30)
         await until(lambda: fake.state("kv1") is ShardState.READY, 30)
+        await until(lambda: agent.kv.max_blocks("kv1") == SIM_BLOCKS)  # capped again
         await _prompt(fake.statuses("kv1")[-1].endpoint)
         await until(lambda: _caught_up(second, fake.kv(1)).of("kv1") == engine)
 

@@ -27,13 +27,13 @@ import asyncio
 import contextlib
 import logging
 import math
-import re
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Final
 
+from llmgw.promtext import int_label, read_sample
 from llmgw.server.router.errors import UpstreamError
 from llmgw.server.router.metrics import GatewayMetrics, labelled
 from llmgw.server.router.table import RoutingTable, Target
@@ -56,10 +56,7 @@ HITS: Final = "vllm:prefix_cache_hits_total"
 CACHE_INFO: Final = "vllm:cache_config_info"
 KV_USAGE: Final = "vllm:kv_cache_usage_perc"
 _WANTED: Final = (QUERIES, HITS, CACHE_INFO, KV_USAGE)
-_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
 _MAX_INCREMENT = float(2**53)  # a larger sum of increments is no real engine's
-
-_LABEL = re.compile(r'(?<!\w)(\w+)="((?:[^"\\]|\\.)*)"')  # anchored: linear on long runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +111,7 @@ def parse_engine_metrics(text: str) -> EngineSample:
     for line in text.splitlines():
         if not line.startswith(_WANTED):
             continue
-        name, labels, value = _sample(line)
+        name, labels, value = read_sample(line)
         series = labels.get("engine", "")
         if name == QUERIES:
             queries[series] = value
@@ -138,28 +135,14 @@ def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
         if not line.startswith(name):
             continue
         with contextlib.suppress(ValueError):
-            sample, labels, value = _sample(line)
+            sample, labels, value = read_sample(line)
             if sample == name:
                 out.append((labels, value))
     return out
 
 
-def _sample(line: str) -> tuple[str, dict[str, str], float]:
-    match = _SAMPLE.match(line)
-    if match is None:
-        raise ValueError(f"unreadable sample {line[:120]!r}")
-    try:
-        value = float(match.group(3))
-    except ValueError as exc:
-        raise ValueError(f"unreadable value in {line[:120]!r}") from exc
-    return match.group(1), dict(_LABEL.findall(match.group(2) or "")), value
-
-
 def _int_label(labels: dict[str, str], name: str) -> int:
-    try:
-        return max(0, int(labels.get(name, "0")))
-    except ValueError:
-        return 0  # "None" and the like: not said
+    return int_label(labels, name) or 0  # "None" and the like: not said
 
 
 class ReuseWindow:
