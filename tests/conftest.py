@@ -17,3 +17,15 @@ def pki(tmp_path: Path) -> Pki:
     from tlspki import make_pki  # imports cryptography: only where a test asks for a PKI
 
     return make_pki(tmp_path / "pki")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Run the real-vLLM tests on one xdist worker, one after another.
+
+    Each starts a CPU vLLM that wants every core for minutes; two at once on CI's two
+    cores would starve both past their timeouts. Everything else spreads (`--dist
+    loadgroup` in `.ci/run`): the suite mostly waits on processes it started.
+    """
+    for item in items:
+        if item.get_closest_marker("real_vllm"):
+            item.add_marker(pytest.mark.xdist_group("real_vllm"))

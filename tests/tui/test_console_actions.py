@@ -472,6 +472,7 @@ async def test_d_drains_the_selected_replica_and_draining_it_again_is_refused(
         assert message in (  # the server's words, by how far the retirement has got
             f"replica {victim} already draining",
             f"replica {victim} is retiring, not active",
+            f"replica {victim} is retired, not active",
             f"no replica named '{victim}'",
         )
         await pilot.press("space", "6")  # the audit records arrive through Watch
