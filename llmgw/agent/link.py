@@ -152,7 +152,7 @@ class AgentLink:
         on_command: CommandHandler | None = None,
         kv: KvSource | None = None,
         membership: ClusterMembership | None = None,
-        on_registered: Callable[[], None] | None = None,
+        on_registered: Callable[[str], None] | None = None,
     ) -> None:
         self.config = config
         self._membership = membership
@@ -225,10 +225,10 @@ class AgentLink:
                 metadata=self._metadata(),
             ) as stream:
                 _drain(self._outbox)  # Register carries the current state of every shard
-                interval_s = await self._register(stream)
+                interval_s, cluster_id = await self._register(stream)
                 self.backoff.succeeded()
                 if self._on_registered is not None and not self._holding:
-                    self._on_registered()  # engines held for another cluster stay untouched
+                    self._on_registered(cluster_id)  # engines held for another cluster stay
                 self.stats.sessions += 1
                 self.stats.connected = True
                 async with asyncio.TaskGroup() as tasks:
@@ -247,7 +247,8 @@ class AgentLink:
         token = self.config.token
         return {"authorization": f"Bearer {token}"} if token else None
 
-    async def _register(self, stream: _Stream) -> float:
+    async def _register(self, stream: _Stream) -> tuple[float, str]:
+        """Register; the heartbeat interval and the cluster id the server named."""
         membership = self._membership
         register = Register(
             protocol_version=PROTOCOL_VERSION,
@@ -277,7 +278,7 @@ class AgentLink:
             "plaintext" if self.config.tls is None else "TLS",
             interval_ms,
         )
-        return interval_ms / 1000
+        return interval_ms / 1000, reply.registered.cluster_id
 
     async def _heartbeats(self, stream: _Stream, interval_s: float) -> None:
         previous: dict[str, GpuTelemetry] = {}

@@ -33,7 +33,7 @@ from llmgw.agent.enginelog import DEFAULT_LINES, EngineLog
 from llmgw.agent.engines.base import LaunchSpec
 from llmgw.agent.errors import EngineFailed, SocketFolderError, SpawnError
 from llmgw.agent.ipcdir import private_dir
-from llmgw.agent.marks import shard_mark
+from llmgw.agent.marks import CLUSTER_ENV, MARK_ENV, EngineMarks
 from llmgw.agent.probe import EngineProbe, ProbeTimeouts
 from llmgw.agent.process import EngineProcess
 from llmgw.agent.records import EngineRecord, RecordStore
@@ -69,8 +69,8 @@ class SupervisorConfig:
     log_lines: int = DEFAULT_LINES
     host: str = "127.0.0.1"
     # The node this agent runs as: every engine it spawns carries ``LLMGW_SHARD=NODE/SHARD``
-    # in its environment (``llmgw.agent.marks``), so an agent whose state dir was lost finds
-    # them. "" marks nothing.
+    # and its cluster in its environment (``llmgw.agent.marks``), so an agent whose state dir
+    # was lost finds them. "" marks nothing.
     node_id: str = ""
     # Spawn, restart or stop nothing until the server accepted this agent (Supervisor.licence):
     # a second agent of the node (a copied state dir) must not touch the holder's engines.
@@ -111,6 +111,7 @@ class RunnerContext:
     records: RecordStore
     emit: StatusSink
     licensed: asyncio.Event = field(default_factory=asyncio.Event)  # the server accepted us
+    marks: EngineMarks = field(default_factory=lambda: EngineMarks(""))  # node and cluster
     kv_blocks: KvBlocksSink | None = None  # where an engine's KV block count goes
 
 
@@ -353,11 +354,8 @@ class ShardRunner:
             f"shard {self.shard_id} (restart {self.restarts}): {shlex.join(_masked(argv))}"
         )
         try:
-            env = {
-                **os.environ,
-                **command.env,
-                **shard_mark(self.ctx.config.node_id, self.shard_id),
-            }
+            inherited = {k: v for k, v in os.environ.items() if k not in (MARK_ENV, CLUSTER_ENV)}
+            env = {**inherited, **command.env, **self.ctx.marks.of(self.shard_id)}
             process = EngineProcess.spawn(argv, env, fd)
         except SpawnError as exc:
             raise EngineFailed(str(exc)) from exc

@@ -48,7 +48,7 @@ from typing import Self
 
 from llmgw.agent.engines.base import EngineError, LaunchSpec, ShardSpec, check_profile
 from llmgw.agent.kvevents import KvEventHub
-from llmgw.agent.marks import marked_engines
+from llmgw.agent.marks import EngineMarks
 from llmgw.agent.probe import EngineProbe
 from llmgw.agent.process import EngineProcess, is_running, kill_leftovers
 from llmgw.agent.records import SHARD_ID, EngineRecord, RecordStore
@@ -109,7 +109,12 @@ class Supervisor:
         probe = EngineProbe(self.config.probe, host=self.config.host)
         kv_blocks = self._kv.cap if self._kv is not None else None
         self._ctx = RunnerContext(
-            self.config, probe, self._records, self._emit, kv_blocks=kv_blocks
+            self.config,
+            probe,
+            self._records,
+            self._emit,
+            kv_blocks=kv_blocks,
+            marks=EngineMarks(self.config.node_id),
         )
         if not self.config.wait_for_server:
             self._ctx.licensed.set()
@@ -174,9 +179,12 @@ class Supervisor:
 
     # --- commands --------------------------------------------------------------------------
 
-    def licence(self) -> None:
-        """The server accepted this agent: act on engines from now on (idempotent)."""
+    def licence(self, cluster_id: str = "") -> None:
+        """The server of ``cluster_id`` accepted this agent: act on engines from now on, and
+        mark the engines it spawns as that cluster's (idempotent; an agent running no engines
+        may join another cluster on a later acceptance: ``llmgw.agent.cluster``)."""
         ctx = self._context()
+        ctx.marks.joined(cluster_id)
         if ctx.licensed.is_set():
             return
         ctx.licensed.set()
@@ -185,7 +193,7 @@ class Supervisor:
     async def _stop_unknown_engines(self) -> None:
         """Stop the engines marked as this node's that no runner knows (see the module doc)."""
         known = {r.process.pid for r in self._shards.values() if r.process is not None}
-        unknown = [e for e in marked_engines(self.config.node_id) if e.identity.pid not in known]
+        unknown = [e for e in self._context().marks.find() if e.identity.pid not in known]
         for engine in unknown:
             log.warning(
                 "shard %s: engine pid %d is marked as this node's but no record names it (was "

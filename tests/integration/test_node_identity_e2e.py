@@ -6,7 +6,8 @@ replica; it takes over once the first one is killed. An agent token bound to a n
 another node id. A flood of registrations is refused with RESOURCE_EXHAUSTED and the server
 keeps serving; the nodes it left, never READY, are pruned. ``llmgw delete node`` refuses a
 connected node and forgets a gone one. An agent whose state dir was wiped finds the engine
-it left by its mark and stops it, instead of leaving it running unknown on its port.
+it left by its mark and stops it, instead of leaving it running unknown on its port; an
+agent of another cluster with the same node name leaves it alone.
 """
 
 from __future__ import annotations
@@ -264,3 +265,25 @@ def test_an_agent_whose_state_dir_was_wiped_stops_the_engines_it_left(
     finally:
         if _alive(old_pid):  # the old code leaves it running: do not leak it
             os.killpg(old_pid, signal.SIGKILL)
+
+
+def test_an_agent_of_another_cluster_with_the_same_node_name_leaves_this_clusters_engines(
+    fleet: Cluster, other_fleet: Cluster, tmp_path: Path
+) -> None:
+    """Two clusters on one host both have a node n1 (a test run beside a real one): the other
+    cluster's new agent, whose state dir names no engines, must not stop ours as "left"."""
+    fleet.start_server()
+    fleet.start_agent("n1", "dgx-h100", "--engine-bin", SIM_BIN, *BACKOFF)
+    wait_for(lambda: fleet.node_states() == {"n1": READY}, 30, "n1 READY")
+    _apply_one_replica(fleet, tmp_path)
+    (ours,) = _shard_pids(fleet).values()
+    environ = Path(f"/proc/{ours}/environ").read_bytes().split(b"\0")
+    assert any(item.startswith(b"LLMGW_CLUSTER=") for item in environ)
+
+    other_fleet.start_server()
+    other_fleet.start_agent("n1", "dgx-h100", "--engine-bin", SIM_BIN, *BACKOFF)
+    wait_for(lambda: other_fleet.node_states() == {"n1": READY}, 30, "the other n1 READY")
+    time.sleep(2)  # its sweep of engines marked n1 ran at its registration
+    assert _alive(ours), "the other cluster's agent stopped this cluster's engine"
+    assert "marked as this node's" not in other_fleet.log("n1")
+    assert list(_shard_pids(fleet).values()) == [ours]
