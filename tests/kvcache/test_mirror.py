@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -383,19 +384,23 @@ _OPS = st.lists(
 
 
 class _Reference:
-    """The engine's block set the slow way: hash → the places holding it."""
+    """The engine's block set the slow way: hash → the places holding it, with how many
+    blocks of each place hold it (vLLM stores one hash in two blocks and removes it once per
+    block: test_a_hash_cached_in_two_blocks_of_one_place_leaves_with_its_last_copy)."""
 
     def __init__(self) -> None:
-        self.places: dict[int, set[tuple[str, int]]] = {}
+        self.places: dict[int, Counter[tuple[str, int]]] = {}
 
     def store(self, hashes: list[int], place: tuple[str, int]) -> None:
         for block in hashes:
-            self.places.setdefault(block, set()).add(place)
+            self.places.setdefault(block, Counter())[place] += 1
 
     def remove(self, block: int, place: tuple[str, int]) -> None:
         held = self.places.get(block)
-        if held is not None:
-            held.discard(place)
+        if held is not None and held[place] > 0:
+            held[place] -= 1
+            if held[place] == 0:
+                del held[place]
             if not held:
                 del self.places[block]
 
