@@ -1,4 +1,4 @@
-"""What the benchmarks in scripts/ share.
+"""What the benchmarks in bench/ share.
 
 * How a benchmark reports itself: the command, the machine, the llmgw revision measured, the
   package versions, the load average; its tables and its progress lines on stderr.
@@ -39,17 +39,27 @@ PR_SET_PDEATHSIG: Final = 1
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
+
+def module_command(module: str) -> list[str]:
+    """The command that runs ``python -m module`` with this interpreter (a benchmark starts its
+    own children this way; they run from the repository root, where ``bench`` is found)."""
+    return [sys.executable, "-m", module]
+
+
 # ======================================================================================
 # What a benchmark says about itself
 # ======================================================================================
 
 
 def command_line() -> str:
-    """This process's command line, with the interpreter relative when it is below here."""
+    """This process's command line, with the interpreter relative when it is below here, and
+    ``-m MODULE`` for a module run as ``python -m MODULE`` (as every benchmark here is)."""
     python = os.path.relpath(sys.executable)
     if python.startswith(".."):
         python = sys.executable
-    return shlex.join([python, *sys.argv])
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    args = ["-m", spec.name, *sys.argv[1:]] if spec is not None else sys.argv
+    return shlex.join([python, *args])
 
 
 def base_machine() -> dict[str, str]:
@@ -309,6 +319,7 @@ def spawn(name: str, argv: Sequence[str], cpu: int, log: Path, *, announces: boo
             stdout=subprocess.PIPE if announces else err,
             stderr=err,
             preexec_fn=pinned_child(cpu),
+            cwd=REPO_ROOT,
         )
     return Child(name, proc, log)
 

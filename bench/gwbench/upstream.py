@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Final, cast
 
 import httptools
-from benchkit import HOST
-from gwbench_workload import MODEL
+
+from bench.gwbench.workload import MODEL
+from bench.kit import HOST
 
 
 @dataclass(frozen=True, slots=True)

@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import Final
 
-from benchkit import HOST
+from bench.kit import HOST
 
 MODEL: Final = "bench-model"
 

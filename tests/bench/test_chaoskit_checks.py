@@ -1,13 +1,8 @@
-"""scripts/chaoskit_checks.py and chaoskit_observe.py: the chaos run's verdicts from records."""
+"""bench/chaoskit/checks.py and bench/chaoskit/observe.py: the chaos run's verdicts from records."""
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
-from types import ModuleType
-
-import pytest
-
+from bench.chaoskit import checks, cluster, faults, load, observe
 from llmgw.api.llmgw.v1 import (
     Cluster,
     Deployment,
@@ -17,21 +12,6 @@ from llmgw.api.llmgw.v1 import (
     ShardState,
     ShardStatus,
 )
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def _script(name: str) -> ModuleType:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(SCRIPTS))
-        return importlib.import_module(name)
-
-
-checks = _script("chaoskit_checks")
-faults = _script("chaoskit_faults")
-load = _script("chaoskit_load")
-observe = _script("chaoskit_observe")
-cluster = _script("chaoskit_cluster")
 
 
 def _request(
