@@ -58,12 +58,12 @@ from bench.kit import (
     REPO_ROOT,
     base_machine,
     command_line,
-    free_port,
     git_query,
     load_average,
     module_command,
     proc_cpu_seconds,
 )
+from llmgw.addresses import free_port
 
 HOST = "127.0.0.1"
 FIXTURE = "dgx-h100"

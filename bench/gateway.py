@@ -90,7 +90,6 @@ from bench.kit import (
     Child,
     Connection,
     announced_ports,
-    free_port,
     interrupt_on_sigterm,
     module_command,
     progress_line,
@@ -99,6 +98,7 @@ from bench.kit import (
     run_interruptible,
     spawn,
 )
+from llmgw.addresses import free_port
 
 START_TIMEOUT_S: Final = 60.0
 RETRY_PAUSE_S: Final = 2.0

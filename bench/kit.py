@@ -344,13 +344,6 @@ def announced_ports(child: Child, prefix: str, timeout_s: float) -> tuple[int, .
     return tuple(int(p) for p in line.split()[1].split(b","))
 
 
-def free_port() -> int:
-    """A loopback port free at the moment of asking."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
-
-
 # ======================================================================================
 # The load client: keep-alive HTTP/1.1 over asyncio protocols
 # ======================================================================================
