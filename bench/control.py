@@ -23,7 +23,7 @@ fleet can outrun the agents' 10 s register timeout (try ``--inflight 10000``). E
 also reports the CPU every other process used, since a shared machine is noisy.
 
 The server (and the baseline) run pinned to ``--server-cpu``; the agents run in
-``--workers`` child processes of this script (``_agents`` mode) pinned to ``--client-cpu``.
+``--workers`` child processes of this module (``_agents`` mode) pinned to ``--client-cpu``.
 Everything listens on 127.0.0.1 only; every loop is bounded and every child process is
 stopped on exit, Ctrl-C included.
 

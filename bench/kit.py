@@ -4,9 +4,10 @@
   package versions, the load average; its tables and its progress lines on stderr.
 * CPU time read from ``/proc``: a process's, a core's (tasks and interrupts apart).
 * Child processes pinned to a core that die with the benchmark and announce their ports on
-  stdout (``PORT 8000`` or ``PORTS 8000,8001``), and loopback ports.
+  stdout (``PORT 8000`` or ``PORTS 8000,8001``); they run as ``python -m bench.X``
+  (``module_command``) from the repository root.
 * Cells re-run while other processes use the CPU that matters (``quietest``).
-* The load client of bench_http and bench_gateway: a raw asyncio HTTP/1.1 keep-alive
+* The load client of bench.http and bench.gateway: a raw asyncio HTTP/1.1 keep-alive
   connection, one pre-encoded request in flight, replies read by their content-length or
   chunked framing; nearest-rank percentiles of its latencies.
 """

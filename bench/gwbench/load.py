@@ -1,4 +1,4 @@
-"""bench_gateway's load generator: closed loops of keep-alive connections through one proxy
+"""bench.gateway's load generator: closed loops of keep-alive connections through one proxy
 (or direct to the upstream), every reply checked and timed, CPU read from ``/proc`` around a
 measured window."""
 

@@ -1,4 +1,4 @@
-"""bench_gateway's report: per metric the median (min–max) over the reps of each proxy, the
+"""bench.gateway's report: per metric the median (min–max) over the reps of each proxy, the
 ratios to the peers, the verdicts against the targets, the routing and noise checks."""
 
 from __future__ import annotations
