@@ -14,14 +14,20 @@ from bench import routing_sim as sim
 
 @pytest.fixture(scope="module")
 def quick() -> Any:
-    config = replace(bench_routing.BenchConfig(), **bench_routing.QUICK)
+    config = replace(sim.BenchConfig(), **bench_routing.QUICK)
     return bench_routing.run_bench(config)
 
 
 def _tiny(**overrides: Any) -> Any:
-    fields = {"engines": 2, "groups": 1, "users": 2, "turns": 2, "system_tokens": 200}
+    fields: dict[str, Any] = {
+        "engines": 2,
+        "groups": 1,
+        "users": 2,
+        "turns": 2,
+        "system_tokens": 200,
+    }
     fields |= {"question_tokens": 40, "rate": 0.02, "think_s": 1.0, "kv_blocks": 256}
-    return replace(bench_routing.BenchConfig(), **(fields | overrides))
+    return replace(sim.BenchConfig(), **(fields | overrides))
 
 
 def test_every_policy_replays_every_request_and_reports_its_figures(quick: Any) -> None:
@@ -64,7 +70,7 @@ def test_the_replay_is_deterministic() -> None:
 
 def test_reusable_tokens_match_a_brute_force_over_the_token_sequences() -> None:
     config = _tiny(users=3, turns=3)
-    workload = bench_routing.build_workload(config)
+    workload = sim.build_workload(config)
     size = config.block_size
     whole = [
         workload.prompt(c, c.turns[-1]) + list(c.turns[-1].answer) for c in workload.conversations
@@ -92,7 +98,7 @@ def test_the_oracle_reads_the_engines_exact_caches() -> None:
     # Two conversations of one group, far apart in time, on two idle engines: the first
     # goes by load to engine-00; the oracle then sees the shared system prompt there.
     config = _tiny(turns=1)
-    workload = bench_routing.build_workload(config)
+    workload = sim.build_workload(config)
     result = bench_routing.replay(config, workload, "oracle")
     assert result.decisions == {"approximate/hit": 1, "load/miss": 1}
     assert result.per_engine == (2, 0)
@@ -106,7 +112,7 @@ def test_the_oracle_reads_the_engines_exact_caches() -> None:
 
 def test_the_prefix_policy_is_told_each_engines_kv_capacity_in_characters() -> None:
     config = _tiny(kv_blocks=300)
-    workload = bench_routing.build_workload(config)
+    workload = sim.build_workload(config)
     per_token = workload.chars_per_token
     texts = [workload.text(c, t) for c in workload.conversations for t in c.turns]
     tokens = [t.prompt_len for c in workload.conversations for t in c.turns]
@@ -114,18 +120,18 @@ def test_the_prefix_policy_is_told_each_engines_kv_capacity_in_characters() -> N
     for hint in (1.0, 0.5):
         told = round(hint * 300 * config.block_size * per_token)
         replay = sim.Replay(replace(config, kv_hint=hint), workload, "prefix")
-        tree = replay.chooser._policy.tree(sim.MODEL)
+        tree = replay.chooser._policy.tree(sim.MODEL)  # type: ignore[attr-defined]
         assert [tree.replica_limit(rid) for rid in replay.engines] == [told, told]
     untold = sim.Replay(replace(config, kv_hint=0.0), workload, "prefix")
-    tree = untold.chooser._policy.tree(sim.MODEL)
+    tree = untold.chooser._policy.tree(sim.MODEL)  # type: ignore[attr-defined]
     assert tree.replica_limit("engine-00") == config.prefix.max_chars_per_replica
 
 
 def test_a_tree_sized_to_the_kv_claims_what_the_engines_hold() -> None:
     # Told nothing, the tree remembers every prefix it routed and claims far more than the
     # small engines still hold; sized to their KV, its claims match what they hold.
-    config = replace(bench_routing.BenchConfig(), **bench_routing.QUICK)
-    workload = bench_routing.build_workload(config)
+    config = replace(sim.BenchConfig(), **bench_routing.QUICK)
+    workload = sim.build_workload(config)
     sized = bench_routing.replay(config, workload, "prefix")
     untold = bench_routing.replay(replace(config, kv_hint=0.0), workload, "prefix")
     assert abs(sized.predicted_share - sized.exact_chosen_share) < 0.05

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from bench.chaoskit import checks, cluster, faults, load, observe
 from llmgw.api.llmgw.v1 import (
     Cluster,
@@ -16,12 +18,14 @@ from llmgw.api.llmgw.v1 import (
 
 def _request(
     started: float, ended: float, model: str = "chat", ok: bool = False, replica: str = ""
-) -> object:
+) -> load.RequestRecord:
     status = 200 if ok or replica else 0
     return load.RequestRecord(started, ended, model, True, ok, status, "cut", replica)
 
 
-def _fault(kind: str, started: float, ended: float, model: str = "", replica: str = "") -> object:
+def _fault(
+    kind: str, started: float, ended: float, model: str = "", replica: str = ""
+) -> faults.FaultRecord:
     return faults.FaultRecord(kind, "x", 42, started, ended, model=model, replica=replica)
 
 
@@ -66,7 +70,7 @@ def test_the_request_check_fails_on_an_unexplained_failure_and_counts_by_cause()
     assert len(verdict.details) == 1 and "cut" in verdict.details[0]
 
 
-def _sample(at: float, **kw: object) -> object:
+def _sample(at: float, **kw: Any) -> observe.Sample:
     fields = {"reachable": True, "ready": (), "server_twins": (), "process_twins": ()}
     return observe.Sample(at=at, orphans=kw.pop("orphans", ()), engines=5, **{**fields, **kw})
 

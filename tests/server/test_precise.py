@@ -433,10 +433,11 @@ def test_the_bench_feeds_the_precise_tier_from_the_engines_events() -> None:
     # Two conversations of one group, far apart: the first finds nothing indexed (the
     # approximate tier decides, by load); by the second, engine-00's events have reached
     # the index, and the precise tier finds the shared system prompt there, as the oracle.
-    fields = {"engines": 2, "groups": 1, "users": 2, "turns": 2, "system_tokens": 200}
-    fields |= {"question_tokens": 40, "rate": 0.02, "think_s": 1.0, "kv_blocks": 256}
-    config = replace(bench_routing.BenchConfig(), **fields)
-    workload = bench_routing.build_workload(config)
+    fields: dict[str, Any] = {"engines": 2, "groups": 1, "users": 2, "turns": 2}
+    fields |= {"system_tokens": 200, "question_tokens": 40, "rate": 0.02, "think_s": 1.0}
+    fields |= {"kv_blocks": 256}
+    config = replace(sim.BenchConfig(), **fields)
+    workload = sim.build_workload(config)
     precise = bench_routing.replay(config, workload, "precise")
     oracle = bench_routing.replay(config, workload, "oracle")
     assert precise.decisions == {"load/miss": 1, "precise/hit": 3}
