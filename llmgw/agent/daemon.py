@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from llmgw import __version__
+from llmgw.addresses import AddressError, bracketed, parse_host_port, state_home
 from llmgw.agent.backoff import BackoffPolicy
 from llmgw.agent.cluster import ClusterIdError, ClusterMembership
 from llmgw.agent.discovery import NvmlTelemetry, SimulatedTelemetry, nvml_node, simulated_node
@@ -54,8 +55,7 @@ class AgentConfigError(ValueError):
 
 def default_state_dir() -> Path:
     """``$XDG_STATE_HOME/llmgw/agent`` (``~/.local/state/llmgw/agent``)."""
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "llmgw" / "agent"
+    return state_home() / "llmgw" / "agent"
 
 
 @dataclass(frozen=True, slots=True)
@@ -91,13 +91,12 @@ def parse_server(text: str) -> tuple[str, int]:
     """
     if "://" in text:
         raise AgentConfigError(_url_refusal(text))
-    host, sep, port = text.rpartition(":")
-    bare = host.strip("[]")
-    if not sep or not bare or not port.isdigit() or not 0 < int(port) < 65536:
-        raise AgentConfigError(f"--server {text!r} is not HOST:PORT (for example 127.0.0.1:50051)")
-    if any(c in bare for c in "/?#@ ") or any(not c.isprintable() for c in bare):
-        raise AgentConfigError(f"--server {text!r}: {bare!r} is not a host name or address")
-    return bare, int(port)
+    try:
+        return parse_host_port(text, port_zero=False)
+    except AddressError as exc:
+        raise AgentConfigError(
+            f"--server {text!r} is not HOST:PORT (for example 127.0.0.1:50051): {exc}"
+        ) from None
 
 
 def _url_refusal(text: str) -> str:
@@ -107,8 +106,7 @@ def _url_refusal(text: str) -> str:
     except ValueError:
         port = None
     host = url.hostname or "HOST"
-    host = f"[{host}]" if ":" in host else host
-    suggestion = f"{host}:{port or 50051}"
+    suggestion = f"{bracketed(host)}:{port or 50051}"
     return (
         f"--server {text!r} is a URL; the agent takes the control server's gRPC HOST:PORT "
         f"(its --listen, default port 50051), not a URL: try --server {suggestion}"

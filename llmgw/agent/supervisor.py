@@ -40,12 +40,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import socket
 import time
 from collections.abc import Awaitable, Callable
 from types import TracebackType
 from typing import Self
 
+from llmgw.addresses import free_port
 from llmgw.agent.engines.base import EngineError, LaunchSpec, ShardSpec, check_profile
 from llmgw.agent.kvevents import KvEventHub
 from llmgw.agent.marks import EngineMarks
@@ -342,7 +342,7 @@ class Supervisor:
         """The command for ``message``; a port of 0 keeps the shard's port or picks a free one."""
         spec = ShardSpec.from_start(message)
         if spec.port == 0:
-            chosen = port or (current.launch.port if current is not None else 0) or _free_port()
+            chosen = port or (current.launch.port if current is not None else 0) or free_port()
             spec = dataclasses.replace(spec, port=chosen)
         check_profile(spec)  # whatever builds the command: the server checked, we check again
         try:
@@ -438,9 +438,3 @@ def _refused(message: StartShard, reason: str) -> ShardStatus:
 
 def _unknown(shard_id: str) -> ShardStatus:
     return _status_of(StartShard(shard_id=shard_id), ShardState.STOPPED, "not running on this node")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

@@ -29,7 +29,6 @@ import random
 import shlex
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -42,6 +41,7 @@ from typing import Any, Final, TypeVar
 
 import httpx
 
+from llmgw.addresses import free_port
 from llmgw.agent.process import is_running
 from llmgw.agent.records import RecordStore
 from llmgw.api.llmgw.v1 import ApplyDeploymentRequest, NodeState, ShardState
@@ -55,6 +55,7 @@ from llmgw.server.errors import ProfileError
 from llmgw.server.profiles import parse_document
 from llmgw.server.router.engines import metric_samples
 from llmgw.signals import stop_on_signals
+from llmgw.sim.workload import DEMO_PROMPTS, Arrivals, chat_body
 
 __all__ = [
     "DEMO_DOCUMENT",
@@ -112,16 +113,6 @@ class DemoOptions:
 
 
 # --- the processes -------------------------------------------------------------------------
-
-
-def free_port(preferred: int = 0) -> int:
-    """``preferred`` if it is free on 127.0.0.1, else any port that was free a moment ago."""
-    with socket.socket() as s:
-        try:
-            s.bind(("127.0.0.1", preferred))
-        except OSError:
-            s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class _Fleet:
@@ -248,23 +239,6 @@ def state_dir(given: Path | None, prefix: str = "llmgw-demo-") -> Iterator[Path]
 
 # --- the workload --------------------------------------------------------------------------
 
-_POLICY = (
-    "Answer in plain words and keep answers short. Quote the exact command a user should "
-    "run, never a paraphrase of it. When a question mentions a GPU, name its node, its "
-    "index and its memory. When you are not sure, say which log file would tell, and where "
-    "it lives. Never invent a metric: if the number is not in the context, say so. "
-)
-SYSTEM_PROMPTS: Final = tuple(
-    f"You are the on-call assistant of {team}. " + _POLICY * 4
-    for team in ("the storage team", "the billing team", "the GPU platform team")
-)
-"""Long shared prefixes: every request starts with one of them."""
-QUESTIONS: Final = (
-    "Why is my job pending?", "Which node runs the chat model?", "How do I drain a replica?",
-    "What does STALE mean in the console?", "How much GPU memory is free on dgx-1?",
-    "Summarise the last incident in one line.", "Who cordoned mig-1, and why?",
-)  # fmt: skip
-
 
 @dataclass(frozen=True, slots=True)
 class WorkloadConfig:
@@ -310,15 +284,8 @@ class Workload:
 
     def body(self) -> dict[str, Any]:
         """The next request: a model by weight, a shared system prompt, a short question."""
-        rng = self._rng
-        return {
-            "model": rng.choices(MODELS, MODEL_WEIGHTS)[0],
-            "messages": [
-                {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
-                {"role": "user", "content": rng.choice(QUESTIONS)},
-            ],
-            "max_tokens": self._config.max_tokens,
-        }
+        body = chat_body(self._rng, DEMO_PROMPTS, MODELS, MODEL_WEIGHTS)
+        return {**body, "max_tokens": self._config.max_tokens}
 
     async def run(self, stop: asyncio.Event) -> None:
         """Send until ``stop`` is set; requests still in flight then are cancelled."""
@@ -327,17 +294,10 @@ class Workload:
         client = httpx.AsyncClient(
             base_url=self._gateway, timeout=timeout, transport=self._transport
         )
-        pending: set[asyncio.Task[None]] = set()
+        arrivals = Arrivals(config.rate, config.max_in_flight, self._rng)
         async with client, asyncio.TaskGroup() as tasks:
-            while not stop.is_set():
-                if len(pending) < config.max_in_flight:
-                    task = tasks.create_task(self._one(client, self.body()))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._rng.expovariate(config.rate)):
-                        await stop.wait()
-            for task in pending:
+            await arrivals.run(stop, lambda: tasks.create_task(self._one(client, self.body())))
+            for task in arrivals.pending:
                 task.cancel()
 
     async def _one(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:

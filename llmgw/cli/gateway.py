@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from llmgw.addresses import AddressError, parse_host_port
 from llmgw.cli.apikeys import add_key_file_flag, gateway_api_keys
 from llmgw.cli.browsers import add_browser_flags, browser_access
 from llmgw.cli.httplimits import add_http_limit_flags, http_limits
@@ -149,11 +150,12 @@ def host_port(text: str, flag: str) -> tuple[str, int]:
     if "://" in text:
         bare = text.split("://", 1)[1].split("/", 1)[0]
         raise CliError(f"{flag} {text!r} is a URL; it takes HOST:PORT: try {flag} {bare}")
-    host, sep, port = text.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise CliError(f"{flag} {text!r} is not HOST:PORT (for example 127.0.0.1:8000)")
-    return host, int(port)
+    try:
+        return parse_host_port(text, port_zero=True)
+    except AddressError as exc:
+        raise CliError(
+            f"{flag} {text!r} is not HOST:PORT (for example 127.0.0.1:8000): {exc}"
+        ) from None
 
 
 def run_gateway_command(args: argparse.Namespace) -> int:

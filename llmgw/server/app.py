@@ -44,11 +44,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import os
 import ssl
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
+from llmgw.addresses import AddressError, bracketed, parse_host_port, state_home
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.httpguard import BrowserAccess, HttpGuard, is_loopback_host
 from llmgw.server.agentsvc import AgentService
@@ -86,8 +86,7 @@ DEFAULT_GATEWAY_LISTEN = "127.0.0.1:8000"
 
 def default_db_path() -> Path:
     """``$XDG_STATE_HOME/llmgw/server.db`` (``~/.local/state/llmgw/server.db``)."""
-    state = os.environ.get("XDG_STATE_HOME") or str(Path.home() / ".local" / "state")
-    return Path(state) / "llmgw" / "server.db"
+    return state_home() / "llmgw" / "server.db"
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,15 +98,18 @@ class Listen:
 
     @classmethod
     def parse(cls, text: str, flag: str) -> Listen:
-        """Parse ``HOST:PORT`` or ``[V6]:PORT``; a malformed value names the flag."""
-        host, sep, port = text.rpartition(":")
-        host = host.strip("[]")
-        if not sep or not host or not port.isdigit() or int(port) > 65535:
-            raise ConfigError(f"{flag} {text!r} is not HOST:PORT (for example 127.0.0.1:8080)")
-        return cls(host, int(port))
+        """Parse ``HOST:PORT`` or ``[V6]:PORT`` (port 0: the OS picks); a malformed value
+        names the flag."""
+        try:
+            host, port = parse_host_port(text, port_zero=True)
+        except AddressError as exc:
+            raise ConfigError(
+                f"{flag} {text!r} is not HOST:PORT (for example 127.0.0.1:8080): {exc}"
+            ) from None
+        return cls(host, port)
 
     def __str__(self) -> str:
-        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+        return f"{bracketed(self.host)}:{self.port}"
 
 
 @dataclass(frozen=True, slots=True)

@@ -68,7 +68,7 @@ With Python's default (700, 10, 10), a busy fleet's updates (thousands of rows r
 second) promote short-lived rows into the old generation and a full collection runs every
 second or two, stalling keys for 0.1–0.3 s on a loaded machine. Collecting the young
 generation every 50,000 allocations instead lets replaced rows die by reference counting
-first; scripts/bench_console.py saw no full collection in 12 s of its heaviest load."""
+first; bench/console.py saw no full collection in 12 s of its heaviest load."""
 
 ConsoleView = TableView[Any] | OverviewView | RouterPanel
 

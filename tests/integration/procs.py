@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from llmgw.addresses import free_port
 from llmgw.engineports import PortRange, format_port_range, parse_port_range, pick_window
 
 _HELD: set[PortRange] = set()  # engine port windows of the live clusters of this process
@@ -34,12 +34,6 @@ def hold_engine_window(holder: object) -> tuple[PortRange, weakref.finalize]:
     window = pick_window(avoid=sorted(_HELD))
     _HELD.add(window)
     return window, weakref.finalize(holder, _HELD.discard, window)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def wait_for(check: Callable[[], Any], timeout: float, what: str, every: float = 0.2) -> Any:

@@ -1,4 +1,4 @@
-"""scripts/chaos.py, briefly: the cluster under load, ~50 s of faults, every check.
+"""bench/chaos.py, briefly: the cluster under load, ~50 s of faults, every check.
 
 The 10-minute run of record is in BENCHMARKS.md; this keeps the program working. The run
 takes each of the five kinds that matter most in turn (``--in-turn``: a server kill, an agent
@@ -46,7 +46,7 @@ def _kill_run(run_id: str) -> None:
 @pytest.mark.timeout(180)
 def test_a_short_chaos_run_passes_every_check(tmp_path: Path) -> None:
     run_id, report = f"chaos-test-{uuid.uuid4().hex[:8]}", tmp_path / "report.json"
-    command = [sys.executable, "scripts/chaos.py", "--duration", "50", "--seed", "8916",
+    command = [sys.executable, "-m", "bench.chaos", "--duration", "50", "--seed", "8916",
                "--kinds", "kill-server,kill-agent,kill-engine,fill-disk,duplicate-agent",
                "--in-turn",
                "--bound", "30", "--state-dir", str(tmp_path / "run"), "--run-id", run_id,

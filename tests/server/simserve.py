@@ -5,22 +5,15 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 
+from llmgw.addresses import free_port
 from llmgw.cli.main import build_parser
 from llmgw.cli.simengine import config_from_args
 from llmgw.sim.engine import serve
 
 NO_TIME = ("--sim-prefill-ms-per-token", "0", "--sim-decode-ms-per-token", "0")
 """Flags of an engine that answers at once: no prefill or decode time."""
-
-
-def free_port() -> int:
-    """A loopback port that was free a moment ago (and nothing listens on now)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 async def wait_listening(port: int) -> None:

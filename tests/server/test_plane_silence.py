@@ -1,6 +1,6 @@
 """A node that misses heartbeats, a server that did not run, a server that restarted.
 
-All found by scripts/chaos.py: a SIGSTOPped agent (or a SIGSTOPped server, which on waking
+All found by bench/chaos.py: a SIGSTOPped agent (or a SIGSTOPped server, which on waking
 saw every node silent) lost its replicas' KV blocks for good, as the stream that resumed
 carried only changes; and a restarted server's router feed told gateways that replicas
 were down until their agents came back, so requests for their model got 503.

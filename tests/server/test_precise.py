@@ -2,22 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import random
 import re
-import sys
 from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import replace
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from bench import routing as bench_routing
+from bench import routing_sim as sim
 from llmgw.kvcache import BlockStored, EventBatch
 from llmgw.kvcache.mirror import BlockMirror, block_keys
 from llmgw.server.router.kvindex import KvIndex
@@ -428,34 +426,20 @@ def test_a_claim_covers_what_the_index_does_not_show_until_its_time_is_up() -> N
     assert len(precise.claims) == claims  # all indexed: nothing more to claim
 
 
-# -- the routing benchmark's precise tier (scripts/routing_sim.py) ---------------------------
-
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+# -- the routing benchmark's precise tier (bench/routing_sim.py) ---------------------------
 
 
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    """scripts/bench_routing.py as a module (it imports routing_sim from its directory)."""
-    spec = importlib.util.spec_from_file_location("bench_routing", SCRIPTS / "bench_routing.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(SCRIPTS))
-        patch.setitem(sys.modules, "bench_routing", module)
-        spec.loader.exec_module(module)
-    return module
-
-
-def test_the_bench_feeds_the_precise_tier_from_the_engines_events(bench: ModuleType) -> None:
+def test_the_bench_feeds_the_precise_tier_from_the_engines_events() -> None:
     # Two conversations of one group, far apart: the first finds nothing indexed (the
     # approximate tier decides, by load); by the second, engine-00's events have reached
     # the index, and the precise tier finds the shared system prompt there, as the oracle.
-    fields = {"engines": 2, "groups": 1, "users": 2, "turns": 2, "system_tokens": 200}
-    fields |= {"question_tokens": 40, "rate": 0.02, "think_s": 1.0, "kv_blocks": 256}
-    config = replace(bench.BenchConfig(), **fields)
-    workload = bench.build_workload(config)
-    precise = bench.replay(config, workload, "precise")
-    oracle = bench.replay(config, workload, "oracle")
+    fields: dict[str, Any] = {"engines": 2, "groups": 1, "users": 2, "turns": 2}
+    fields |= {"system_tokens": 200, "question_tokens": 40, "rate": 0.02, "think_s": 1.0}
+    fields |= {"kv_blocks": 256}
+    config = replace(sim.BenchConfig(), **fields)
+    workload = sim.build_workload(config)
+    precise = bench_routing.replay(config, workload, "precise")
+    oracle = bench_routing.replay(config, workload, "oracle")
     assert precise.decisions == {"load/miss": 1, "precise/hit": 3}
     assert precise.per_engine == oracle.per_engine == (4, 0)
     assert precise.hit_rate == oracle.hit_rate > 0
@@ -463,8 +447,7 @@ def test_the_bench_feeds_the_precise_tier_from_the_engines_events(bench: ModuleT
     assert precise.precise_cost_us["decisions"] == 3
 
 
-def test_the_micro_benchmark_times_continued_chats(bench: ModuleType) -> None:
-    sim = sys.modules["routing_sim"]
+def test_the_micro_benchmark_times_continued_chats() -> None:
     costs = sim.precise_micro(16, conversations=4, replicas=3)
     assert len(costs) == 4 and all(0 < cost < 0.1 for cost in costs)
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import re
-import socket
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from functools import cache
@@ -72,9 +71,3 @@ def metric(
 def golden() -> dict[str, Any]:
     data: dict[str, Any] = json.loads(GOLDEN.read_text())
     return data
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

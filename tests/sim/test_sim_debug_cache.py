@@ -2,7 +2,7 @@
 
 What it says must be what a perfect consumer of the engine's KV events would index (a
 `BlockMirror` fed every batch from seq 0) and what a gateway computes from the prompt's
-tokens (`block_keys`), so scripts/chaos.py can hold a gateway's index against it.
+tokens (`block_keys`), so bench/chaos.py can hold a gateway's index against it.
 """
 
 from __future__ import annotations

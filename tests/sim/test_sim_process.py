@@ -14,7 +14,9 @@ from typing import Any
 
 import httpx
 import pytest
-from simhelpers import free_port, metric, parse_metrics
+from simhelpers import metric, parse_metrics
+
+from llmgw.addresses import free_port
 
 pytestmark = pytest.mark.integration
 

@@ -17,7 +17,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -32,6 +31,7 @@ from textual.notifications import SeverityLevel
 from textual.pilot import Pilot
 from textual.widgets import Button
 
+from llmgw.addresses import free_port
 from llmgw.agent.process import is_running
 from llmgw.agent.records import RecordStore
 from llmgw.api.llmgw.v1 import (
@@ -238,12 +238,6 @@ READY = "SHARD_STATE_READY"
 QUICK = WatchConfig(backoff=Backoff(first_s=0.2, max_s=1.0), idle_s=5.0, frame_s=0.1)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _wait(check: Callable[[], Any], seconds: float, what: str) -> Any:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -344,7 +338,7 @@ class Fleet:
 
 @pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    f = Fleet(tmp_path_factory.mktemp("fleet"), _free_port(), _free_port(), {})
+    f = Fleet(tmp_path_factory.mktemp("fleet"), free_port(), free_port(), {})
     try:
         f.start()
         yield f

@@ -9,7 +9,6 @@ import asyncio
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -21,6 +20,7 @@ import pytest
 from textual import events
 from textual.pilot import Pilot
 
+from llmgw.addresses import free_port
 from llmgw.api.llmgw.v1 import (
     Cluster,
     Gpu,
@@ -392,18 +392,12 @@ async def test_the_ansi_theme_renders_every_view() -> None:
 # --- a real server -------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class Procs:
     """``llmgw server`` and ``llmgw agent --simulate`` as subprocesses on loopback."""
 
     def __init__(self, root: Path) -> None:
         self.root = root
-        self.grpc, self.http = _free_port(), _free_port()
+        self.grpc, self.http = free_port(), free_port()
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
 
     @property

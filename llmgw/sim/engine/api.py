@@ -8,7 +8,7 @@ only ``/v1/*`` needs ``Authorization: Bearer KEY``, as in vLLM.
 Not in vLLM: ``GET /debug/kv_cache``, read-only, what the prefix cache holds as llmgw block
 keys (``{"kv_events": bool, "block_size": N, "cached_blocks": N, "keys": ["<16 hex>", …]}``,
 ascending; no keys unless KV events are on), so a test can compare a gateway's KV index
-with the engine's own cache (scripts/chaos.py does).
+with the engine's own cache (bench/chaos.py does).
 """
 
 from __future__ import annotations

@@ -20,8 +20,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import httpx
-from chaoskit_cluster import ChaosCluster, EngineProc
 
+from bench.chaoskit.cluster import ChaosCluster, EngineProc
 from llmgw.api.llmgw.v1 import Cluster, ShardState
 from llmgw.client import ClientError, ControlClient
 

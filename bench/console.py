@@ -29,9 +29,9 @@ them back, as the real stream does on the same event loop, and reports that pars
 Baseline for the apply figure, in the same run: clearing the view's table and adding every
 row again (``clear`` + ``add_row``, what a keyed diff avoids).
 
-    .venv/bin/python scripts/bench_console.py              # the issue's fleet, all views
-    .venv/bin/python scripts/bench_console.py --quick      # fewer ticks
-    .venv/bin/python scripts/bench_console.py --markdown   # also a BENCHMARKS.md section
+    .venv/bin/python -m bench.console              # the issue's fleet, all views
+    .venv/bin/python -m bench.console --quick      # fewer ticks
+    .venv/bin/python -m bench.console --markdown   # also a BENCHMARKS.md section
 """
 
 from __future__ import annotations
@@ -47,9 +47,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from benchkit import base_machine, command_line
 from rich.console import RenderableType
 
+from bench.kit import base_machine, command_line
 from llmgw.agent.discovery import simulated_node
 from llmgw.api.llmgw.v1 import (
     AuditEvent,
@@ -444,7 +444,9 @@ def render(results: list[ViewResult], gc_ms: dict[str, list[float]], markdown: b
 
 
 def parse_args() -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.console", description=__doc__.splitlines()[0] if __doc__ else None
+    )
     p.add_argument("--nodes", type=int, default=200)
     p.add_argument("--replicas", type=int, default=1000)
     p.add_argument("--hz", type=float, default=2.0, help="updates a second (default 2)")
@@ -511,7 +513,7 @@ def main() -> int:
     print(f"settings: {settings}\n")
     print(render(results, pauses.ms, markdown=False))
     if args.markdown:
-        print("\n## Console: a large, busy fleet (scripts/bench_console.py)\n")
+        print("\n## Console: a large, busy fleet (bench/console.py)\n")
         print(f"```\n{command_line()}\n```\n")
         for key, value in machine.items():
             print(f"- {key}: {value}")

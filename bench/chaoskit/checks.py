@@ -25,10 +25,9 @@ from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from chaoskit_faults import FaultRecord
-from chaoskit_load import RequestRecord
-from chaoskit_observe import Sample
-
+from bench.chaoskit.faults import FaultRecord
+from bench.chaoskit.load import RequestRecord
+from bench.chaoskit.observe import Sample
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile
 
 ON_PATH_KINDS = frozenset({"kill-engine", "stop-engine", "stop-gateway"})

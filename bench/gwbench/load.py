@@ -1,4 +1,4 @@
-"""bench_gateway's load generator: closed loops of keep-alive connections through one proxy
+"""bench.gateway's load generator: closed loops of keep-alive connections through one proxy
 (or direct to the upstream), every reply checked and timed, CPU read from ``/proc`` around a
 measured window."""
 
@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Final
 
-from benchkit import Connection, Reply, cpu_seconds, percentile, proc_cpu_seconds
-from gwbench_settings import Settings, Timing
-from gwbench_workload import Prompt, chat_request
+from bench.gwbench.settings import Settings, Timing
+from bench.gwbench.workload import Prompt, chat_request
+from bench.kit import Connection, Reply, cpu_seconds, percentile, proc_cpu_seconds
 
 CELL_GRACE_S: Final = 30.0  # beyond warmup + window, how long a cell may take at most
 _REPLICA: Final = re.compile(rb'"system_fingerprint":\s*"r(\d+)"')

@@ -23,13 +23,13 @@ fleet can outrun the agents' 10 s register timeout (try ``--inflight 10000``). E
 also reports the CPU every other process used, since a shared machine is noisy.
 
 The server (and the baseline) run pinned to ``--server-cpu``; the agents run in
-``--workers`` child processes of this script (``_agents`` mode) pinned to ``--client-cpu``.
+``--workers`` child processes of this module (``_agents`` mode) pinned to ``--client-cpu``.
 Everything listens on 127.0.0.1 only; every loop is bounded and every child process is
 stopped on exit, Ctrl-C included.
 
-    .venv/bin/python scripts/bench_control.py            # full ramp, a few minutes
-    .venv/bin/python scripts/bench_control.py --quick    # 50 and 100 agents, 5 s holds
-    .venv/bin/python scripts/bench_control.py --markdown # also a BENCHMARKS.md section
+    .venv/bin/python -m bench.control            # full ramp, a few minutes
+    .venv/bin/python -m bench.control --quick    # 50 and 100 agents, 5 s holds
+    .venv/bin/python -m bench.control --markdown # also a BENCHMARKS.md section
 """
 
 from __future__ import annotations
@@ -51,17 +51,19 @@ from collections import Counter
 from collections.abc import Awaitable, Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Final, TextIO
 
-from benchkit import (
+from bench.kit import (
     CLK_TCK,
+    REPO_ROOT,
     base_machine,
     command_line,
-    free_port,
     git_query,
     load_average,
+    module_command,
     proc_cpu_seconds,
 )
+from llmgw.addresses import free_port
 
 HOST = "127.0.0.1"
 FIXTURE = "dgx-h100"
@@ -442,6 +444,7 @@ class Children:
                 stdout=pipe,
                 stderr=log_file,
                 preexec_fn=pin_to(cpu),
+                cwd=REPO_ROOT,
                 start_new_session=True,  # Ctrl-C reaches us only; we stop them in order
                 limit=READ_LIMIT,
             )
@@ -708,15 +711,14 @@ def _measured_step(
 # ======================================================================================
 
 
-SCRIPT = str(Path(__file__).resolve())
+SELF: Final = module_command("bench.control")
 
 
 async def start_workers(children: Children, settings: Settings, port: int) -> list[Worker]:
     workers = []
     for index in range(settings.workers):
         argv = [
-            sys.executable,
-            SCRIPT,
+            *SELF,
             "_agents",
             "--host",
             HOST,
@@ -768,8 +770,7 @@ async def start_llmgw_server(children: Children, settings: Settings) -> tuple[Ch
 async def start_echo_server(children: Children, settings: Settings) -> tuple[Child, int]:
     port = free_port()
     argv = [
-        sys.executable,
-        SCRIPT,
+        *SELF,
         "_echo",
         "--host",
         HOST,
@@ -1014,7 +1015,7 @@ def render(
     out = []
     if markdown:
         out += [
-            "## Control server: agents heartbeating (scripts/bench_control.py)",
+            "## Control server: agents heartbeating (bench/control.py)",
             "",
             "```",
             command_line(),
@@ -1064,7 +1065,9 @@ def progress(step: Step) -> None:
 
 
 def parse_main(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.control", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
     p.add_argument("--max-agents", type=int, default=2000, help="largest step (default 2000)")
     p.add_argument(
         "--steps",
@@ -1137,7 +1140,7 @@ def _sizes(text: str) -> tuple[int, ...]:
 
 
 def parse_worker(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser()
+    p = argparse.ArgumentParser(prog="python -m bench.control _agents")
     p.add_argument("--host", default=HOST)
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--index", type=int, default=0)

@@ -7,9 +7,9 @@ import statistics
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 
-from benchkit import machine_facts, package_versions, render_table
-from chaoskit_checks import Check
-from chaoskit_faults import FaultRecord
+from bench.chaoskit.checks import Check
+from bench.chaoskit.faults import FaultRecord
+from bench.kit import machine_facts, package_versions, render_table
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,7 +65,7 @@ def render_text(report: ChaosReport) -> str:
 def render_markdown(report: ChaosReport) -> str:
     versions = package_versions(["grpclib", "httpx", "pyzmq", "uvloop"], mark_missing=True)
     facts = machine_facts(", ".join(versions))
-    out = ["## Chaos: kills and hangs under load (scripts/chaos.py)", "", "```", report.command]
+    out = ["## Chaos: kills and hangs under load (bench/chaos.py)", "", "```", report.command]
     out += ["```", ""] + [f"- {k}: {v}" for k, v in {**facts, **report.settings}.items()]
     out += ["", "| check | verdict | what was seen |", "|---|---|---|"]
     out += [f"| {c.name} | {'PASS' if c.passed else 'FAIL'} | {c.summary} |" for c in report.checks]

@@ -1,13 +1,10 @@
-"""scripts/chaoskit_checks.py and chaoskit_observe.py: the chaos run's verdicts from records."""
+"""bench/chaoskit/checks.py and bench/chaoskit/observe.py: the chaos run's verdicts from records."""
 
 from __future__ import annotations
 
-import importlib
-from pathlib import Path
-from types import ModuleType
+from typing import Any
 
-import pytest
-
+from bench.chaoskit import checks, cluster, faults, load, observe
 from llmgw.api.llmgw.v1 import (
     Cluster,
     Deployment,
@@ -18,30 +15,17 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
 )
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def _script(name: str) -> ModuleType:
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(SCRIPTS))
-        return importlib.import_module(name)
-
-
-checks = _script("chaoskit_checks")
-faults = _script("chaoskit_faults")
-load = _script("chaoskit_load")
-observe = _script("chaoskit_observe")
-cluster = _script("chaoskit_cluster")
-
 
 def _request(
     started: float, ended: float, model: str = "chat", ok: bool = False, replica: str = ""
-) -> object:
+) -> load.RequestRecord:
     status = 200 if ok or replica else 0
     return load.RequestRecord(started, ended, model, True, ok, status, "cut", replica)
 
 
-def _fault(kind: str, started: float, ended: float, model: str = "", replica: str = "") -> object:
+def _fault(
+    kind: str, started: float, ended: float, model: str = "", replica: str = ""
+) -> faults.FaultRecord:
     return faults.FaultRecord(kind, "x", 42, started, ended, model=model, replica=replica)
 
 
@@ -86,7 +70,7 @@ def test_the_request_check_fails_on_an_unexplained_failure_and_counts_by_cause()
     assert len(verdict.details) == 1 and "cut" in verdict.details[0]
 
 
-def _sample(at: float, **kw: object) -> object:
+def _sample(at: float, **kw: Any) -> observe.Sample:
     fields = {"reachable": True, "ready": (), "server_twins": (), "process_twins": ()}
     return observe.Sample(at=at, orphans=kw.pop("orphans", ()), engines=5, **{**fields, **kw})
 

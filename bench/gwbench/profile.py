@@ -12,10 +12,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchkit import Child
-from gwbench_load import Meter, Work, make_work, run_cell
-from gwbench_settings import Settings, Timing
-from gwbench_workload import Prompt
+from bench.gwbench.load import Meter, Work, make_work, run_cell
+from bench.gwbench.settings import Settings, Timing
+from bench.gwbench.workload import Prompt
+from bench.kit import Child
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,8 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Final
 
-from chaoskit_disk import StateDisk
-
+from bench.chaoskit.disk import StateDisk
 from llmgw.agent.records import RecordStore
 from llmgw.command import LLMGW_COMMAND
 from llmgw.engineports import format_port_range, pick_window
@@ -99,7 +98,7 @@ class ChaosCluster:
         self.gateways = {GATEWAY: f"http://127.0.0.1:{reserved_port(self._rng)}"}
         self.engine_ports = format_port_range(pick_window(rng=self._rng))  # its own engines'
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
-        self._duplicates = 0  # duplicate agents started (chaoskit_faults: duplicate-agent)
+        self._duplicates = 0  # duplicate agents started (chaoskit.faults: duplicate-agent)
         self.logs.mkdir(parents=True, exist_ok=True)
 
     @property
@@ -147,7 +146,7 @@ class ChaosCluster:
                 "--restart-backoff", str(opts.restart_backoff_s),
                 "--restart-backoff-max", str(opts.restart_backoff_max_s))  # fmt: skip
 
-    # -- a duplicate agent (chaoskit_faults: duplicate-agent) --------------------------------
+    # -- a duplicate agent (chaoskit.faults: duplicate-agent) --------------------------------
 
     def start_duplicate(self, node: str) -> tuple[str, int]:
         """A second agent of ``node`` on a fresh copy of its state dir: its name and pid."""

@@ -42,16 +42,16 @@ Other processes' use of the proxy's CPU (of the client's, for direct) is measure
 the report says which files and functions the time went to. Everything listens on 127.0.0.1;
 every child dies with this process.
 
-This file is the command line and the orchestration; the parts live beside it: gwbench_workload
-(the prompts and requests), gwbench_upstream (the fast upstream), gwbench_settings (the proxies
-and settings), gwbench_load (the load generator and its cells), gwbench_profile (py-spy), and
-gwbench_report (tables, verdicts); what other benchmarks share too is in benchkit.
+This file is the command line and the orchestration; the parts live beside it: gwbench.workload
+(the prompts and requests), gwbench.upstream (the fast upstream), gwbench.settings (the proxies
+and settings), gwbench.load (the load generator and its cells), gwbench.profile (py-spy), and
+gwbench.report (tables, verdicts); what other benchmarks share too is in bench.kit.
 
     scripts/setup-bench-routers                            # once: the peer routers' venv
-    .venv/bin/python scripts/bench_gateway.py              # 3 reps, 5-12 min (re-runs)
-    .venv/bin/python scripts/bench_gateway.py --quick      # 1 rep of short cells, ~2 min
-    .venv/bin/python scripts/bench_gateway.py --only llmgw # without the peers
-    .venv/bin/python scripts/bench_gateway.py --markdown --profile /tmp/prof
+    .venv/bin/python -m bench.gateway              # 3 reps, 5-12 min (re-runs)
+    .venv/bin/python -m bench.gateway --quick      # 1 rep of short cells, ~2 min
+    .venv/bin/python -m bench.gateway --only llmgw # without the peers
+    .venv/bin/python -m bench.gateway --markdown --profile /tmp/prof
 """
 
 from __future__ import annotations
@@ -68,23 +68,11 @@ from pathlib import Path
 from typing import Final, TextIO
 
 import uvloop
-from benchkit import (
-    HOST,
-    Child,
-    Connection,
-    announced_ports,
-    free_port,
-    interrupt_on_sigterm,
-    progress_line,
-    quietest,
-    require_two_cpus,
-    run_interruptible,
-    spawn,
-)
-from gwbench_load import Cell, Meter, Work, make_work, run_cell, stickiness
-from gwbench_profile import Profile, profile_gateways
-from gwbench_report import machine, render
-from gwbench_settings import (
+
+from bench.gwbench.load import Cell, Meter, Work, make_work, run_cell, stickiness
+from bench.gwbench.profile import Profile, profile_gateways
+from bench.gwbench.report import machine, render
+from bench.gwbench.settings import (
     KINDS,
     PEER_MODULES,
     PEERS,
@@ -95,8 +83,22 @@ from gwbench_settings import (
     Settings,
     Timing,
 )
-from gwbench_upstream import run_upstream
-from gwbench_workload import MODEL, chat_request, make_prompts
+from bench.gwbench.upstream import run_upstream
+from bench.gwbench.workload import MODEL, chat_request, make_prompts
+from bench.kit import (
+    HOST,
+    Child,
+    Connection,
+    announced_ports,
+    interrupt_on_sigterm,
+    module_command,
+    progress_line,
+    quietest,
+    require_two_cpus,
+    run_interruptible,
+    spawn,
+)
+from llmgw.addresses import free_port
 
 START_TIMEOUT_S: Final = 60.0
 RETRY_PAUSE_S: Final = 2.0
@@ -149,7 +151,7 @@ def peer_argv(proxy: Proxy, port: int, metrics_port: int, upstreams: Sequence[in
 
 def start_proxy(proxy: Proxy, upstreams: Sequence[int], s: Settings, workdir: Path) -> Child:
     if proxy.kind == "llmgw":
-        argv = [sys.executable, os.path.abspath(__file__), "_gateway", "--policy", proxy.policy,
+        argv = [*module_command("bench.gateway"), "_gateway", "--policy", proxy.policy,
                 "--upstreams", ",".join(map(str, upstreams))]  # fmt: skip
         child = spawn(proxy.name, argv, s.proxy_cpu, _log(workdir, proxy.name), announces=True)
         child.ports = announced_ports(child, "PORT", START_TIMEOUT_S)
@@ -245,7 +247,9 @@ def progress(cell: Cell) -> None:
 
 
 def parse_main(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.gateway", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
     add = p.add_argument
     add("--reps", type=int, default=3, help="repetitions of every cell (3)")
     add("--seconds", type=float, default=3.0, help="measured seconds per cell (3)")
@@ -320,7 +324,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
 
 
 def start_children(s: Settings, workdir: Path) -> tuple[Child, dict[str, Child]]:
-    argv = [sys.executable, os.path.abspath(__file__), "_upstream", "--replicas", str(s.replicas),
+    argv = [*module_command("bench.gateway"), "_upstream", "--replicas", str(s.replicas),
             "--chunks", str(s.chunks), "--token-ms", str(s.token_ms),
             "--render", s.render]  # fmt: skip
     upstream = spawn("upstream", argv, s.client_cpu, _log(workdir, "upstream"), announces=True)
@@ -365,7 +369,7 @@ def main_orchestrator(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
 
 def main(argv: Sequence[str]) -> int:
     if argv[:1] in (["_upstream"], ["_gateway"]):
-        p = argparse.ArgumentParser(prog=f"bench_gateway.py {argv[0]}")
+        p = argparse.ArgumentParser(prog=f"python -m bench.gateway {argv[0]}")
         p.add_argument("--replicas", type=int, default=1)
         p.add_argument("--chunks", type=int, default=8)
         p.add_argument("--token-ms", type=float, default=2.0)

@@ -1,10 +1,11 @@
 """The chaos run's steady load: chat completions through the gateway, each one recorded.
 
-Poisson arrivals at ``rate`` per second; every request picks a model by weight, one of a few
-long system prompts (shared prefixes, so the KV caches and the prefix routing move), a short
-question, a small ``max_tokens``, and streaming or not. A request is OK when it answers 200
-and, streamed, ends with ``data: [DONE]``; non-streamed, carries a choice. Anything else
-(another status, a connection error, a stream cut short, a timeout) is a failure, kept
+Poisson arrivals at ``rate`` per second (``llmgw.sim.workload``, shared with ``llmgw demo``);
+every request picks a model by weight, one of a few long system prompts (shared prefixes, so
+the KV caches and the prefix routing move), a short question, a small ``max_tokens``, and
+streaming or not. A request is OK when it answers 200 and, streamed, ends with
+``data: [DONE]``; non-streamed, carries a choice. Anything else (another status, a connection
+error, a stream cut short, a timeout) is a failure, kept
 with its start and end on this process's monotonic clock and the replica that answered it
 (the gateway's ``x-llmgw-replica``, when an answer came), so the checks can hold it against
 the faults of the same moment on that replica.
@@ -13,30 +14,16 @@ the faults of the same moment on that replica.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any
 
 import httpx
 
-_POLICY: Final = (
-    "Answer in plain words and keep answers short. Quote the exact command a user should "
-    "run, never a paraphrase of it. When a question names a GPU, give its node, its index "
-    "and its memory. When you are not sure, say which log would tell, and where it lives. "
-)
-SYSTEM_PROMPTS: Final = tuple(
-    f"You are the on-call assistant of {team}. " + _POLICY * 3
-    for team in ("the storage team", "the billing team", "the GPU platform team")
-)
-QUESTIONS: Final = (
-    "Why is my job pending?", "Which node runs the chat model?", "How do I drain a replica?",
-    "What does STALE mean in the console?", "How much GPU memory is free on node-a?",
-    "Summarise the last incident in one line.", "Who cordoned node-b, and why?",
-)  # fmt: skip
+from llmgw.sim.workload import CHAOS_PROMPTS, Arrivals, chat_body
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,11 +67,7 @@ class Load:
         rng, config = self._rng, self._config
         names, weights = zip(*config.models, strict=True)
         return {
-            "model": rng.choices(names, weights)[0],
-            "messages": [
-                {"role": "system", "content": rng.choice(SYSTEM_PROMPTS)},
-                {"role": "user", "content": rng.choice(QUESTIONS)},
-            ],
+            **chat_body(rng, CHAOS_PROMPTS, names, weights),
             "max_tokens": rng.randint(*config.max_tokens),
             "stream": rng.random() < config.stream_share,
         }
@@ -94,20 +77,12 @@ class Load:
         config = self._config
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         limits = httpx.Limits(max_connections=config.max_in_flight)
-        pending: set[asyncio.Task[None]] = set()
+        arrivals = Arrivals(config.rate, config.max_in_flight, self._rng)
         async with httpx.AsyncClient(base_url=self._gateway, timeout=timeout, limits=limits) as c:
-            while not stop.is_set():
-                if len(pending) < config.max_in_flight:
-                    task = asyncio.create_task(self._one(c, self.body()))
-                    pending.add(task)
-                    task.add_done_callback(pending.discard)
-                else:
-                    self.skipped += 1
-                with contextlib.suppress(TimeoutError):
-                    async with asyncio.timeout(self._rng.expovariate(config.rate)):
-                        await stop.wait()
-            if pending:
-                await asyncio.wait(pending)
+            await arrivals.run(stop, lambda: asyncio.create_task(self._one(c, self.body())))
+            self.skipped = arrivals.skipped
+            if arrivals.pending:
+                await asyncio.wait(arrivals.pending)
 
     async def _one(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:
         started = time.monotonic()

@@ -1,4 +1,4 @@
-"""bench_gateway's workload: chat requests with realistic text, groups sharing a long system
+"""bench.gateway's workload: chat requests with realistic text, groups sharing a long system
 prompt, each user with a question of their own, in a shuffled order."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import Final
 
-from benchkit import HOST
+from bench.kit import HOST
 
 MODEL: Final = "bench-model"
 

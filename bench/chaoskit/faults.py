@@ -8,7 +8,7 @@ One fault at a time, a random pause (``gap_s``) before each, for ``duration_s``:
   restarts it).
 * ``stop-server``, ``stop-agent``, ``stop-engine``, ``stop-gateway``: SIGSTOP, ``stop_s``
   later SIGCONT: a hung process.
-* ``fill-disk``: the server's state disk (a tmpfs, chaoskit_disk) filled for ``stop_s``,
+* ``fill-disk``: the server's state disk (a tmpfs, chaoskit.disk) filled for ``stop_s``,
   freed for a moment, filled again for a shorter while, and freed; the server must stay up
   and take writes again by itself. Its record says how often ``/healthz`` answered 503
   (the server saw the disk full) and how long after the end it was 200 again.
@@ -16,7 +16,7 @@ One fault at a time, a random pause (``gap_s``) before each, for ``duration_s``:
   its state dir and its node id starts, runs ``duplicate_s`` from the server's first answer
   to it, then is SIGKILLed. The server
   must refuse it (the node, its replicas and its engines stay the first agent's); the
-  check ``duplicate_agents_refused`` (chaoskit_checks) reads its log.
+  check ``duplicate_agents_refused`` (chaoskit.checks) reads its log.
 
 Each fault is recorded with its target's pid and, on this process's monotonic clock, when
 it began (the signal) and ended (the restart, the SIGCONT; a kill of an engine ends when it
@@ -35,7 +35,8 @@ from dataclasses import dataclass
 from typing import Final
 
 import httpx
-from chaoskit_cluster import ChaosCluster, signal_group
+
+from bench.chaoskit.cluster import ChaosCluster, signal_group
 
 log = logging.getLogger("chaos.faults")
 

@@ -1,49 +1,33 @@
-"""scripts/bench_routing.py and routing_sim.py: the routing benchmark's replay, figures, bounds."""
+"""bench/routing.py and bench/routing_sim.py: the routing benchmark's replay, figures, bounds."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from dataclasses import replace
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
+from bench import routing as bench_routing
+from bench import routing_sim as sim
 
 
 @pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    """The script as a module (it imports benchkit and routing_sim from its own directory)."""
-    spec = importlib.util.spec_from_file_location("bench_routing", SCRIPTS / "bench_routing.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(SCRIPTS))
-        patch.setitem(sys.modules, "bench_routing", module)  # dataclasses look it up
-        spec.loader.exec_module(module)
-    return module
+def quick() -> Any:
+    config = replace(sim.BenchConfig(), **bench_routing.QUICK)
+    return bench_routing.run_bench(config)
 
 
-@pytest.fixture(scope="module")
-def sim(bench: ModuleType) -> ModuleType:
-    """scripts/routing_sim.py, as the bench imported it."""
-    return sys.modules["routing_sim"]
-
-
-@pytest.fixture(scope="module")
-def quick(bench: ModuleType) -> Any:
-    config = replace(bench.BenchConfig(), **bench.QUICK)
-    return bench.run_bench(config)
-
-
-def _tiny(bench: ModuleType, **overrides: Any) -> Any:
-    fields = {"engines": 2, "groups": 1, "users": 2, "turns": 2, "system_tokens": 200}
+def _tiny(**overrides: Any) -> Any:
+    fields: dict[str, Any] = {
+        "engines": 2,
+        "groups": 1,
+        "users": 2,
+        "turns": 2,
+        "system_tokens": 200,
+    }
     fields |= {"question_tokens": 40, "rate": 0.02, "think_s": 1.0, "kv_blocks": 256}
-    return replace(bench.BenchConfig(), **(fields | overrides))
+    return replace(sim.BenchConfig(), **(fields | overrides))
 
 
 def test_every_policy_replays_every_request_and_reports_its_figures(quick: Any) -> None:
@@ -77,16 +61,16 @@ def test_cache_aware_policies_hit_far_more_than_cache_blind_ones(quick: Any) -> 
     assert rates["oracle"] > 2 * blind
 
 
-def test_the_replay_is_deterministic(bench: ModuleType) -> None:
-    config = _tiny(bench, users=3, rate=2.0)
-    first = bench.run_bench(config, ["prefix", "oracle"])
-    again = bench.run_bench(config, ["prefix", "oracle"])
+def test_the_replay_is_deterministic() -> None:
+    config = _tiny(users=3, rate=2.0)
+    first = bench_routing.run_bench(config, ["prefix", "oracle"])
+    again = bench_routing.run_bench(config, ["prefix", "oracle"])
     assert first.results == again.results
 
 
-def test_reusable_tokens_match_a_brute_force_over_the_token_sequences(bench: ModuleType) -> None:
-    config = _tiny(bench, users=3, turns=3)
-    workload = bench.build_workload(config)
+def test_reusable_tokens_match_a_brute_force_over_the_token_sequences() -> None:
+    config = _tiny(users=3, turns=3)
+    workload = sim.build_workload(config)
     size = config.block_size
     whole = [
         workload.prompt(c, c.turns[-1]) + list(c.turns[-1].answer) for c in workload.conversations
@@ -99,7 +83,7 @@ def test_reusable_tokens_match_a_brute_force_over_the_token_sequences(bench: Mod
             usable = (turn.prompt_len - 1) // size
             expected.append(min(max(others // size, earlier), usable) * size)
             earlier = (turn.prompt_len + len(turn.answer)) // size
-    assert bench.reusable_tokens(workload, size) == expected
+    assert bench_routing.reusable_tokens(workload, size) == expected
     assert expected[1] > expected[0] > 0  # a second turn reuses its own first turn
 
 
@@ -110,27 +94,25 @@ def _common(a: list[int], b: list[int]) -> int:
     return n
 
 
-def test_the_oracle_reads_the_engines_exact_caches(bench: ModuleType) -> None:
+def test_the_oracle_reads_the_engines_exact_caches() -> None:
     # Two conversations of one group, far apart in time, on two idle engines: the first
     # goes by load to engine-00; the oracle then sees the shared system prompt there.
-    config = _tiny(bench, turns=1)
-    workload = bench.build_workload(config)
-    result = bench.replay(config, workload, "oracle")
+    config = _tiny(turns=1)
+    workload = sim.build_workload(config)
+    result = bench_routing.replay(config, workload, "oracle")
     assert result.decisions == {"approximate/hit": 1, "load/miss": 1}
     assert result.per_engine == (2, 0)
-    reusable = bench.reusable_tokens(workload, config.block_size)
+    reusable = bench_routing.reusable_tokens(workload, config.block_size)
     prompts = [c.turns[0].prompt_len for c in workload.conversations]
     assert result.prompt_cached_share == pytest.approx(max(reusable) / sum(prompts))
     assert result.exact_chosen_share == result.exact_best_share == result.prompt_cached_share
-    blind = bench.replay(config, workload, "least_load")
+    blind = bench_routing.replay(config, workload, "least_load")
     assert blind.per_engine == (1, 1) and blind.prompt_cached_share == 0.0
 
 
-def test_the_prefix_policy_is_told_each_engines_kv_capacity_in_characters(
-    bench: ModuleType, sim: ModuleType
-) -> None:
-    config = _tiny(bench, kv_blocks=300)
-    workload = bench.build_workload(config)
+def test_the_prefix_policy_is_told_each_engines_kv_capacity_in_characters() -> None:
+    config = _tiny(kv_blocks=300)
+    workload = sim.build_workload(config)
     per_token = workload.chars_per_token
     texts = [workload.text(c, t) for c in workload.conversations for t in c.turns]
     tokens = [t.prompt_len for c in workload.conversations for t in c.turns]
@@ -138,36 +120,38 @@ def test_the_prefix_policy_is_told_each_engines_kv_capacity_in_characters(
     for hint in (1.0, 0.5):
         told = round(hint * 300 * config.block_size * per_token)
         replay = sim.Replay(replace(config, kv_hint=hint), workload, "prefix")
-        tree = replay.chooser._policy.tree(sim.MODEL)
+        tree = replay.chooser._policy.tree(sim.MODEL)  # type: ignore[attr-defined]
         assert [tree.replica_limit(rid) for rid in replay.engines] == [told, told]
     untold = sim.Replay(replace(config, kv_hint=0.0), workload, "prefix")
-    tree = untold.chooser._policy.tree(sim.MODEL)
+    tree = untold.chooser._policy.tree(sim.MODEL)  # type: ignore[attr-defined]
     assert tree.replica_limit("engine-00") == config.prefix.max_chars_per_replica
 
 
-def test_a_tree_sized_to_the_kv_claims_what_the_engines_hold(bench: ModuleType) -> None:
+def test_a_tree_sized_to_the_kv_claims_what_the_engines_hold() -> None:
     # Told nothing, the tree remembers every prefix it routed and claims far more than the
     # small engines still hold; sized to their KV, its claims match what they hold.
-    config = replace(bench.BenchConfig(), **bench.QUICK)
-    workload = bench.build_workload(config)
-    sized = bench.replay(config, workload, "prefix")
-    untold = bench.replay(replace(config, kv_hint=0.0), workload, "prefix")
+    config = replace(sim.BenchConfig(), **bench_routing.QUICK)
+    workload = sim.build_workload(config)
+    sized = bench_routing.replay(config, workload, "prefix")
+    untold = bench_routing.replay(replace(config, kv_hint=0.0), workload, "prefix")
     assert abs(sized.predicted_share - sized.exact_chosen_share) < 0.05
     assert untold.predicted_share - untold.exact_chosen_share > 0.15
 
 
-def test_a_conversation_larger_than_an_engine_is_refused(bench: ModuleType) -> None:
+def test_a_conversation_larger_than_an_engine_is_refused() -> None:
     with pytest.raises(ValueError, match="raise --kv-blocks"):
-        bench.run_bench(_tiny(bench, kv_blocks=8), ["round_robin"])
+        bench_routing.run_bench(_tiny(kv_blocks=8), ["round_robin"])
 
 
 def test_the_command_prints_json_and_refuses_unknown_policies(
-    bench: ModuleType, capsys: pytest.CaptureFixture[str]
+    capsys: pytest.CaptureFixture[str],
 ) -> None:
-    code = bench.main(["--quick", "--users", "2", "--json", "--policies", "prefix,round_robin"])
+    code = bench_routing.main(
+        ["--quick", "--users", "2", "--json", "--policies", "prefix,round_robin"]
+    )
     out = json.loads(capsys.readouterr().out)
     assert code == (0 if out["ratios"]["rr_ttft_p90_over_default"] >= 2 else 1)
     assert out["config"]["users"] == 2 and out["targets_met"] is None
     assert [r["policy"] for r in out["results"]] == ["prefix", "round_robin"]
     with pytest.raises(SystemExit, match="unknown policies"):
-        bench.main(["--quick", "--policies", "prefix,nope"])
+        bench_routing.main(["--quick", "--policies", "prefix,nope"])

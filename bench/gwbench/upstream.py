@@ -1,4 +1,4 @@
-"""bench_gateway's fast upstream (mode ``_upstream``): several ports, the replicas, in one
+"""bench.gateway's fast upstream (mode ``_upstream``): several ports, the replicas, in one
 process, an asyncio protocol over httptools.
 
 Each port answers ``/v1/chat/completions`` and ``/v1/completions`` with a small fixed JSON body
@@ -22,8 +22,9 @@ from dataclasses import dataclass
 from typing import Final, cast
 
 import httptools
-from benchkit import HOST
-from gwbench_workload import MODEL
+
+from bench.gwbench.workload import MODEL
+from bench.kit import HOST
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,4 +1,4 @@
-"""The routing benchmark's simulation (scripts/bench_routing.py runs and reports it).
+"""The routing benchmark's simulation (bench/routing.py runs and reports it).
 
 The workload, after llm-d's prefix-cache benchmark: groups with a long shared system
 prompt, users per group in multi-turn ChatML conversations whose every turn appends a

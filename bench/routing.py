@@ -8,10 +8,10 @@ requests per second offered, ``--think`` seconds between an answer and the next 
 is replayed in simulated time against ``--engines`` simulated engines built from the
 simulated engine's block pool, scheduler and timing model, ``--kv-blocks`` blocks each: by
 default a third of the groups' system prompts fit in one engine, so no engine holds the
-working set. scripts/routing_sim.py builds and replays it; figures depend on the seed only.
+working set. bench/routing_sim.py builds and replays it; figures depend on the seed only.
 
 Per policy (the gateway's own prefix, round_robin, least_load and session, its PRECISE
-tier on an index fed by the engines' KV events (scripts/routing_sim.py says how), and an
+tier on an index fed by the engines' KV events (bench/routing_sim.py says how), and an
 ORACLE that reads every engine's exact cache at decision time and decides with the prefix
 policy's own ``prefix_decision``), with in-flight load counted at decision time:
 
@@ -48,11 +48,11 @@ The default rate, 12 requests/s, keeps the oracle's engines about half busy whil
 round-robin, least-load and session are past saturation. At 8 requests/s round-robin
 still keeps up; from 10 it falls behind.
 
-    .venv/bin/python scripts/bench_routing.py             # 8 engines, 16 × 32 users, 4 turns
-    .venv/bin/python scripts/bench_routing.py --policies prefix,precise,oracle
-    .venv/bin/python scripts/bench_routing.py --quick     # a small workload, seconds
-    .venv/bin/python scripts/bench_routing.py --json      # figures as JSON on stdout
-    .venv/bin/python scripts/bench_routing.py --markdown  # also a BENCHMARKS.md section
+    .venv/bin/python -m bench.routing             # 8 engines, 16 × 32 users, 4 turns
+    .venv/bin/python -m bench.routing --policies prefix,precise,oracle
+    .venv/bin/python -m bench.routing --quick     # a small workload, seconds
+    .venv/bin/python -m bench.routing --json      # figures as JSON on stdout
+    .venv/bin/python -m bench.routing --markdown  # also a BENCHMARKS.md section
 """
 
 from __future__ import annotations
@@ -68,8 +68,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
-from benchkit import base_machine, command_line
-from routing_sim import (
+from bench.kit import base_machine, command_line
+from bench.routing_sim import (
     DEFAULT_POLICY,
     ORACLE,
     POLICY_ORDER,
@@ -407,7 +407,7 @@ class Report:
         rows = self.rows()
         facts = [f"{k}: {v}" for k, v in base_machine().items()]
         if markdown:
-            out = ["## Routing policies: shared prefixes, multi-turn (scripts/bench_routing.py)"]
+            out = ["## Routing policies: shared prefixes, multi-turn (bench/routing.py)"]
             out += ["", "```", command_line(), "```", ""]
             out += [f"- {line}" for line in [*facts, *self.head()]]
             out += ["", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -475,7 +475,9 @@ _PREFIX_FLAGS: tuple[tuple[str, type], ...] = (
 
 
 def parse_config(argv: Sequence[str] | None) -> tuple[BenchConfig, argparse.Namespace]:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.routing", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
     p.add_argument("--quick", action="store_true", help="a small workload (seconds)")
     for name, kind, text in _FLAGS:
         p.add_argument(

@@ -1,4 +1,4 @@
-"""What bench_gateway measures: the proxies and their policies, the cells, the run's settings."""
+"""What bench.gateway measures: the proxies and their policies, the cells, the run's settings."""
 
 from __future__ import annotations
 

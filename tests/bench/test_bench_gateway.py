@@ -1,4 +1,4 @@
-"""scripts/bench_gateway.py and its gwbench_* modules: the upstream, the client, the
+"""bench/gateway.py and bench/gwbench: the upstream, the client, the
 measurement and the verdicts, on tiny runs.
 
 The peer routers (vllm-router, sglang-router) are not needed: the harness is checked direct to
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import importlib
 import json
 import math
 import os
@@ -19,71 +18,21 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
-SCRIPTS = Path(__file__).resolve().parents[2] / "scripts"
-
-
-def _script(name: str) -> ModuleType:
-    """A module of scripts/, imported as the benchmark imports it (from its own directory)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.syspath_prepend(str(SCRIPTS))
-        return importlib.import_module(name)
-
-
-@pytest.fixture(scope="module")
-def bench() -> ModuleType:
-    """scripts/bench_gateway.py: the command line and the orchestration."""
-    return _script("bench_gateway")
-
-
-@pytest.fixture(scope="module")
-def wl(bench: ModuleType) -> ModuleType:
-    """The workload: prompts and requests."""
-    return _script("gwbench_workload")
-
-
-@pytest.fixture(scope="module")
-def up(bench: ModuleType) -> ModuleType:
-    """The fast upstream."""
-    return _script("gwbench_upstream")
-
-
-@pytest.fixture(scope="module")
-def load(bench: ModuleType) -> ModuleType:
-    """The load generator: the timed client, cells, CPU meters."""
-    return _script("gwbench_load")
-
-
-@pytest.fixture(scope="module")
-def report(bench: ModuleType) -> ModuleType:
-    """The report: summaries, tables, verdicts."""
-    return _script("gwbench_report")
-
-
-@pytest.fixture(scope="module")
-def prof(bench: ModuleType) -> ModuleType:
-    """The py-spy profile of our gateway."""
-    return _script("gwbench_profile")
-
-
-@pytest.fixture(scope="module")
-def cfg(bench: ModuleType) -> ModuleType:
-    """What is measured: the proxies, the settings."""
-    return _script("gwbench_settings")
-
-
-@pytest.fixture(scope="module")
-def kit(bench: ModuleType) -> ModuleType:
-    """scripts/benchkit.py, shared with the other benchmarks."""
-    return _script("benchkit")
+from bench import gateway as bench_gateway
+from bench import kit
+from bench.gwbench import load, report
+from bench.gwbench import profile as prof
+from bench.gwbench import settings as cfg
+from bench.gwbench import upstream as up
+from bench.gwbench import workload as wl
 
 
 @pytest.fixture
-async def upstream(up: ModuleType) -> AsyncIterator[tuple[Any, list[int]]]:
+async def upstream() -> AsyncIterator[tuple[Any, list[int]]]:
     """Two upstream replicas in this process: 3 SSE events 5 ms apart; render refused."""
     loop = asyncio.get_running_loop()
     shared = up.Upstream(render=False)
@@ -116,7 +65,7 @@ def _post(port: int, path: str, body: object) -> bytes:
 # -- the workload -------------------------------------------------------------------------
 
 
-def test_prompts_share_one_system_prompt_per_group_and_are_shuffled(wl: ModuleType) -> None:
+def test_prompts_share_one_system_prompt_per_group_and_are_shuffled() -> None:
     prompts = wl.make_prompts(3, 4, 500, 100)
     assert prompts == wl.make_prompts(3, 4, 500, 100)  # the same run after run
     assert len(prompts) == 12 and Counter(p.group for p in prompts) == {0: 4, 1: 4, 2: 4}
@@ -133,7 +82,7 @@ def test_prompts_share_one_system_prompt_per_group_and_are_shuffled(wl: ModuleTy
 
 
 async def test_upstream_answers_each_route_on_one_keep_alive_connection(
-    wl: ModuleType, load: ModuleType, upstream: tuple[Any, list[int]]
+    upstream: tuple[Any, list[int]],
 ) -> None:
     shared, ports = upstream
     prompt = wl.make_prompts(1, 1, 50, 20)[0]
@@ -160,9 +109,7 @@ async def test_upstream_answers_each_route_on_one_keep_alive_connection(
     assert shared.seen[b"/v1/chat/completions"] == 2 and shared.seen[b"/tokenize"] == 1
 
 
-async def test_first_data_is_when_the_first_event_arrives(
-    wl: ModuleType, load: ModuleType, upstream: tuple[Any, list[int]]
-) -> None:
+async def test_first_data_is_when_the_first_event_arrives(upstream: tuple[Any, list[int]]) -> None:
     _, ports = upstream
     raw = wl.chat_request(ports[0], wl.make_prompts(1, 1, 9, 9)[0], True)
     conn = await load.TimedConnection.open(ports[0])
@@ -177,7 +124,7 @@ async def test_first_data_is_when_the_first_event_arrives(
     assert whole >= 0.015
 
 
-def test_render_answers_stand_in_token_ids_only_with_scale_out_on(up: ModuleType) -> None:
+def test_render_answers_stand_in_token_ids_only_with_scale_out_on() -> None:
     chat = json.dumps({"messages": [{"role": "user", "content": "abcdefg"}]}).encode()
     expected = [int.from_bytes(chunk, "little") % 151_000 for chunk in (b"abcd", b"efg")]
 
@@ -195,9 +142,7 @@ def test_render_answers_stand_in_token_ids_only_with_scale_out_on(up: ModuleType
     assert answer(on.tokenize(b"/tokenize", b"{not json"))[0].endswith(b"400 Bad Request")
 
 
-def test_replica_of_refuses_what_the_upstream_would_not_send(
-    load: ModuleType, kit: ModuleType
-) -> None:
+def test_replica_of_refuses_what_the_upstream_would_not_send() -> None:
     good = b'data: {"system_fingerprint":"r2"}\n\ndata: [DONE]\n\n'
     assert load.replica_of(kit.Reply(200, good, False, 0.0), True, 1) == 2
     for reply, stream in [
@@ -211,9 +156,7 @@ def test_replica_of_refuses_what_the_upstream_would_not_send(
         load.replica_of(kit.Reply(200, good, False, 0.0), True, 3)
 
 
-async def test_the_client_reads_chunked_and_sized_replies_however_they_are_split(
-    kit: ModuleType,
-) -> None:
+async def test_the_client_reads_chunked_and_sized_replies_however_they_are_split() -> None:
     chunked = (
         b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
         b"3\r\nabc\r\n2;ext=1\r\nde\r\n0\r\nX-Trailer: 1\r\n\r\n"
@@ -238,7 +181,7 @@ async def test_the_client_reads_chunked_and_sized_replies_however_they_are_split
         conn.waiter.result()
 
 
-async def test_a_noisy_cell_is_run_again_and_the_quietest_run_kept(kit: ModuleType) -> None:
+async def test_a_noisy_cell_is_run_again_and_the_quietest_run_kept() -> None:
     @dataclass
     class Run:
         others_share: float
@@ -259,7 +202,7 @@ async def test_a_noisy_cell_is_run_again_and_the_quietest_run_kept(kit: ModuleTy
     assert (kept.others_share, kept.attempts) == (0.05, 2) and len(seen) == 5  # quiet: done
 
 
-def test_sigterm_cancels_the_running_benchmark_and_reads_as_ctrl_c(kit: ModuleType) -> None:
+def test_sigterm_cancels_the_running_benchmark_and_reads_as_ctrl_c() -> None:
     seen: list[str] = []
 
     def before(signum: int, frame: object) -> None:  # the sync phases' handler; stays after
@@ -286,7 +229,7 @@ def test_sigterm_cancels_the_running_benchmark_and_reads_as_ctrl_c(kit: ModuleTy
 # -- cells: measured windows ---------------------------------------------------------------
 
 
-def _work(wl: ModuleType, load: ModuleType, kind: str, ports: list[int], conns: int) -> Any:
+def _work(kind: str, ports: list[int], conns: int) -> Any:
     prompts = wl.make_prompts(4, 4, 300, 50)
     stream = kind == "stream"
     requests = {p: [wl.chat_request(p, x, stream) for x in prompts] for p in ports}
@@ -294,13 +237,13 @@ def _work(wl: ModuleType, load: ModuleType, kind: str, ports: list[int], conns: 
 
 
 async def test_a_direct_cell_counts_every_reply_in_its_window(
-    wl: ModuleType, load: ModuleType, cfg: ModuleType, upstream: tuple[Any, list[int]]
+    upstream: tuple[Any, list[int]],
 ) -> None:
     _, ports = upstream
     cpu = min(os.sched_getaffinity(0))
     meter = load.Meter(None, os.getpid(), cpu, cpu)
     timing = cfg.Timing(seconds=0.4, warmup_s=0.1)
-    cell = await load.run_cell("direct", ports, _work(wl, load, "rps", ports, 4), meter, 0, timing)
+    cell = await load.run_cell("direct", ports, _work("rps", ports, 4), meter, 0, timing)
     assert cell.requests > 20 and cell.requests == len(cell.latencies_s)
     assert cell.latencies_s == sorted(cell.latencies_s) and cell.first_data_s == []
     assert 0.35 <= cell.window_s <= 0.45 and cell.rps == cell.requests / cell.window_s
@@ -311,12 +254,12 @@ async def test_a_direct_cell_counts_every_reply_in_its_window(
 
 
 async def test_a_stream_cell_times_the_first_event_of_every_reply(
-    wl: ModuleType, load: ModuleType, cfg: ModuleType, upstream: tuple[Any, list[int]]
+    upstream: tuple[Any, list[int]],
 ) -> None:
     _, ports = upstream
     cpu = min(os.sched_getaffinity(0))
     meter = load.Meter(None, None, cpu, cpu)
-    work = _work(wl, load, "stream", ports[:1], 1)
+    work = _work("stream", ports[:1], 1)
     timing = cfg.Timing(seconds=0.3, warmup_s=0.05)
     cell = await load.run_cell("direct", ports[:1], work, meter, 0, timing)
     assert len(cell.first_data_s) == cell.requests >= 5
@@ -326,19 +269,21 @@ async def test_a_stream_cell_times_the_first_event_of_every_reply(
 
 @pytest.mark.integration
 async def test_the_gateway_as_the_benchmark_starts_it_round_robins_and_streams(
-    bench: ModuleType, wl: ModuleType, load: ModuleType, cfg: ModuleType, tmp_path: Path
+    tmp_path: Path,
 ) -> None:
-    settings = bench.settings_from(
-        bench.parse_main(
+    settings = bench_gateway.settings_from(
+        bench_gateway.parse_main(
             ["--quick", "--replicas", "2", "--only", "llmgw", "--chunks", "2", "--token-ms", "1"]
         )
     )
-    upstream, children = bench.start_children(settings, tmp_path)
+    upstream, children = bench_gateway.start_children(settings, tmp_path)
     try:
         assert set(children) == {"llmgw round_robin", "llmgw prefix"} and len(upstream.ports) == 2
         gateway = children["llmgw round_robin"]
         prompts = wl.make_prompts(2, 4, 300, 50)
-        await bench.wait_ready(gateway, wl.chat_request(gateway.ports[0], prompts[0], False))
+        await bench_gateway.wait_ready(
+            gateway, wl.chat_request(gateway.ports[0], prompts[0], False)
+        )
         meter = load.Meter(
             gateway.proc.pid, upstream.proc.pid, settings.proxy_cpu, settings.client_cpu
         )
@@ -360,7 +305,7 @@ async def test_the_gateway_as_the_benchmark_starts_it_round_robins_and_streams(
 # -- the report ---------------------------------------------------------------------------
 
 
-def _cell(load: ModuleType, proxy: str, kind: str, rep: int, **values: Any) -> Any:
+def _cell(proxy: str, kind: str, rep: int, **values: Any) -> Any:
     fields: dict[str, Any] = {
         "window_s": 1.0, "requests": 1000, "latencies_s": [0.001] * 10, "first_data_s": [],
         "proxy_cpu_s": math.nan, "client_cpu_s": 0.2, "upstream_cpu_s": 0.1,
@@ -370,7 +315,7 @@ def _cell(load: ModuleType, proxy: str, kind: str, rep: int, **values: Any) -> A
     return load.Cell(proxy=proxy, kind=kind, rep=rep, **(fields | values))
 
 
-def _run(load: ModuleType, ours_rr_cpu: float, first_data_s: float) -> list[Any]:
+def _run(ours_rr_cpu: float, first_data_s: float) -> list[Any]:
     """Cells of 3 reps where vllm-router spends 100 µs (round-robin) and 400 µs (cache_aware)
     of CPU a request, and direct's first event arrives after 2 ms."""
     cpu = {"llmgw round_robin": ours_rr_cpu, "llmgw prefix": 150e-6,
@@ -378,22 +323,18 @@ def _run(load: ModuleType, ours_rr_cpu: float, first_data_s: float) -> list[Any]
            "sglang-router round_robin": 120e-6, "sglang-router cache_aware": 130e-6}  # fmt: skip
     cells = []
     for rep in range(3):
-        cells.append(_cell(load, "direct", "rps", rep))
-        cells.append(_cell(load, "direct", "stream", rep, first_data_s=[0.002] * 10))
+        cells.append(_cell("direct", "rps", rep))
+        cells.append(_cell("direct", "stream", rep, first_data_s=[0.002] * 10))
         for name, per_request in cpu.items():
-            cells.append(
-                _cell(load, name, "rps", rep, proxy_cpu_s=1000 * per_request * (1 + rep / 100))
-            )
+            cells.append(_cell(name, "rps", rep, proxy_cpu_s=1000 * per_request * (1 + rep / 100)))
             first = first_data_s if name.startswith("llmgw") else 0.045
-            cells.append(_cell(load, name, "stream", rep, first_data_s=[first] * 10))
+            cells.append(_cell(name, "stream", rep, first_data_s=[first] * 10))
     return cells
 
 
-def test_verdicts_compare_with_vllm_router_and_direct_in_the_same_run(
-    bench: ModuleType, load: ModuleType, report: ModuleType
-) -> None:
-    settings = bench.settings_from(bench.parse_main(["--quick", "--only", "llmgw"]))
-    summaries = report.summarize(_run(load, 140e-6, 0.0025), settings)
+def test_verdicts_compare_with_vllm_router_and_direct_in_the_same_run() -> None:
+    settings = bench_gateway.settings_from(bench_gateway.parse_main(["--quick", "--only", "llmgw"]))
+    summaries = report.summarize(_run(140e-6, 0.0025), settings)
     cpu = summaries[f"{settings.conns} conns: proxy CPU µs/request"]
     assert cpu.median("vllm-router round_robin") == pytest.approx(101)  # the middle rep
     assert cpu.ratio("llmgw round_robin", "vllm-router round_robin") == pytest.approx(1.4)
@@ -402,17 +343,17 @@ def test_verdicts_compare_with_vllm_router_and_direct_in_the_same_run(
     assert added.median("sglang-router round_robin") == pytest.approx(43_000)
     verdicts = report.verdicts(summaries, settings)
     assert [v.split(":")[0] for v in verdicts] == ["MET"] * 4
-    missed = report.verdicts(report.summarize(_run(load, 160e-6, 0.0035), settings), settings)
+    missed = report.verdicts(report.summarize(_run(160e-6, 0.0035), settings), settings)
     assert [v.split(":")[0] for v in missed] == ["MISSED", "MET", "MISSED", "MISSED"]
     assert "1.60×" in missed[0] and "1,500 µs after direct's" in missed[2]
-    alone = [c for c in _run(load, 140e-6, 0.0025) if c.proxy.startswith(("direct", "llmgw"))]
+    alone = [c for c in _run(140e-6, 0.0025) if c.proxy.startswith(("direct", "llmgw"))]
     alone_verdicts = report.verdicts(report.summarize(alone, settings), settings)
     assert [v.split(":")[0] for v in alone_verdicts] == ["NOT MEASURED"] * 2 + ["MET"] * 2
-    text = report.render(settings, {"cpu": "test"}, _run(load, 140e-6, 0.0025), markdown=True)
+    text = report.render(settings, {"cpu": "test"}, _run(140e-6, 0.0025), markdown=True)
     assert "| 32 conns: proxy CPU µs/request | – | 141 (140–143) | 101 (100–102) |" in text
 
 
-def test_stickiness_and_busiest_share(load: ModuleType, kit: ModuleType) -> None:
+def test_stickiness_and_busiest_share() -> None:
     routes = Counter({(0, 0): 9, (0, 1): 1, (1, 1): 10})
     assert load.stickiness(routes) == pytest.approx(19 / 20)
     assert load.busiest_share(routes) == pytest.approx(11 / 20)
@@ -421,7 +362,7 @@ def test_stickiness_and_busiest_share(load: ModuleType, kit: ModuleType) -> None
     assert kit.percentile([1.0, 2.0, 3.0, 4.0], 0.99) == 4.0
 
 
-def test_a_py_spy_profile_is_summed_by_innermost_frame(prof: ModuleType) -> None:
+def test_a_py_spy_profile_is_summed_by_innermost_frame() -> None:
     raw = (
         "run (asyncio/runners.py:86);send (llmgw/server/router/upstream.py:166) 30\n"
         "run (asyncio/runners.py:86);_route (llmgw/server/router/gateway.py:209) 10\n"
@@ -441,9 +382,9 @@ def test_a_py_spy_profile_is_summed_by_innermost_frame(prof: ModuleType) -> None
     assert lines[1] == "  50.0%  llmgw/server/router/upstream.py"
 
 
-def test_noise_is_read_on_the_cpu_that_matters_to_the_cell(load: ModuleType) -> None:
+def test_noise_is_read_on_the_cpu_that_matters_to_the_cell() -> None:
     # direct uses no proxy core (others move there when the client's core is busy)
-    direct = _cell(load, "direct", "rps", 0, others_cpu_s=0.9, client_others_cpu_s=0.05)
-    proxied = _cell(load, "llmgw prefix", "rps", 0, others_cpu_s=0.2, client_others_cpu_s=0.9)
+    direct = _cell("direct", "rps", 0, others_cpu_s=0.9, client_others_cpu_s=0.05)
+    proxied = _cell("llmgw prefix", "rps", 0, others_cpu_s=0.2, client_others_cpu_s=0.9)
     assert direct.others_share == pytest.approx(0.05)
     assert proxied.others_share == pytest.approx(0.2)

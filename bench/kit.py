@@ -1,12 +1,13 @@
-"""What the benchmarks in scripts/ share.
+"""What the benchmarks in bench/ share.
 
 * How a benchmark reports itself: the command, the machine, the llmgw revision measured, the
   package versions, the load average; its tables and its progress lines on stderr.
 * CPU time read from ``/proc``: a process's, a core's (tasks and interrupts apart).
 * Child processes pinned to a core that die with the benchmark and announce their ports on
-  stdout (``PORT 8000`` or ``PORTS 8000,8001``), and loopback ports.
+  stdout (``PORT 8000`` or ``PORTS 8000,8001``); they run as ``python -m bench.X``
+  (``module_command``) from the repository root.
 * Cells re-run while other processes use the CPU that matters (``quietest``).
-* The load client of bench_http and bench_gateway: a raw asyncio HTTP/1.1 keep-alive
+* The load client of bench.http and bench.gateway: a raw asyncio HTTP/1.1 keep-alive
   connection, one pre-encoded request in flight, replies read by their content-length or
   chunked framing; nearest-rank percentiles of its latencies.
 """
@@ -39,17 +40,27 @@ PR_SET_PDEATHSIG: Final = 1
 REPO_ROOT: Final = Path(__file__).resolve().parent.parent
 T = TypeVar("T")
 
+
+def module_command(module: str) -> list[str]:
+    """The command that runs ``python -m module`` with this interpreter (a benchmark starts its
+    own children this way; they run from the repository root, where ``bench`` is found)."""
+    return [sys.executable, "-m", module]
+
+
 # ======================================================================================
 # What a benchmark says about itself
 # ======================================================================================
 
 
 def command_line() -> str:
-    """This process's command line, with the interpreter relative when it is below here."""
+    """This process's command line, with the interpreter relative when it is below here, and
+    ``-m MODULE`` for a module run as ``python -m MODULE`` (as every benchmark here is)."""
     python = os.path.relpath(sys.executable)
     if python.startswith(".."):
         python = sys.executable
-    return shlex.join([python, *sys.argv])
+    spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+    args = ["-m", spec.name, *sys.argv[1:]] if spec is not None else sys.argv
+    return shlex.join([python, *args])
 
 
 def base_machine() -> dict[str, str]:
@@ -309,6 +320,7 @@ def spawn(name: str, argv: Sequence[str], cpu: int, log: Path, *, announces: boo
             stdout=subprocess.PIPE if announces else err,
             stderr=err,
             preexec_fn=pinned_child(cpu),
+            cwd=REPO_ROOT,
         )
     return Child(name, proc, log)
 
@@ -331,13 +343,6 @@ def announced_ports(child: Child, prefix: str, timeout_s: float) -> tuple[int, .
         child.stop()
         raise RuntimeError(f"{child.name} did not start:\n{child.log_tail()}")
     return tuple(int(p) for p in line.split()[1].split(b","))
-
-
-def free_port() -> int:
-    """A loopback port free at the moment of asking."""
-    with socket.socket() as sock:
-        sock.bind((HOST, 0))
-        return int(sock.getsockname()[1])
 
 
 # ======================================================================================

@@ -35,10 +35,10 @@ the server's CPU is measured from ``/proc/stat``; a cell where they took more th
 Everything listens on 127.0.0.1 only; each cell is bounded in time and requests; every child
 process is stopped on exit (Ctrl-C included) and also dies with this process.
 
-    .venv/bin/python scripts/bench_http.py              # 3 reps x 4 cells x 2 servers, ~3 min
-    .venv/bin/python scripts/bench_http.py --against hypercorn
-    .venv/bin/python scripts/bench_http.py --quick      # 1 rep, 2 s cells
-    .venv/bin/python scripts/bench_http.py --markdown   # also a BENCHMARKS.md section
+    .venv/bin/python -m bench.http              # 3 reps x 4 cells x 2 servers, ~3 min
+    .venv/bin/python -m bench.http --against hypercorn
+    .venv/bin/python -m bench.http --quick      # 1 rep, 2 s cells
+    .venv/bin/python -m bench.http --markdown   # also a BENCHMARKS.md section
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Final, TextIO
 
-from benchkit import (
+from bench.kit import (
     HOST,
     Child,
     Connection,
@@ -69,6 +69,7 @@ from benchkit import (
     cpu_seconds,
     interrupt_on_sigterm,
     machine_facts,
+    module_command,
     package_versions,
     percentile,
     proc_cpu_seconds,
@@ -96,7 +97,7 @@ START_TIMEOUT_S: Final = 30.0
 
 
 def parse_serve(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="bench_http.py _serve")
+    p = argparse.ArgumentParser(prog="python -m bench.http _serve")
     p.add_argument("--server", choices=("uvicorn", *CHALLENGERS), required=True)
     p.add_argument("--db", type=Path, required=True)
     p.add_argument("--nodes", type=int, default=2)
@@ -206,7 +207,7 @@ async def run_serve(args: argparse.Namespace) -> None:
 
 
 # ======================================================================================
-# The workloads: pre-encoded requests and their checks (the client is benchkit's)
+# The workloads: pre-encoded requests and their checks (the client is bench.kit's)
 # ======================================================================================
 
 
@@ -463,7 +464,7 @@ class Settings:
 
 
 def start_server(name: str, nodes: int, workdir: Path, settings: Settings) -> Child:
-    argv = [sys.executable, os.path.abspath(__file__), "_serve", "--server", name,
+    argv = [*module_command("bench.http"), "_serve", "--server", name,
             "--db", str(workdir / f"{name}-{nodes}.db"), "--nodes", str(nodes)]  # fmt: skip
     log = workdir / f"{name}-{nodes}.log"
     child = spawn(name, argv, settings.server_cpu, log, announces=True)
@@ -768,7 +769,7 @@ def render(
     out = []
     if markdown:
         out += [
-            f"## gRPC-web HTTP server: {SERVERS[0]} vs {SERVERS[1]} (scripts/bench_http.py)",
+            f"## gRPC-web HTTP server: {SERVERS[0]} vs {SERVERS[1]} (bench/http.py)",
             "",
             "```",
             command_line(),
@@ -805,7 +806,9 @@ def progress(cell: Cell) -> None:
 
 
 def parse_main(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.http", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
     p.add_argument("--nodes", type=int, default=2, help="simulated nodes in GetCluster (2)")
     p.add_argument("--conns", type=int, default=16, help="connections of the loaded cells (16)")
     p.add_argument("--reps", type=int, default=3, help="repetitions of every cell (3)")

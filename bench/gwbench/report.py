@@ -1,4 +1,4 @@
-"""bench_gateway's report: per metric the median (min–max) over the reps of each proxy, the
+"""bench.gateway's report: per metric the median (min–max) over the reps of each proxy, the
 ratios to the peers, the verdicts against the targets, the routing and noise checks."""
 
 from __future__ import annotations
@@ -10,10 +10,10 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-from benchkit import command_line, machine_facts, package_versions, render_table
-from gwbench_load import Cell, busiest_share, stickiness
-from gwbench_profile import Profile, profile_lines
-from gwbench_settings import PROXIES, ROUTERS_PYTHON, Settings, family_names
+from bench.gwbench.load import Cell, busiest_share, stickiness
+from bench.gwbench.profile import Profile, profile_lines
+from bench.gwbench.settings import PROXIES, ROUTERS_PYTHON, Settings, family_names
+from bench.kit import command_line, machine_facts, package_versions, render_table
 
 Value = Callable[[Cell, "Cell | None"], float]  # (cell, direct's cell of the same rep and kind)
 
@@ -223,7 +223,7 @@ def render(
     out = []
     if markdown:
         out += ["## Gateway overhead: llmgw vs vllm-router and sglang-router "
-                "(scripts/bench_gateway.py)", "", "```", command_line(), "```", ""]  # fmt: skip
+                "(bench/gateway.py)", "", "```", command_line(), "```", ""]  # fmt: skip
         out += [f"- {k}: {v}" for k, v in facts.items()] + [f"- settings: {settings_line(s)}"]
     else:
         out += [f"command: {command_line()}"] + [f"{k}: {v}" for k, v in facts.items()]

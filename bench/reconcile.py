@@ -35,8 +35,8 @@ and ``ReconcileLoop.round()`` with a sender that records commands:
 * a reprofile round: one deployment points at a new profile, and the round places its
   surge replica.
 
-    .venv/bin/python scripts/bench_reconcile.py             # 1,000 nodes, 2,000 replicas
-    .venv/bin/python scripts/bench_reconcile.py --markdown  # also a BENCHMARKS.md section
+    .venv/bin/python -m bench.reconcile             # 1,000 nodes, 2,000 replicas
+    .venv/bin/python -m bench.reconcile --markdown  # also a BENCHMARKS.md section
 """
 
 from __future__ import annotations
@@ -53,8 +53,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from benchkit import base_machine, command_line
-
+from bench.kit import base_machine, command_line
 from llmgw.agent.discovery import simulated_node
 from llmgw.api.llmgw.v1 import (
     ApplyDeploymentRequest,
@@ -207,7 +206,7 @@ def plan_first_fit(
     for work in works:
         per_node = work.profile.tp * work.profile.pp // work.profile.nodes
         for i in range(work.replicas):
-            shards = []
+            shards: list[ShardPlan] = []
             for node in ordered:
                 if node.schedulable and len(free[node.node_id]) >= per_node:
                     taken, free[node.node_id] = (
@@ -303,6 +302,7 @@ async def registered(plane: ControlPlane, messages: Sequence[Node]) -> None:
     """Every node registered as its agent would, then cordoned, lost or sick as set."""
     for i, node in enumerate(messages):
         info = node.info
+        assert info is not None  # every fixture node has its info
         info.management_address = f"10.{i // 250}.{i % 250}.1"
         register = Register(protocol_version=PROTOCOL_VERSION, node=info)
         connection = await plane.register(info, register, peer=f"{info.management_address}:1")
@@ -365,7 +365,9 @@ async def whole_rounds(messages: Sequence[Node], works: Sequence[Work], folder: 
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.reconcile", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
     p.add_argument("--nodes", type=int, default=1000)
     p.add_argument("--replicas", type=int, default=2000)
     p.add_argument("--repeat", type=int, default=3)
@@ -485,7 +487,7 @@ class Report:
             lines += ["  ".join(v.ljust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
             return "\n".join([*lines, "", verdict])
         out = [
-            "## Placement: planning a fleet (scripts/bench_reconcile.py)",
+            "## Placement: planning a fleet (bench/reconcile.py)",
             "",
             "```",
             command_line(),

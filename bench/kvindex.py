@@ -32,9 +32,9 @@ Four figures (issue #6), each beside a baseline measured in the same run:
   replica) for the same blocks. Baselines, measured on one replica's blocks: a Python
   ``set`` of ints per replica and one ``dict`` of key → holder bitmask.
 
-    .venv/bin/python scripts/bench_kvindex.py             # full size (several minutes)
-    .venv/bin/python scripts/bench_kvindex.py --quick     # small sizes, seconds
-    .venv/bin/python scripts/bench_kvindex.py --markdown  # also a BENCHMARKS.md section
+    .venv/bin/python -m bench.kvindex             # full size (several minutes)
+    .venv/bin/python -m bench.kvindex --quick     # small sizes, seconds
+    .venv/bin/python -m bench.kvindex --markdown  # also a BENCHMARKS.md section
 """
 
 from __future__ import annotations
@@ -54,8 +54,7 @@ from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any
 
-from benchkit import base_machine, command_line
-
+from bench.kit import base_machine, command_line
 from llmgw.api.llmgw.v1 import AgentMessage, KvDelta, RouterFeedEvent
 from llmgw.kvcache import (
     BlockRemoved,
@@ -163,7 +162,7 @@ class Stages:
     index: float = 0.0  # gateway: apply_kv_blocks → KvIndex
 
     def total(self) -> float:
-        return sum(asdict(self).values())
+        return float(sum(asdict(self).values()))
 
 
 def _flush(mirror: BlockMirror, blocks: KvBlocks, watcher: KvWatcher, index: KvIndex,
@@ -206,7 +205,7 @@ def frame_to_index(frames: list[list[bytes]], flush_blocks: int) -> tuple[Stages
             mirror.apply(batch)
             stages.decode += t1 - t0
             stages.mirror += clock() - t1
-            window += sum(len(e.block_hashes) for e in batch.events)  # type: ignore[union-attr]
+            window += sum(len(e.block_hashes) for e in batch.events)  # type: ignore[union-attr,misc]
             if window >= flush_blocks or i + 1 == len(frames):
                 _flush(mirror, blocks, watcher, index, stages, i)
                 window = 0
@@ -495,7 +494,7 @@ def _key_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def render(result: dict[str, Any], markdown: bool) -> str:
-    lines = ["## KV blocks: frame to index, lookups, memory (scripts/bench_kvindex.py)", ""]
+    lines = ["## KV blocks: frame to index, lookups, memory (bench/kvindex.py)", ""]
     if markdown:
         lines += ["```", str(result["command"]), "```", ""]
         lines += [f"- {k}: {v}" for k, v in result["machine"].items()]
@@ -508,7 +507,9 @@ def render(result: dict[str, Any], markdown: bool) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p = argparse.ArgumentParser(
+        prog="python -m bench.kvindex", description=__doc__.split("\n\n")[0] if __doc__ else None
+    )
     p.add_argument("--replicas", type=int, default=100)
     p.add_argument("--blocks", type=int, default=100_000, help="blocks per replica")
     p.add_argument("--stream-blocks", type=int, default=400_000, help="block events streamed")

@@ -10,20 +10,20 @@ chat completions (shared system prompts, streamed or not) goes through the gatew
 for ``--duration`` seconds, a fault every few seconds SIGKILLs the server, an agent or an
 engine, SIGSTOPs the server, an agent, an engine or the gateway for a few seconds, fills
 the server's state disk (a small tmpfs the run mounts when it may: root; else that fault is
-left out, saying so) and frees it (chaoskit_faults, chaoskit_disk), or runs a duplicate agent
+left out, saying so) and frees it (chaoskit.faults, chaoskit.disk), or runs a duplicate agent
 (a copy of an agent's state dir and node id) for a few seconds. A sampler looks at the
-cluster twice a second (chaoskit_observe).
-Then the faults stop and the run checks (chaoskit_checks): desired state kept, never two
+cluster twice a second (chaoskit.observe).
+Then the faults stop and the run checks (chaoskit.checks): desired state kept, never two
 copies of a replica, every deployment back at its count within ``--bound`` seconds of the
 last fault, no failed request but those on a faulted process, the gateway's KV index
 equal to each engine's cache (the simulated engine's ``/debug/kv_cache``), no process
 exited by itself, the server writable again after each fill of its disk, and every
 duplicate agent refused. Exit status 0 only when every check passes.
 
-    .venv/bin/python scripts/chaos.py                      # 10 minutes of faults
-    .venv/bin/python scripts/chaos.py --duration 120 --seed 7
-    .venv/bin/python scripts/chaos.py --markdown           # a BENCHMARKS.md section
-    .venv/bin/python scripts/chaos.py --duration 90 --kinds duplicate-agent,kill-agent
+    .venv/bin/python -m bench.chaos                      # 10 minutes of faults
+    .venv/bin/python -m bench.chaos --duration 120 --seed 7
+    .venv/bin/python -m bench.chaos --markdown           # a BENCHMARKS.md section
+    .venv/bin/python -m bench.chaos --duration 90 --kinds duplicate-agent,kill-agent
 
 Progress goes to stderr; the report to stdout (``--json FILE`` writes it as JSON too). Every
 process the run started, engines included, is killed at the end, whatever happens.
@@ -45,8 +45,8 @@ from pathlib import Path
 from typing import Final
 
 import httpx
-from benchkit import command_line, interrupt_on_sigterm, progress_line
-from chaoskit_checks import (
+
+from bench.chaoskit.checks import (
     Check,
     check_convergence,
     check_copies,
@@ -58,14 +58,14 @@ from chaoskit_checks import (
     converged_at,
     recovery_times,
 )
-from chaoskit_cluster import GATEWAY, RUN_ENV, SERVER, AgentOptions, ChaosCluster
-from chaoskit_disk import SIZE as DISK_SIZE
-from chaoskit_disk import StateDisk
-from chaoskit_faults import KINDS, FaultConfig, FaultLoop
-from chaoskit_load import Load, LoadConfig, summarize
-from chaoskit_observe import KvReading, Sampler, read_kv, ready_by_deployment
-from chaoskit_report import ChaosReport, render_json, render_markdown, render_text
-
+from bench.chaoskit.cluster import GATEWAY, RUN_ENV, SERVER, AgentOptions, ChaosCluster
+from bench.chaoskit.disk import SIZE as DISK_SIZE
+from bench.chaoskit.disk import StateDisk
+from bench.chaoskit.faults import KINDS, FaultConfig, FaultLoop
+from bench.chaoskit.load import Load, LoadConfig, summarize
+from bench.chaoskit.observe import KvReading, Sampler, read_kv, ready_by_deployment
+from bench.chaoskit.report import ChaosReport, render_json, render_markdown, render_text
+from bench.kit import command_line, interrupt_on_sigterm, progress_line
 from llmgw.api.llmgw.v1 import (
     ApplyDeploymentRequest,
     Cluster,
@@ -169,7 +169,7 @@ async def _start(cluster: ChaosCluster, client: ControlClient) -> None:
 
 
 async def _apply(client: ControlClient, document_text: str) -> dict[str, int]:
-    document = parse_document(document_text, source="scripts/chaos.py")
+    document = parse_document(document_text, source="bench/chaos.py")
     for deployment in document.deployments.values():
         profile = document.profiles[deployment.profile]
         request = ApplyDeploymentRequest(
@@ -300,12 +300,12 @@ async def _fresh_gateway(cluster: ChaosCluster) -> dict[str, str]:
 
 
 def _kv_models(document_text: str) -> set[str]:
-    document = parse_document(document_text, source="scripts/chaos.py")
+    document = parse_document(document_text, source="bench/chaos.py")
     return {p.served_model_name for p in document.profiles.values() if p.kv_events}
 
 
 def _applied(document_text: str) -> tuple[list[Deployment], list[EngineProfile]]:
-    document = parse_document(document_text, source="scripts/chaos.py")
+    document = parse_document(document_text, source="bench/chaos.py")
     return list(document.deployments.values()), list(document.profiles.values())
 
 
@@ -360,7 +360,9 @@ def _settings(opts: Options, samples: int, skipped: int, disk: StateDisk | None)
 
 
 def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else "")
+    p = argparse.ArgumentParser(
+        prog="python -m bench.chaos", description=__doc__.split("\n\n")[0] if __doc__ else ""
+    )
     p.add_argument("--duration", type=float, default=600.0, help="seconds of faults (600)")
     p.add_argument("--seed", type=int, default=None, help="random seed (default: from the time)")
     p.add_argument("--rate", type=float, default=4.0, help="requests per second (4)")

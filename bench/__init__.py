@@ -1,0 +1,10 @@
+"""Benchmarks and the chaos run, each a module run from the repository root:
+``python -m bench.gateway``, ``bench.http``, ``bench.kvindex``, ``bench.routing`` (its
+simulation in ``bench.routing_sim``), ``bench.reconcile``, ``bench.control``, ``bench.console``
+and ``bench.chaos``; ``--help`` says how, BENCHMARKS.md holds their results.
+
+What the benchmarks share is in ``bench.kit``; the gateway benchmark's parts are in
+``bench.gwbench``, the chaos run's in ``bench.chaoskit``. These modules may import anything of
+``llmgw`` (they measure it from outside and inside) and each other as ``bench.x``; nothing in
+``llmgw`` imports them. Tests find the package through pytest's ``pythonpath`` setting.
+"""
