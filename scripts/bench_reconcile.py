@@ -75,7 +75,7 @@ from llmgw.api.llmgw.v1 import (
 from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server.capacity import NodeCapacity, node_capacity
 from llmgw.server.controlsvc import ControlService
-from llmgw.server.placement import place_deployment
+from llmgw.server.placement import Taken, place_deployment
 from llmgw.server.plan import ReplicaPlan, ShardPlan, Unplaceable
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
@@ -178,8 +178,7 @@ def plan_ours(
             work.deployment,
             replica_ids=ids,
             fingerprint="bench",
-            used_devices=used,
-            used_ports=ports,
+            taken=Taken(devices=used, ports=ports),
             port_range=PORTS,
         )
         for plan in placed:

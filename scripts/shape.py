@@ -180,25 +180,39 @@ def read_tree(roots: Sequence[Path], excluded: Sequence[Path]) -> Tree:
 
 
 def cycles(edges: Sequence[Edge]) -> list[list[str]]:
-    """The strongly connected components with more than one module, each sorted (Tarjan)."""
+    """The strongly connected components with more than one module, each sorted."""
     graph: dict[str, list[str]] = {}
     for edge in edges:
         graph.setdefault(edge.source, []).append(edge.target)
         graph.setdefault(edge.target, [])
-    index: dict[str, int] = {}
-    low: dict[str, int] = {}
-    stack: list[str] = []
-    on_stack: set[str] = set()
-    found: list[list[str]] = []
+    search = _Tarjan(graph)
     for start in sorted(graph):
-        if start in index:
-            continue
-        # An explicit stack of (node, iterator over its successors): no recursion limit.
+        if start not in search.index:
+            search.visit(start)
+    return sorted(sorted(c) for c in search.found if len(c) > 1)
+
+
+class _Tarjan:
+    """Tarjan's strongly connected components, with an explicit stack (no recursion limit)."""
+
+    def __init__(self, graph: dict[str, list[str]]) -> None:
+        self.graph = graph
+        self.index: dict[str, int] = {}
+        self.low: dict[str, int] = {}
+        self.stack: list[str] = []
+        self.on_stack: set[str] = set()
+        self.found: list[list[str]] = []
+
+    def _enter(self, node: str, work: list[tuple[str, Iterator[str]]]) -> None:
+        self.index[node] = self.low[node] = len(self.index)
+        self.stack.append(node)
+        self.on_stack.add(node)
+        work.append((node, iter(self.graph[node])))
+
+    def visit(self, start: str) -> None:
+        """Walk everything reachable from start, collecting the components it closes."""
         work: list[tuple[str, Iterator[str]]] = []
-        index[start] = low[start] = len(index)
-        stack.append(start)
-        on_stack.add(start)
-        work.append((start, iter(graph[start])))
+        self._enter(start, work)
         while work:
             node, successors = work[-1]
             successor = next(successors, None)
@@ -206,25 +220,23 @@ def cycles(edges: Sequence[Edge]) -> list[list[str]]:
                 work.pop()
                 if work:
                     parent = work[-1][0]
-                    low[parent] = min(low[parent], low[node])
-                if low[node] == index[node]:
-                    component = []
-                    while True:
-                        member = stack.pop()
-                        on_stack.discard(member)
-                        component.append(member)
-                        if member == node:
-                            break
-                    if len(component) > 1:
-                        found.append(sorted(component))
-            elif successor not in index:
-                index[successor] = low[successor] = len(index)
-                stack.append(successor)
-                on_stack.add(successor)
-                work.append((successor, iter(graph[successor])))
-            elif successor in on_stack:
-                low[node] = min(low[node], index[successor])
-    return sorted(found)
+                    self.low[parent] = min(self.low[parent], self.low[node])
+                if self.low[node] == self.index[node]:
+                    self._close(node)
+            elif successor not in self.index:
+                self._enter(successor, work)
+            elif successor in self.on_stack:
+                self.low[node] = min(self.low[node], self.index[successor])
+
+    def _close(self, root: str) -> None:
+        component = []
+        while True:
+            member = self.stack.pop()
+            self.on_stack.discard(member)
+            component.append(member)
+            if member == root:
+                break
+        self.found.append(component)
 
 
 def percentile(values: Sequence[int], fraction: float) -> int:
