@@ -163,7 +163,7 @@ class Stages:
     index: float = 0.0  # gateway: apply_kv_blocks → KvIndex
 
     def total(self) -> float:
-        return sum(asdict(self).values())
+        return float(sum(asdict(self).values()))
 
 
 def _flush(mirror: BlockMirror, blocks: KvBlocks, watcher: KvWatcher, index: KvIndex,
@@ -206,7 +206,11 @@ def frame_to_index(frames: list[list[bytes]], flush_blocks: int) -> tuple[Stages
             mirror.apply(batch)
             stages.decode += t1 - t0
             stages.mirror += clock() - t1
-            window += sum(len(e.block_hashes) for e in batch.events)  # type: ignore[union-attr]
+            window += sum(
+                len(e.block_hashes)
+                for e in batch.events
+                if isinstance(e, BlockStored | BlockRemoved)
+            )
             if window >= flush_blocks or i + 1 == len(frames):
                 _flush(mirror, blocks, watcher, index, stages, i)
                 window = 0

@@ -206,7 +206,7 @@ def plan_first_fit(
     for work in works:
         per_node = work.profile.tp * work.profile.pp // work.profile.nodes
         for i in range(work.replicas):
-            shards = []
+            shards: list[ShardPlan] = []
             for node in ordered:
                 if node.schedulable and len(free[node.node_id]) >= per_node:
                     taken, free[node.node_id] = (
@@ -302,6 +302,7 @@ async def registered(plane: ControlPlane, messages: Sequence[Node]) -> None:
     """Every node registered as its agent would, then cordoned, lost or sick as set."""
     for i, node in enumerate(messages):
         info = node.info
+        assert info is not None, node
         info.management_address = f"10.{i // 250}.{i % 250}.1"
         register = Register(protocol_version=PROTOCOL_VERSION, node=info)
         connection = await plane.register(info, register, peer=f"{info.management_address}:1")

@@ -133,7 +133,7 @@ def test_every_long_running_process_raises_its_soft_limit_to_the_hard_one(
     }
     raised = (hard, hard)
     for name, proc in started.items():
-        wait_for(lambda p=proc: _open_files_limits(p.pid) == raised, 30, f"{name}'s limit raised")
+        wait_for(lambda p=proc: _open_files_limits(p.pid) == raised, 30, f"{name}'s limit raised")  # type: ignore[misc]
         assert "open files limit raised from 256" in procs.log(name).read_text(), name
 
 

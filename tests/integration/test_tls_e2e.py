@@ -129,7 +129,10 @@ def _openai(base: str, ca: Path) -> Iterator[openai.OpenAI]:
     with (
         httpx.Client(verify=client_context(ca), timeout=30) as http,
         openai.OpenAI(
-            base_url=f"{base}/v1", api_key="k", max_retries=0, http_client=http
+            base_url=f"{base}/v1",
+            api_key="k",
+            max_retries=0,
+            http_client=http,  # type: ignore[arg-type]
         ) as client,
     ):
         yield client

@@ -59,7 +59,7 @@ def _cap(
     )
 
 
-def _profile(gpu_class: str = "H100", tp: int = 1, **kw: int) -> EngineProfile:
+def _profile(gpu_class: str = "H100", tp: int = 1, **kw: Any) -> EngineProfile:
     return EngineProfile(name="p", engine="sim", gpu_class=gpu_class, tp=tp, **kw)
 
 
@@ -342,7 +342,7 @@ def test_place_replica_matches_place_deployment() -> None:
         fingerprint=FP,
         taken=Taken(),
     )
-    assert plan == _place([dgx], _profile(tp=2))[0].__class__(
+    assert plan == _place([dgx], _profile(tp=2))[0].__class__(  # type: ignore[call-arg]
         "r1",
         "chat",
         "p",

@@ -450,7 +450,8 @@ def test_the_bench_feeds_the_precise_tier_from_the_engines_events(bench: ModuleT
     # Two conversations of one group, far apart: the first finds nothing indexed (the
     # approximate tier decides, by load); by the second, engine-00's events have reached
     # the index, and the precise tier finds the shared system prompt there, as the oracle.
-    fields = {"engines": 2, "groups": 1, "users": 2, "turns": 2, "system_tokens": 200}
+    fields: dict[str, Any] = {"engines": 2, "groups": 1, "users": 2, "turns": 2}
+    fields |= {"system_tokens": 200}
     fields |= {"question_tokens": 40, "rate": 0.02, "think_s": 1.0, "kv_blocks": 256}
     config = replace(bench.BenchConfig(), **fields)
     workload = bench.build_workload(config)

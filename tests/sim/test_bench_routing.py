@@ -41,7 +41,13 @@ def quick(bench: ModuleType) -> Any:
 
 
 def _tiny(bench: ModuleType, **overrides: Any) -> Any:
-    fields = {"engines": 2, "groups": 1, "users": 2, "turns": 2, "system_tokens": 200}
+    fields: dict[str, Any] = {
+        "engines": 2,
+        "groups": 1,
+        "users": 2,
+        "turns": 2,
+        "system_tokens": 200,
+    }
     fields |= {"question_tokens": 40, "rate": 0.02, "think_s": 1.0, "kv_blocks": 256}
     return replace(bench.BenchConfig(), **(fields | overrides))
 
