@@ -101,6 +101,14 @@ def test_a_long_module_fails_unless_the_allow_file_names_it(tmp_path: Path) -> N
     )
     assert passed.returncode == 0, passed.stdout
     assert "cycle 1 (2 modules): a, b" in passed.stdout  # still printed, only not failed
+    assert "exceptions no longer needed" not in passed.stdout
+    allow.write_text("flat/long.py\nflat/a.py::f\ncycle b\nflat/b.py\nflat/a.py::gone\n")
+    stale = _shape(
+        tmp_path, "flat", "--max-module", "10", "--max-function", "5", "--allow", "allow"
+    )
+    assert stale.returncode == 0, stale.stdout
+    assert "== 2 exceptions no longer needed (delete them from --allow)" in stale.stdout
+    assert "  flat/a.py::gone\n  flat/b.py\n" in stale.stdout
 
 
 def test_reported_roots_are_measured_but_never_fail(tmp_path: Path) -> None:
