@@ -205,7 +205,11 @@ def frame_to_index(frames: list[list[bytes]], flush_blocks: int) -> tuple[Stages
             mirror.apply(batch)
             stages.decode += t1 - t0
             stages.mirror += clock() - t1
-            window += sum(len(e.block_hashes) for e in batch.events)  # type: ignore[union-attr,misc]
+            window += sum(
+                len(e.block_hashes)
+                for e in batch.events
+                if isinstance(e, BlockStored | BlockRemoved)
+            )
             if window >= flush_blocks or i + 1 == len(frames):
                 _flush(mirror, blocks, watcher, index, stages, i)
                 window = 0

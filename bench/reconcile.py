@@ -74,7 +74,7 @@ from llmgw.api.llmgw.v1 import (
 from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server.capacity import NodeCapacity, node_capacity
 from llmgw.server.controlsvc import ControlService
-from llmgw.server.placement import place_deployment
+from llmgw.server.placement import Taken, place_deployment
 from llmgw.server.plan import ReplicaPlan, ShardPlan, Unplaceable
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
@@ -177,8 +177,7 @@ def plan_ours(
             work.deployment,
             replica_ids=ids,
             fingerprint="bench",
-            used_devices=used,
-            used_ports=ports,
+            taken=Taken(devices=used, ports=ports),
             port_range=PORTS,
         )
         for plan in placed:
@@ -302,7 +301,7 @@ async def registered(plane: ControlPlane, messages: Sequence[Node]) -> None:
     """Every node registered as its agent would, then cordoned, lost or sick as set."""
     for i, node in enumerate(messages):
         info = node.info
-        assert info is not None  # every fixture node has its info
+        assert info is not None, node
         info.management_address = f"10.{i // 250}.{i % 250}.1"
         register = Register(protocol_version=PROTOCOL_VERSION, node=info)
         connection = await plane.register(info, register, peer=f"{info.management_address}:1")

@@ -23,8 +23,9 @@ import argparse
 import asyncio
 import subprocess
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, MutableMapping
 from pathlib import Path
+from typing import Any
 
 Target = Callable[[bytes], None]
 
@@ -60,8 +61,8 @@ def _grpcweb() -> Target:
     loop = asyncio.new_event_loop()
     kinds = [b"application/grpc-web", b"application/grpc-web-text"]
 
-    async def call(path: str, content_type: bytes, body: bytes) -> list[dict[str, object]]:
-        sent: list[dict[str, object]] = []
+    async def call(path: str, content_type: bytes, body: bytes) -> list[MutableMapping[str, Any]]:
+        sent: list[MutableMapping[str, Any]] = []
         chunks = [body]
 
         async def receive() -> dict[str, object]:
@@ -69,7 +70,7 @@ def _grpcweb() -> Target:
                 return {"type": "http.request", "body": chunks.pop(), "more_body": False}
             return {"type": "http.disconnect"}
 
-        async def send(message: dict[str, object]) -> None:
+        async def send(message: MutableMapping[str, Any]) -> None:
             sent.append(message)
 
         headers = [(b"content-type", content_type)]
@@ -83,7 +84,7 @@ def _grpcweb() -> Target:
         path = paths[data[0] % len(paths)] if data else paths[0]
         kind = kinds[data[1] % 2] if len(data) > 1 else kinds[0]
         sent = loop.run_until_complete(call(path, kind, data[2:]))
-        trailer = bytes(sent[-1]["body"])  # type: ignore[arg-type]
+        trailer = bytes(sent[-1]["body"])
         assert b"grpc-status:13" not in trailer and b"grpc-status:2\r" not in trailer, sent
 
     return target

@@ -116,6 +116,7 @@ def test_no_origin_is_allowed_by_default_but_the_ports_own() -> None:
 
 def test_an_opted_in_origin_is_answered_with_cors() -> None:
     guard = HttpGuard(CONSOLE)
+    origin: str | None
     for origin in ("https://console.example", "https://CONSOLE.example:443"):
         assert guard.refusal("127.0.0.1:8080", origin) is None
         assert guard.cors_allows(origin)

@@ -9,6 +9,10 @@ one still queued behind it: the latest command wins. A halt in progress is never
 interrupted; the next operation waits for it. Cancelling a runner (the agent stopping)
 leaves its engine running, to be adopted by the next agent.
 
+What the server last asked of the shard (its ``mode`` and ``target``) is the runner's own:
+the supervisor passes each command on (``request_run``, ``request_stop``, ``request_drain``)
+and the runner decides what it changes and which operation it queues.
+
 Every state change goes through the lifecycle table (``llmgw.agent.shards``) and is
 emitted as a ``ShardStatus`` with its reason. When an engine that publishes KV events turns
 READY, the runner reads its ``/metrics`` once more for its KV block count and hands it to
@@ -184,9 +188,11 @@ class ShardRunner:
         self.reason = reason
         self.ctx.emit(self.status())
 
-    def fail_now(self, reason: str) -> None:
-        """FAILED without an engine (a profile that cannot be run); no restart."""
+    def fail_now(self, reason: str, *, port_in_use: int = 0) -> None:
+        """FAILED without an engine (a profile that cannot be run, or ``port_in_use``, the
+        port it needs, held by another process); no restart."""
         self.command = self.target = None
+        self.port_in_use = port_in_use
         self._set(ShardState.FAILED, reason)
 
     def _set(self, state: ShardState, reason: str) -> None:
@@ -202,6 +208,48 @@ class ShardRunner:
     def _advance(self, state: ShardState, reason: str) -> None:
         if self.state is not state:
             self._set(state, reason)
+
+    # --- what the server asks ----------------------------------------------------------------
+
+    def request_run(self, message: StartShard, command: Command) -> bool:
+        """Run ``command`` from now on, replacing what runs (a drain or stop in progress is
+        interrupted where it can be); False, and nothing changes, when it runs that already."""
+        target = self.target
+        if self.mode is Mode.RUN and target and target.fingerprint == command.fingerprint:
+            return False
+        self.mode, self.target = Mode.RUN, command
+        self.schedule(lambda: self.replace(message, command), interrupt=True)
+        return True
+
+    def request_stop(self, grace_s: float, reason: str, *, then: Callable[[], None]) -> None:
+        """Halt the engine (SIGKILL after ``grace_s``) and never restart it; ``then()`` once it
+        ended if nothing was asked since. A shard already stopping changes nothing."""
+        if self.mode is Mode.STOP:
+            return
+        self.mode = Mode.STOP
+        self.schedule(self._ending(lambda: self.halt(grace_s, reason), then), interrupt=True)
+
+    def request_drain(self, grace_s: float, *, then: Callable[[], None]) -> None:
+        """Drain (see ``drain``) and never restart; ``then()`` as for ``request_stop``. Only a
+        shard asked to run drains: one draining or stopping goes on as it was."""
+        if self.mode is not Mode.RUN:
+            return
+        self.mode = Mode.DRAIN
+        self.schedule(self._ending(lambda: self.drain(grace_s), then), interrupt=True)
+
+    def _ending(
+        self, op: Callable[[], Awaitable[None]], then: Callable[[], None]
+    ) -> Callable[[], Awaitable[None]]:
+        """``op``, then ``then()`` if the shard ended (STOPPED or FAILED) with nothing queued
+        and nothing asked since."""
+
+        async def op_then() -> None:
+            await op()
+            ended = self.state in (ShardState.STOPPED, ShardState.FAILED)
+            if self.mode is not Mode.RUN and self.is_last_operation() and ended:
+                then()
+
+        return op_then
 
     # --- operations ------------------------------------------------------------------------
 
@@ -290,13 +338,21 @@ class ShardRunner:
         self.log.follow_tail()
         self.begin(ShardState.LOADING, f"adopted engine pid {process.pid} from a previous agent")
 
-    def resume_stop(self, process: EngineProcess) -> None:
-        """Take over an engine a previous agent was stopping: DRAINING until it is halted."""
+    def resume_stop(self, process: EngineProcess, *, then: Callable[[], None]) -> None:
+        """Take over an engine a previous agent was stopping: DRAINING until it is halted
+        (once the server accepted this agent), then ``then()`` as for ``request_stop``."""
         self.process, self.mode = process, Mode.STOP
         self.begin(
             ShardState.DRAINING,
             f"finishing the stop of engine pid {process.pid} a previous agent began",
         )
+
+        async def halt_when_licensed() -> None:
+            await self.ctx.licensed.wait()
+            grace = self.ctx.config.stop_grace_s
+            await self.halt(grace, "stopped (the stop a previous agent began)")
+
+        self.schedule(self._ending(halt_when_licensed, then), interrupt=False)
 
     async def halt(self, grace_s: float, reason: str) -> None:
         """Stop the engine (SIGTERM, SIGKILL to the group after ``grace_s``): STOPPED."""

@@ -6,10 +6,12 @@
         await supervisor.handle(control_message)   # StartShard / StopShard / DrainShard
         register.shards = supervisor.statuses()
 
-Commands return at once; the work (spawning, probing, stopping with grace) runs in each
-shard's own task (see ``llmgw.agent.runner``) and every state change is emitted as a
-``ShardStatus``. A command that cannot be carried out (a profile the adapter refuses, an
-invalid shard id) is reported as FAILED with the reason; nothing is raised to the stream.
+Commands return at once: the supervisor finds the shard by id and passes the command on
+to its ``ShardRunner``, which owns what was asked of it and queues the work (spawning,
+probing, stopping with grace) in its own task (see ``llmgw.agent.runner``); every state
+change is emitted as a ``ShardStatus``. A command that cannot be carried out (a profile the
+adapter refuses, an invalid shard id) is reported as FAILED with the reason; nothing is
+raised to the stream.
 Every profile is checked with ``llmgw.engineinput`` (environment names, flags, paths)
 before any command is built, whichever launcher builds it: the control server checked it
 too, and an engine with an environment or flags the check refuses is never started.
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -54,7 +57,6 @@ from llmgw.agent.process import EngineProcess, is_running, kill_leftovers
 from llmgw.agent.records import SHARD_ID, EngineRecord, RecordStore
 from llmgw.agent.runner import (
     Command,
-    Mode,
     RunnerContext,
     ShardRunner,
     StatusSink,
@@ -222,22 +224,17 @@ class Supervisor:
         if existing is None and (taken := port_taken(ctx.config.host, command.launch.port)):
             log.warning("shard %s: StartShard refused: %s", message.shard_id, taken)
             runner = self._add(ShardRunner(ctx, message, None))
-            runner.port_in_use = command.launch.port
             runner.begin(NEW_STATE, "accepted")
-            runner.fail_now(taken)
+            runner.fail_now(taken, port_in_use=command.launch.port)
             return
         if existing is None:
             runner = self._add(ShardRunner(ctx, message, command))
             runner.begin(NEW_STATE, "accepted")
             runner.schedule(runner.run, interrupt=False)
             return
-        target = existing.target
-        if existing.mode is Mode.RUN and target and target.fingerprint == command.fingerprint:
+        if not existing.request_run(message, command):
             log.info("shard %s already runs this command; StartShard changes nothing",
                      message.shard_id)  # fmt: skip
-            return
-        existing.mode, existing.target = Mode.RUN, command
-        existing.schedule(lambda: existing.replace(message, command), interrupt=True)
 
     async def stop(self, shard_id: str, *, grace_s: float | None = None, reason: str = "") -> None:
         """Stop a shard: SIGTERM, SIGKILL after the grace, STOPPED; never restarted."""
@@ -245,12 +242,9 @@ class Supervisor:
         if runner is None:
             self._emit(_unknown(shard_id))
             return
-        if runner.mode is Mode.STOP:
-            return
-        runner.mode = Mode.STOP
         grace = self.config.stop_grace_s if grace_s is None else grace_s
         why = f"stopped: {reason}" if reason else "stopped"
-        runner.schedule(self._then_forget(runner, lambda: runner.halt(grace, why)), interrupt=True)
+        runner.request_stop(grace, why, then=functools.partial(self._forget, runner))
 
     async def drain(self, shard_id: str, *, grace_s: float | None = None) -> None:
         """DRAINING until no request is in flight (or the grace runs out), then STOPPED."""
@@ -258,11 +252,8 @@ class Supervisor:
         if runner is None:
             self._emit(_unknown(shard_id))
             return
-        if runner.mode is not Mode.RUN:
-            return
-        runner.mode = Mode.DRAIN
         grace = self.config.drain_grace_s if grace_s is None else grace_s
-        runner.schedule(self._then_forget(runner, lambda: runner.drain(grace)), interrupt=True)
+        runner.request_drain(grace, then=functools.partial(self._forget, runner))
 
     # --- adoption --------------------------------------------------------------------------
 
@@ -313,11 +304,9 @@ class Supervisor:
         runner = self._add(
             ShardRunner(self._context(), record.start, None, restarts=record.restarts)
         )
-        runner.resume_stop(EngineProcess(record.identity))
-        why = "stopped (the stop a previous agent began)"
-        grace = self.config.stop_grace_s
-        halt = self._licensed(lambda: runner.halt(grace, why))
-        runner.schedule(self._then_forget(runner, halt), interrupt=False)
+        runner.resume_stop(
+            EngineProcess(record.identity), then=functools.partial(self._forget, runner)
+        )
 
     def _licensed(self, op: Callable[[], Awaitable[None]]) -> Callable[[], Awaitable[None]]:
         """``op`` once the server accepted this agent (it stops an engine)."""
@@ -370,22 +359,10 @@ class Supervisor:
         self._shards[runner.shard_id] = runner
         return runner
 
-    def _then_forget(
-        self, runner: ShardRunner, op: Callable[[], Awaitable[None]]
-    ) -> Callable[[], Awaitable[None]]:
-        """``op``, then forget the shard if it ended stopped (or failed) with nothing queued."""
-
-        async def op_then_forget() -> None:
-            await op()
-            if (
-                runner.mode is not Mode.RUN
-                and runner.is_last_operation()
-                and runner.state in (ShardState.STOPPED, ShardState.FAILED)
-                and self._shards.get(runner.shard_id) is runner
-            ):
-                del self._shards[runner.shard_id]
-
-        return op_then_forget
+    def _forget(self, runner: ShardRunner) -> None:
+        """Drop a shard that ended (stopped or failed) unless a new runner took its id."""
+        if self._shards.get(runner.shard_id) is runner:
+            del self._shards[runner.shard_id]
 
     def _context(self) -> RunnerContext:
         if self._ctx is None:

@@ -313,7 +313,7 @@ class RequestExtraKeys:
         return _block_extra_keys(self._version, start, end, self, embeds)
 
 
-def extra_keys_for_block(
+def extra_keys_for_block(  # noqa: PLR0913 (RequestExtraKeys' fields, for one block)
     block_start: int,
     block_end: int,
     *,

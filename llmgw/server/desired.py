@@ -45,7 +45,7 @@ from llmgw.api.llmgw.v1 import (
 )
 from llmgw.server.capacity import NodeCapacity, node_capacity
 from llmgw.server.errors import ProfileError
-from llmgw.server.placement import place_deployment
+from llmgw.server.placement import Taken, place_deployment
 from llmgw.server.plan import ReplicaPlan, Unplaceable
 from llmgw.server.profiles import CPU_CLASS, Document, parse_document, profile_fingerprint
 from llmgw.server.profiles import render_document as _render
@@ -243,7 +243,7 @@ def plan_text(deployment: Deployment, profile: EngineProfile, cluster: Cluster) 
     ids = [f"{deployment.name}-{i}" for i in range(deployment.replicas)]
     placed = place_deployment(
         nodes, profile, deployment, replica_ids=ids, fingerprint=fingerprint,
-        used_devices=devices, used_ports=ports,
+        taken=Taken(devices=devices, ports=ports),
     )  # fmt: skip
     head = (
         f"dry run: deployment {deployment.name}, profile {profile.name} ({fingerprint}), "

@@ -39,14 +39,21 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.server.capacity import Device, NodeCapacity, choose_group
 from llmgw.server.plan import ReplicaPlan, ShardPlan, Unplaceable
 
-__all__ = ["FleetPlacer", "Requirement", "place_deployment", "place_replica", "requirement"]
+__all__ = [
+    "FleetPlacer",
+    "Requirement",
+    "Taken",
+    "place_deployment",
+    "place_replica",
+    "requirement",
+]
 
 Placed = ReplicaPlan | Unplaceable
 SortKey = tuple[object, ...]
@@ -115,6 +122,16 @@ def _profile_problem(name: str, req: Requirement) -> str:
     return ""
 
 
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """What other replicas hold already, per node id: what a replica placed now avoids."""
+
+    devices: Mapping[str, frozenset[str]] = field(default_factory=dict)  # GPU uuids
+    ports: Mapping[str, frozenset[int]] = field(default_factory=dict)
+    threads: Mapping[str, int] = field(default_factory=dict)  # CPU threads of CPU engines
+    replicas: Mapping[str, int] = field(default_factory=dict)  # of this deployment (spread)
+
+
 def place_replica(
     nodes: Sequence[NodeCapacity],
     profile: EngineProfile,
@@ -122,10 +139,7 @@ def place_replica(
     *,
     replica_id: str,
     fingerprint: str,
-    used_devices: Mapping[str, frozenset[str]],
-    used_ports: Mapping[str, frozenset[int]],
-    replicas_per_node: Mapping[str, int],
-    used_threads: Mapping[str, int] | None = None,
+    taken: Taken,
     port_range: PortRange = DEFAULT_ENGINE_PORTS,
 ) -> Placed:
     """Place one replica of ``deployment`` (see the module docstring for the rules)."""
@@ -135,10 +149,7 @@ def place_replica(
         deployment,
         replica_ids=(replica_id,),
         fingerprint=fingerprint,
-        used_devices=used_devices,
-        used_ports=used_ports,
-        used_threads=used_threads,
-        replicas_per_node=replicas_per_node,
+        taken=taken,
         port_range=port_range,
     )[0]
 
@@ -150,10 +161,7 @@ def place_deployment(
     *,
     replica_ids: Sequence[str],
     fingerprint: str,
-    used_devices: Mapping[str, frozenset[str]] | None = None,
-    used_ports: Mapping[str, frozenset[int]] | None = None,
-    used_threads: Mapping[str, int] | None = None,
-    replicas_per_node: Mapping[str, int] | None = None,
+    taken: Taken = Taken(),
     port_range: PortRange = DEFAULT_ENGINE_PORTS,
 ) -> list[Placed]:
     """Place one replica per id, in order, each seeing what the ones before it took.
@@ -164,7 +172,7 @@ def place_deployment(
     need = requirement(profile)
     if isinstance(need, Unplaceable):
         return [need] * len(replica_ids)
-    ledger = _Ledger(used_devices, used_ports, used_threads, replicas_per_node, port_range)
+    ledger = _Ledger(taken, port_range)
     scope = _Scope(nodes, deployment, need, ledger)
     placer: _SinglePlacer | _MultiPlacer = (
         _MultiPlacer(scope) if need.nodes > 1 else _SinglePlacer(scope)
@@ -225,10 +233,12 @@ class FleetPlacer:
             deployment,
             replica_ids=replica_ids,
             fingerprint=self.fingerprint(profile),
-            used_devices={k: frozenset(v) for k, v in devices.items()},
-            used_ports={k: frozenset(v) for k, v in ports.items()},
-            used_threads=threads,
-            replicas_per_node=mine,
+            taken=Taken(
+                devices={k: frozenset(v) for k, v in devices.items()},
+                ports={k: frozenset(v) for k, v in ports.items()},
+                threads=threads,
+                replicas=mine,
+            ),
             port_range=self.port_range,
         )
 
@@ -239,18 +249,11 @@ class FleetPlacer:
 class _Ledger:
     """Devices, ports, threads and replicas taken so far in this call (mutable, private)."""
 
-    def __init__(
-        self,
-        devices: Mapping[str, frozenset[str]] | None,
-        ports: Mapping[str, frozenset[int]] | None,
-        threads: Mapping[str, int] | None,
-        replicas: Mapping[str, int] | None,
-        port_range: PortRange,
-    ) -> None:
-        self.devices = {k: set(v) for k, v in (devices or {}).items()}
-        self.ports = {k: set(v) for k, v in (ports or {}).items()}
-        self.threads = dict(threads or {})
-        self.replicas = dict(replicas or {})
+    def __init__(self, taken: Taken, port_range: PortRange) -> None:
+        self.devices = {k: set(v) for k, v in taken.devices.items()}
+        self.ports = {k: set(v) for k, v in taken.ports.items()}
+        self.threads = dict(taken.threads)
+        self.replicas = dict(taken.replicas)
         self.port_range = port_range
 
     def free(self, node_id: str, devices: Sequence[Device]) -> list[Device]:

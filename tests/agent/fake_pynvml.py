@@ -25,9 +25,11 @@ import uuid
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import pynvml as _real
+
+_T = TypeVar("_T")
 
 # --- errors, made the way pynvml makes them ------------------------------------------------
 
@@ -334,7 +336,7 @@ class _Api:
         info.cliqueId, info.healthMask = fabric.clique_id, fabric.health_mask
         if fabric.cluster_uuid:
             ctypes.memmove(info.clusterUuid, uuid.UUID(fabric.cluster_uuid).bytes, 16)
-        return _real.NVML_SUCCESS
+        return int(_real.NVML_SUCCESS)
 
     # -- MIG ---------------------------------------------------------------------------------
 
@@ -401,8 +403,7 @@ def fake_nvml(machine: FakeMachine) -> types.ModuleType:
             setattr(module, name, getattr(_real, name))
     for name in STRUCTURES:
         setattr(module, name, getattr(_real, name))
-    module.NVMLError = NVMLError
-    for name, cls in ERROR_CLASSES.items():
+    for name, cls in {"NVMLError": NVMLError, **ERROR_CLASSES}.items():
         setattr(module, name, cls)
     api = _Api(machine)
     for name in FUNCTIONS:
@@ -410,7 +411,7 @@ def fake_nvml(machine: FakeMachine) -> types.ModuleType:
     return module
 
 
-def _supported(value: Any) -> Any:
+def _supported(value: _T | None) -> _T:
     if value is None:
         raise NVMLError(_real.NVML_ERROR_NOT_SUPPORTED)
     return value

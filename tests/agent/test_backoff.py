@@ -30,4 +30,4 @@ def test_a_streak_warns_first_then_at_most_once_a_minute(
             backoff.failed("refused: ALREADY_EXISTS")
             now[0] += 5.0
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
-    assert [int(r.args[2]) for r in warnings] == [1, 13, 25]  # type: ignore[index]
+    assert [int(r.args[2]) for r in warnings] == [1, 13, 25]  # type: ignore[index, arg-type]

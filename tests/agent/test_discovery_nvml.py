@@ -512,7 +512,7 @@ def test_shutdown_follows_init_even_when_a_read_raises_something_else(tmp_path: 
     def broken(handle: object) -> str:
         raise RuntimeError("a bug")
 
-    module.nvmlDeviceGetName = broken
+    vars(module)["nvmlDeviceGetName"] = broken
     with pytest.raises(RuntimeError):
         nvml_gpus(module, root=tmp_path)
     assert machine.started == 0 and machine.calls["nvmlShutdown"] == 1

@@ -114,7 +114,7 @@ def test_a100_mig_devices_sit_beside_parents_that_exist() -> None:
     by_uuid = {g.uuid: g for g in node.gpus}
     migs = [g for g in node.gpus if g.mig is not None]
     assert len(_physical(node)) == 4 and migs
-    assert {m.mig.profile for m in migs} >= {"1g.10gb", "2g.20gb", "3g.40gb", "7g.80gb"}
+    assert {m.mig.profile for m in migs} >= {"1g.10gb", "2g.20gb", "3g.40gb", "7g.80gb"}  # type: ignore[union-attr]
     for position, device in enumerate(node.gpus):
         if device.mig is None:
             continue
@@ -127,10 +127,10 @@ def test_a100_mig_devices_sit_beside_parents_that_exist() -> None:
         earlier = node.gpus[position - 1]
         assert earlier is parent or earlier.mig is not None  # right after the parent
     for parent in _physical(node):
-        children = [m for m in migs if m.mig.parent_uuid == parent.uuid]
+        children = [m for m in migs if m.mig.parent_uuid == parent.uuid]  # type: ignore[union-attr]
         assert parent.mig_enabled == bool(children)
         assert sum(c.memory_total_bytes for c in children) <= parent.memory_total_bytes
-        ids = [(c.mig.gpu_instance_id, c.mig.compute_instance_id) for c in children]
+        ids = [(c.mig.gpu_instance_id, c.mig.compute_instance_id) for c in children]  # type: ignore[union-attr]
         assert len(set(ids)) == len(ids)
     assert any(not g.mig_enabled for g in _physical(node))
 
@@ -157,7 +157,7 @@ def test_gb200_has_fabric_clique_and_imex() -> None:
         assert gpu.fabric.cluster_uuid and gpu.fabric.clique_id > 0
         assert gpu.fabric.bandwidth_gbps > 0
         assert gpu.nvlink_peers == [i for i in range(4) if i != gpu.index]
-    assert len({(g.fabric.cluster_uuid, g.fabric.clique_id) for g in node.gpus}) == 1
+    assert len({(g.fabric.cluster_uuid, g.fabric.clique_id) for g in node.gpus}) == 1  # type: ignore[union-attr]
     assert node.imex is not None
     assert node.imex.state == "up" and node.imex.channels == [0] and node.imex.domain
 

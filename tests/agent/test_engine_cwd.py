@@ -8,7 +8,6 @@ from pathlib import Path
 
 import pytest
 from test_kvevents import (
-    AgentConfig,
     FakeControl,
     _kill_engines,
     _start_sim_shard,
@@ -17,7 +16,7 @@ from test_kvevents import (
 )
 
 from llmgw.agent.backoff import BackoffPolicy
-from llmgw.agent.daemon import Agent
+from llmgw.agent.daemon import Agent, AgentConfig
 from llmgw.agent.shards import RestartPolicy
 from llmgw.api.llmgw.v1 import ControlMessage, ShardState
 

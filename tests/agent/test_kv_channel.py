@@ -22,7 +22,6 @@ from pathlib import Path
 import pytest
 from test_kvevents import (
     TOPIC,
-    AgentConfig,
     Engine,
     FakeControl,
     Index,
@@ -37,7 +36,7 @@ from test_kvevents import (
 )
 
 from llmgw.agent.backoff import BackoffPolicy
-from llmgw.agent.daemon import Agent
+from llmgw.agent.daemon import Agent, AgentConfig
 from llmgw.agent.kvevents import KvFollowConfig
 from llmgw.agent.shards import RestartPolicy
 from llmgw.api.llmgw.v1 import ControlMessage, ShardState, StopShard

@@ -18,6 +18,7 @@ import signal
 import tempfile
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Protocol
 
 import grpclib.const
 import grpclib.server
@@ -123,7 +124,8 @@ class Engine:
         publisher = FaultyPublisher(
             config, encoding="map", vllm_version="0.33.0", data_parallel_rank=self.rank
         )
-        self.publisher = await publisher.__aenter__()
+        await publisher.__aenter__()
+        self.publisher = publisher
 
     async def stop(self) -> None:
         """The engine process ends: its cache is gone."""
@@ -159,6 +161,12 @@ class Engine:
     def clear(self) -> AllBlocksCleared:
         self.blocks.clear()
         return AllBlocksCleared()
+
+
+class DeltaSink(Protocol):
+    """Whatever takes the agent's deltas: an `Index` here, a server and gateway in test_kvchain."""
+
+    def apply(self, deltas: Sequence[KvDelta]) -> None: ...
 
 
 class Index:
@@ -224,14 +232,14 @@ async def until(predicate: Callable[[], object], within_s: float = 10.0) -> None
             await asyncio.sleep(0.01)
 
 
-async def synced(hub: KvEventHub, index: Index, shard: str, engine: Engine) -> KvEventCounters:
+async def synced(hub: KvEventHub, index: DeltaSink, shard: str, engine: Engine) -> KvEventCounters:
     """Wait until the subscriber applied the engine's last batch; then take the deltas."""
     await until(lambda: hub.counters()[shard].last_seq == engine.pub.last_seq)
     index.apply(hub.take_deltas())
     return hub.counters()[shard]
 
 
-async def joined(hub: KvEventHub, index: Index, engine: Engine, shard: str = "s1") -> None:
+async def joined(hub: KvEventHub, index: DeltaSink, engine: Engine, shard: str = "s1") -> None:
     """Follow the engine and publish until a live batch arrives (the SUB has joined)."""
     hub.follow(shard, engine.endpoints)
     for _ in range(200):
@@ -536,7 +544,7 @@ async def _scenario(folder: Path, steps: list[str], seed: int) -> None:
         await engine.stop()
 
 
-async def _restart(hub: KvEventHub, index: Index, engine: Engine) -> None:
+async def _restart(hub: KvEventHub, index: DeltaSink, engine: Engine) -> None:
     """Restart the engine once the subscriber follows it, so that it sees the restart (the
     new process's seqs may equal the old one's), and publish a first batch."""
     engine.pub.publish([engine.store(1)])

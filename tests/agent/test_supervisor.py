@@ -406,6 +406,23 @@ async def test_start_twice_is_idempotent_and_a_new_command_replaces(harness: Har
     assert "env VLLM_TEST_ENV=b" in sup.logs("s1")
 
 
+async def test_a_drain_or_a_second_stop_of_a_stopping_shard_changes_nothing(
+    harness: Harness,
+) -> None:
+    sup = await harness.open()
+    await sup.start(start("s1"))
+    await harness.recorder.wait("s1", S.READY)
+    count = len(harness.recorder.statuses)
+    await sup.stop("s1", reason="first")
+    await sup.drain("s1", grace_s=10)
+    await sup.stop("s1", reason="second")
+    stopped = await harness.recorder.wait("s1", S.STOPPED)
+    assert stopped.reason == "stopped: first"
+    assert harness.recorder.states("s1")[count:] == [S.DRAINING, S.STOPPED]
+    await asyncio.sleep(0.2)
+    assert sup.status("s1") is None  # a stopped shard is forgotten
+
+
 async def test_bad_commands_are_reported_never_raised(harness: Harness) -> None:
     sup = await harness.open()
     await sup.handle(ControlMessage(start_shard=start("bad1", engine="bad")))

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from llmgw.agent.discovery import SimulatedTelemetry, simulated_node
 from llmgw.agent.telemetry import advance_baseline, telemetry_delta
 from llmgw.api.llmgw.v1 import GpuTelemetry, Health
@@ -9,8 +11,8 @@ from llmgw.api.llmgw.v1 import GpuTelemetry, Health
 MIB = 1 << 20
 
 
-def _reading(uuid: str = "GPU-0", **values: object) -> GpuTelemetry:
-    base: dict[str, object] = {
+def _reading(uuid: str = "GPU-0", **values: Any) -> GpuTelemetry:
+    base: dict[str, Any] = {
         "uuid": uuid,
         "memory_used_bytes": 1000 * MIB,
         "utilization_pct": 50,

@@ -79,9 +79,9 @@ class Control(ControlServiceBase):
             await asyncio.sleep(30)
         return await self._record(message)
 
-    uncordon_node = drain_node = cordon_node  # type: ignore[assignment]
-    apply_deployment = delete_deployment = delete_node = _record  # type: ignore[assignment]
-    start_replica = drain_replica = reprofile_replica = _record  # type: ignore[assignment]
+    uncordon_node = drain_node = cordon_node
+    apply_deployment = delete_deployment = delete_node = _record
+    start_replica = drain_replica = reprofile_replica = _record
 
     async def list_profiles(self, message: ListProfilesRequest) -> ListProfilesResponse:
         return ListProfilesResponse(profiles=[EngineProfile(name="h100-tp2")])
@@ -106,7 +106,7 @@ async def test_unary(channel: GrpcWebChannel) -> None:
     assert await ControlClient(channel).get_cluster() == Cluster(revision=7)
 
 
-MUTATIONS: list[tuple[str, tuple[Any, ...], dict[str, str], Any]] = [
+MUTATIONS: list[tuple[str, tuple[Any, ...], dict[str, object], Any]] = [
     ("cordon_node", ("n1",), {}, NodeRequest(node_id="n1")),
     ("uncordon_node", ("n1",), {}, NodeRequest(node_id="n1")),
     ("drain_node", ("n1",), {}, NodeRequest(node_id="n1")),
@@ -178,7 +178,7 @@ async def test_call_timeout_is_deadline_exceeded(control: Control) -> None:
 
 
 async def test_server_streaming(channel: GrpcWebChannel) -> None:
-    async with aclosing(ControlClient(channel).watch()) as events:
+    async with aclosing(ControlClient(channel).watch()) as events:  # type: ignore[type-var]
         assert [event.revision async for event in events] == [1, 2, 3]
 
 
@@ -213,7 +213,7 @@ async def test_unreachable_server() -> None:
         assert caught.value.url == url
         assert url in str(caught.value)
         with pytest.raises(ServerUnreachable):
-            async with aclosing(ControlClient(channel).watch()) as events:
+            async with aclosing(ControlClient(channel).watch()) as events:  # type: ignore[type-var]
                 await anext(events)
     assert isinstance(caught.value.__cause__, httpx.ConnectError)
 
@@ -245,7 +245,7 @@ async def test_a_hang_up_before_any_reply_hints_at_tls_on_plaintext_urls(
             with pytest.raises(ServerUnreachable) as caught:
                 await ControlClient(channel).get_cluster()
             with pytest.raises(ServerUnreachable) as streaming:
-                async with aclosing(ControlClient(channel).watch()) as events:
+                async with aclosing(ControlClient(channel).watch()) as events:  # type: ignore[type-var]
                     await anext(events)
         for error in (caught.value, streaming.value):
             assert error.reason.startswith(f"connection lost ({hang_up})")
@@ -407,7 +407,7 @@ async def test_watch_streams_over_http_and_closing_cancels_the_handler(
     app = GrpcWebApp([control], max_message_bytes=1 << 20)
     async with http_server(app) as url, GrpcWebChannel(url) as channel:
         client = ControlClient(channel)
-        async with aclosing(client.watch()) as events:
+        async with aclosing(client.watch()) as events:  # type: ignore[type-var]
             revisions = [(await anext(events)).revision for _ in range(3)]
         assert revisions == [1, 2, 3]
         await wait_for(control.watch_cancelled.wait)

@@ -16,7 +16,7 @@ import base64
 import random
 import re
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, MutableMapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -170,7 +170,7 @@ async def serve(app: GrpcWebApp, call: Call, *, patience_s: float = 5.0) -> Resp
         await asyncio.sleep(patience_s)
         return {"type": "http.disconnect"}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(dict(message))
 
     scope = {

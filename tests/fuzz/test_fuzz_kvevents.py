@@ -228,7 +228,7 @@ def test_a_long_lived_mirror_does_not_grow_with_places_or_refused_events() -> No
 @dataclass
 class Live:
     hub: KvEventHub
-    pub: zmq.Socket  # a raw PUB bound where an engine would bind
+    pub: zmq.Socket[bytes]  # a raw PUB bound where an engine would bind
     seq: int = 0
 
     @property

@@ -114,11 +114,11 @@ def profiles(draw: st.DrawFn) -> EngineProfile:
     return base
 
 
-_PROFILE_FIELDS = sorted(EngineProfile._betterproto.meta_by_field_name)
+_PROFILE_FIELDS = sorted(EngineProfile._betterproto.meta_by_field_name)  # type: ignore[arg-type]
 
 
 def _field_values(name: str) -> st.SearchStrategy[object]:
-    kind = EngineProfile._betterproto.meta_by_field_name[name]
+    kind = EngineProfile._betterproto.meta_by_field_name[name]  # type: ignore[arg-type]
     if kind.proto_type == "string":
         return _NAMES if name == "name" else _TEXT
     if kind.proto_type == "bool":

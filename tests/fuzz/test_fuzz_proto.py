@@ -189,7 +189,7 @@ def test_the_budget_counts_packed_elements_and_nested_fields_exactly() -> None:
     with pytest.raises(GRPCError, match="more than 99 fields"):
         decode_message(peers, Gpu, max_fields=99)
     nested = _register(b"\x4a\x00" * 3)  # register, node, three gpus
-    assert len(decode_message(nested, AgentMessage, max_fields=5).register.node.gpus) == 3
+    assert len(decode_message(nested, AgentMessage, max_fields=5).register.node.gpus) == 3  # type: ignore[union-attr]
     with pytest.raises(GRPCError, match="more than 4 fields"):
         decode_message(nested, AgentMessage, max_fields=4)
 
@@ -199,12 +199,12 @@ def test_real_registrations_are_far_under_the_field_budget(fixture: str) -> None
     node = simulated_node(fixture, node_id="n1", hostname="n1")
     data = bytes(AgentMessage(register=Register(node=node, protocol_version=PROTOCOL_VERSION)))
     decoded = decode_message(data, AgentMessage, max_fields=DEFAULT_MAX_FIELDS // 16)
-    assert decoded.register.node == node
+    assert decoded.register.node == node  # type: ignore[union-attr]
 
 
 def test_the_codec_passes_its_field_budget_on() -> None:
     codec = CheckedProtoCodec(max_fields=3)
-    assert codec.decode(b"\x4a\x00" * 3, NodeInfo).gpus == [Gpu()] * 3
+    assert codec.decode(b"\x4a\x00" * 3, NodeInfo).gpus == [Gpu()] * 3  # type: ignore[attr-defined]
     with pytest.raises(GRPCError, match="more than 3 fields"):
         codec.decode(b"\x4a\x00" * 4, NodeInfo)
     with pytest.raises(ValueError, match="max_fields must be positive"):

@@ -28,7 +28,7 @@ from llmgw.engineports import PortRange, format_port_range, parse_port_range, pi
 _HELD: set[PortRange] = set()  # engine port windows of the live clusters of this process
 
 
-def hold_engine_window(holder: object) -> tuple[PortRange, weakref.finalize]:
+def hold_engine_window(holder: object) -> tuple[PortRange, weakref.finalize[..., object]]:
     """A free window of engine ports clear of every window held in this process, held
     until ``holder`` is garbage or the returned finalizer is called, whichever is first."""
     window = pick_window(avoid=sorted(_HELD))
@@ -68,7 +68,9 @@ class Cluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     token: str | None = None  # sent by cli() (as $LLMGW_TOKEN) once authentication is on
     engine_ports: PortRange | None = None  # None: a window of its own at the first start
-    _window: weakref.finalize | None = field(default=None, init=False, repr=False, compare=False)
+    _window: weakref.finalize[..., object] | None = field(
+        default=None, init=False, repr=False, compare=False
+    )
 
     @property
     def url(self) -> str:

@@ -54,7 +54,7 @@ class ShardWatch:
     async def _watch(self) -> None:
         async with GrpcWebChannel(self.url) as channel:
             events = ControlClient(channel).watch()
-            async with contextlib.aclosing(events):
+            async with contextlib.aclosing(events):  # type: ignore[type-var]
                 async for event in events:
                     if event.snapshot is not None:
                         self._started.set()

@@ -7,6 +7,7 @@ import asyncio
 import json
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -33,7 +34,7 @@ def _huge_document() -> str:
     return PROFILE + "".join(deployments)
 
 
-async def _healthz_latencies(url: str, until: asyncio.Future[object]) -> list[float]:
+async def _healthz_latencies(url: str, until: asyncio.Future[Any]) -> list[float]:
     """Seconds each /healthz took, asked one after another until ``until`` is done."""
     latencies = []
     async with httpx.AsyncClient(timeout=10) as http:

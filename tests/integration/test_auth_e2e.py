@@ -110,7 +110,7 @@ def test_tokens_are_required_everywhere_and_never_logged(cluster: Cluster) -> No
     cluster.token = admin
     wait_for(lambda: cluster.node_states() == {"good": "NODE_STATE_READY"}, 30, "good READY")
     for name in ("nojoin", "badjoin"):
-        wait_for(lambda n=name: "UNAUTHENTICATED" in cluster.log(n), 20, f"{name} refused")
+        wait_for(lambda n=name: "UNAUTHENTICATED" in cluster.log(n), 20, f"{name} refused")  # type: ignore[misc]
     assert "the bearer token is not valid" in cluster.log("badjoin")
     assert "a bearer token is required" in cluster.log("nojoin")
     assert set(cluster.node_states()) == {"good"}

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import queue
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 
 import grpc
 import httpx
@@ -71,7 +71,7 @@ def _get_cluster(cluster: Cluster) -> ClusterView:
 
 def _state(cluster: Cluster, node_id: str) -> NodeState | None:
     try:
-        nodes = {n.info.node_id: n for n in _get_cluster(cluster).nodes}
+        nodes = {n.info.node_id: n for n in _get_cluster(cluster).nodes}  # type: ignore[union-attr]
     except grpc.RpcError:
         return None
     node = nodes.get(node_id)
@@ -83,7 +83,7 @@ def _assert_still_serving(cluster: Cluster, since_ms: int) -> None:
     assert cluster.procs["server"].poll() is None, "the server process died"
 
     def a1_fresh() -> bool:
-        a1 = next(n for n in _get_cluster(cluster).nodes if n.info.node_id == "a1")
+        a1 = next(n for n in _get_cluster(cluster).nodes if n.info.node_id == "a1")  # type: ignore[union-attr]
         return a1.state is NodeState.READY and a1.last_heartbeat_unix_ms > since_ms
 
     wait_for(a1_fresh, 10, "a heartbeat of a1 after the bad input, a1 still READY")
@@ -115,7 +115,9 @@ class _Requests:
         self._queue.put(None)
 
 
-def _grpc_web(cluster: Cluster, method: str, body: object) -> tuple[int, dict[str, str]]:
+def _grpc_web(
+    cluster: Cluster, method: str, body: bytes | Iterable[bytes]
+) -> tuple[int, dict[str, str]]:
     """POST a gRPC-web body; the HTTP status and the fields of the trailer frame."""
     response = httpx.post(
         f"{cluster.url}{CONTROL}{method}", content=body, headers=GRPC_WEB, timeout=20
@@ -175,7 +177,7 @@ def test_oversized_message_is_resource_exhausted(serving: Cluster) -> None:
     _assert_still_serving(serving, since)
     # exactly at the limit is read, decoded (the unknown field skipped) and answered
     reply = ClusterView.parse(_unary(serving, "GetCluster", _unknown_field_message(LIMIT)))
-    assert "a1" in {n.info.node_id for n in reply.nodes}
+    assert "a1" in {n.info.node_id for n in reply.nodes}  # type: ignore[union-attr]
 
 
 def _varint(value: int) -> bytes:
@@ -234,7 +236,7 @@ def test_unsupported_protocol_version_is_refused_and_not_stored(serving: Cluster
     assert error.code() is grpc.StatusCode.FAILED_PRECONDITION
     assert "protocol version 99" in error.details()
     assert f"{MIN_PROTOCOL_VERSION} to {PROTOCOL_VERSION}" in error.details()
-    assert "v99" not in {n.info.node_id for n in _get_cluster(serving).nodes}
+    assert "v99" not in {n.info.node_id for n in _get_cluster(serving).nodes}  # type: ignore[union-attr]
     _assert_still_serving(serving, since)
 
 
@@ -261,7 +263,7 @@ def test_garbage_inside_an_agent_stream_ends_only_that_stream(serving: Cluster) 
     assert "cannot decode llmgw.v1.AgentMessage" in error.details()
     assert "heartbeat" in error.details()
     wait_for(lambda: _state(serving, "raw1") is NodeState.NOT_READY, 5, "raw1 NOT_READY")
-    raw1 = next(n for n in _get_cluster(serving).nodes if n.info.node_id == "raw1")
+    raw1 = next(n for n in _get_cluster(serving).nodes if n.info.node_id == "raw1")  # type: ignore[union-attr]
     assert not raw1.connected
     assert "llmgw.v1.AgentMessage" in raw1.state_reason
     _assert_still_serving(serving, since)

@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from procs import free_port
+
+from llmgw.addresses import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(60)]
 

@@ -19,9 +19,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from procs import Cluster, free_port, wait_for
+from procs import Cluster, wait_for
 from shardops import ShardWatch, command, listed_shards
 
+from llmgw.addresses import free_port
 from llmgw.api.llmgw.v1 import (
     ApplyDeploymentRequest,
     Deployment,
@@ -106,7 +107,7 @@ def test_apply_refuses_env_that_runs_code_and_stores_nothing(
             error = _raw_apply(cluster, request)
             assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
             assert f"profiles.p.env.{key}:" in (error.details() or ""), (key, error.details())
-    for field, value in (
+    for field, value in (  # type: ignore[assignment]
         ("model_path", "--port=1"),
         ("args", ["--host=0.0.0.0"]),
         ("args", ["--max-model-len\n--port", "1"]),

@@ -23,8 +23,9 @@ import grpclib.client
 import grpclib.exceptions
 import httpx
 import pytest
-from procs import free_port, wait_for
+from procs import wait_for
 
+from llmgw.addresses import free_port
 from llmgw.api.llmgw.v1 import ControlServiceStub, GetClusterRequest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(180)]
@@ -133,7 +134,7 @@ def test_every_long_running_process_raises_its_soft_limit_to_the_hard_one(
     }
     raised = (hard, hard)
     for name, proc in started.items():
-        wait_for(lambda p=proc: _open_files_limits(p.pid) == raised, 30, f"{name}'s limit raised")
+        wait_for(lambda p=proc: _open_files_limits(p.pid) == raised, 30, f"{name}'s limit raised")  # type: ignore[misc]
         assert "open files limit raised from 256" in procs.log(name).read_text(), name
 
 

@@ -270,7 +270,7 @@ def test_openai_client_through_both_gateways_survives_kill_and_drain(
     _start_fleet(fleet, tmp_path)
     separate = fleet.start_gateway()
     for base in (fleet.gateway_url, separate):
-        wait_for(lambda b=base: _models(b) == ["chat"], 20, f"{base} lists chat")
+        wait_for(lambda b=base: _models(b) == ["chat"], 20, f"{base} lists chat")  # type: ignore[misc]
         _openai_round_trip(base)
     _kill_an_engine_during_a_run(fleet, fleet.gateway_url)
     _draining_gets_nothing_new(fleet, separate)

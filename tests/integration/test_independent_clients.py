@@ -236,7 +236,7 @@ def test_buf_curl_unary_over_grpc_web_and_native_grpc(
 
 def _is_node_event(event: Any, node_id: str) -> bool:
     name, value = betterproto2.which_one_of(event, "event")
-    return name == "node" and value.info.node_id == node_id
+    return name == "node" and value.info.node_id == node_id  # type: ignore[union-attr]
 
 
 async def test_watch_over_grpc_web_with_our_client(cluster: Cluster) -> None:
@@ -252,8 +252,8 @@ async def test_watch_over_grpc_web_with_our_client(cluster: Cluster) -> None:
                 first = await anext(events)
             name, snapshot = betterproto2.which_one_of(first, "event")
             assert name == "snapshot"
-            assert [n.info.node_id for n in snapshot.nodes] == ["a1"]
-            assert len(snapshot.nodes[0].info.gpus) == 8
+            assert [n.info.node_id for n in snapshot.nodes] == ["a1"]  # type: ignore[union-attr]
+            assert len(snapshot.nodes[0].info.gpus) == 8  # type: ignore[union-attr]
 
             await asyncio.to_thread(cluster.start_agent, "a2")
             revisions = [first.revision]
@@ -265,10 +265,10 @@ async def test_watch_over_grpc_web_with_our_client(cluster: Cluster) -> None:
                         joined = event.node
                         break
             assert joined is not None, "the Watch ended before a2 joined"
-            assert len(joined.info.gpus) == 8
+            assert len(joined.info.gpus) == 8  # type: ignore[union-attr]
             assert revisions == sorted(revisions) and len(set(revisions)) == len(revisions)
         finally:
-            await events.aclose()
+            await events.aclose()  # type: ignore[attr-defined]
 
 
 def _read_json_objects(stream: IO[str], out: queue.Queue[dict[str, Any] | None]) -> None:

@@ -35,9 +35,10 @@ from typing import Any
 import httpx
 import pytest
 import zmq
-from procs import Cluster, free_port, wait_for
+from procs import Cluster, wait_for
 from shardops import ShardWatch, command, listed_shards
 
+from llmgw.addresses import free_port
 from llmgw.agent.engines import EngineBinaries, LaunchSpec, ShardSpec, build_launch
 from llmgw.agent.engines.vllm import API_SERVER_MODULE
 from llmgw.agent.process import read_stat
@@ -266,8 +267,8 @@ class DirectEngine:
     endpoint: str
     key: str
     log_path: Path
-    events: zmq.Socket  # SUB, connected to the engine's KV event endpoint
-    zmq_context: zmq.Context
+    events: zmq.Socket[bytes]  # SUB, connected to the engine's KV event endpoint
+    zmq_context: zmq.Context[zmq.Socket[bytes]]
 
 
 def direct_launch(real: RealVllm, state_dir: Path) -> LaunchSpec:
@@ -334,7 +335,7 @@ def engine(real_vllm: RealVllm, tmp_path_factory: pytest.TempPathFactory) -> Ite
         context.term()
 
 
-def receive_batches(events: zmq.Socket, blocks: int) -> list[tuple[int, EventBatch]]:
+def receive_batches(events: zmq.Socket[bytes], blocks: int) -> list[tuple[int, EventBatch]]:
     """(seq, batch) of the messages published until ``blocks`` blocks were stored, and of
     any that follow within half a second (so an extra event would be seen)."""
     batches: list[tuple[int, EventBatch]] = []
@@ -359,7 +360,7 @@ def replayed_batches(engine: DirectEngine) -> list[tuple[int, EventBatch]]:
     try:
         dealer.connect(engine.launch.kv_events.replay_endpoint)
         dealer.send_multipart(encode_replay_request(0))
-        batches = []
+        batches: list[tuple[int, EventBatch]] = []
         while dealer.poll(10_000):
             message = decode_replay_message(dealer.recv_multipart())
             if message.is_end:

@@ -198,7 +198,7 @@ async def reprofile_with_a_server_kill(fleet: Cluster, observer: Observer) -> No
 
 
 async def drain_a_node(fleet: Cluster, observer: Observer) -> None:
-    count = defaultdict(int)
+    count: defaultdict[str, int] = defaultdict(int)
     for _, node_id in observer.running():
         count[node_id] += 1
     busiest = max(sorted(count), key=lambda n: count[n])

@@ -27,8 +27,9 @@ from pathlib import Path
 import grpclib.client
 import httpx
 import pytest
-from procs import Cluster, free_port, wait_for
+from procs import Cluster, wait_for
 
+from llmgw.addresses import free_port
 from llmgw.api.llmgw.v1 import ControlServiceStub, ListProfilesRequest
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -119,7 +120,7 @@ def test_state_files_are_owner_only_and_looser_ones_are_tightened(shared_root: P
         try:
             _spawn_server(cluster, db)
             files = _db_files(db)
-            wait_for(lambda f=files: all(p.exists() for p in f), 10, "the database's -wal and -shm")
+            wait_for(lambda f=files: all(p.exists() for p in f), 10, "the database's -wal and -shm")  # type: ignore[misc]
             assert _mode(db.parent) == 0o700, name
             assert {p.name: _mode(p) for p in files} == {p.name: 0o600 for p in files}, name
             assert not [p for p in files if _nobody_reads(p)], name

@@ -28,9 +28,10 @@ import openai
 import pytest
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
-from procs import Cluster, free_port, wait_for
+from procs import Cluster, wait_for
 from shardops import command, listed_shards
 
+from llmgw.addresses import free_port
 from llmgw.api.llmgw.v1 import Cluster as ClusterReply
 from llmgw.api.llmgw.v1 import (
     EngineProfile,

@@ -20,9 +20,10 @@ from typing import Any
 
 import httpx
 import pytest
-from procs import Cluster, free_port, wait_for
+from procs import Cluster, wait_for
 from shardops import ShardWatch, command, listed_shards
 
+from llmgw.addresses import free_port
 from llmgw.agent.engines import EngineBinaries, build_launch
 from llmgw.agent.engines.base import ShardSpec
 from llmgw.agent.process import read_stat

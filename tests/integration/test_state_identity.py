@@ -18,7 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
-from procs import Cluster, free_port
+from procs import Cluster
+
+from llmgw.addresses import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(90)]
 

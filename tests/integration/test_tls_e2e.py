@@ -21,9 +21,10 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from procs import Cluster, free_port, wait_for
+from procs import Cluster, wait_for
 from tlspki import Pki
 
+from llmgw.addresses import free_port
 from llmgw.tls import client_context
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -129,7 +130,10 @@ def _openai(base: str, ca: Path) -> Iterator[openai.OpenAI]:
     with (
         httpx.Client(verify=client_context(ca), timeout=30) as http,
         openai.OpenAI(
-            base_url=f"{base}/v1", api_key="k", max_retries=0, http_client=http
+            base_url=f"{base}/v1",
+            api_key="k",
+            max_retries=0,
+            http_client=http,  # type: ignore[arg-type]
         ) as client,
     ):
         yield client

@@ -338,7 +338,8 @@ def test_unknown_newer_fields_are_ignored() -> None:
 
 
 def test_missing_optional_fields_read_as_none() -> None:
-    event = {"type": "BlockStored", "block_hashes": [b"\x01"], "parent_block_hash": None}
+    event: dict[str, object] = {"type": "BlockStored", "block_hashes": [b"\x01"]}
+    event |= {"parent_block_hash": None}
     event |= {"token_ids": [1], "block_size": 1}
     decoded = decode_batch(_pack([1.0, [event]]))
     assert decoded.events == (BlockStored((b"\x01",), None, (1,), 1),)
@@ -371,7 +372,8 @@ def test_malformed_batches_say_what_is_wrong(value: Any, message: str) -> None:
 
 
 def test_an_error_names_the_event_field_and_item_exactly() -> None:
-    stored = {"type": "BlockStored", "block_hashes": [1], "parent_block_hash": None}
+    stored: dict[str, object] = {"type": "BlockStored", "block_hashes": [1]}
+    stored |= {"parent_block_hash": None}
     stored |= {"token_ids": [1, 2, True], "block_size": 3}  # a bool is no token id
     fine = {"type": "BlockRemoved", "block_hashes": [1]}
     cases = [
@@ -550,7 +552,7 @@ def _as_version_sees_it(event: Event, version: str) -> Event:
         for f in dataclasses.fields(event)
         if f.name in since and key(since[f.name]) > key(version)
     }
-    return dataclasses.replace(event, **dropped)
+    return dataclasses.replace(event, **dropped)  # type: ignore[arg-type]
 
 
 @settings(max_examples=200, deadline=None)

@@ -160,16 +160,16 @@ def test_unseeded_sha256_root_is_the_fixed_string_from_0_29() -> None:
 
 def test_unseeded_xxhash_root_is_random_per_process(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hashing, "_process_roots", {})
-    monkeypatch.setattr(hashing.os, "urandom", lambda n: b"\x07" * n)
+    monkeypatch.setattr("llmgw.kvcache.hashing.os.urandom", lambda n: b"\x07" * n)
     root = none_hash("xxhash_cbor", None, "0.33.0")
     assert root == hash_function("xxhash_cbor")((b"\x07" * 32).hex())
-    monkeypatch.setattr(hashing.os, "urandom", lambda n: b"\x08" * n)
+    monkeypatch.setattr("llmgw.kvcache.hashing.os.urandom", lambda n: b"\x08" * n)
     assert none_hash("xxhash_cbor", None, "0.33.0") == root  # fixed for the process
 
 
 def test_unseeded_root_before_0_29_is_urandom_bytes(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(hashing, "_process_roots", {})
-    monkeypatch.setattr(hashing.os, "urandom", lambda n: b"\x09" * n)
+    monkeypatch.setattr("llmgw.kvcache.hashing.os.urandom", lambda n: b"\x09" * n)
     assert none_hash("sha256_cbor", None, "0.28.0") == b"\x09" * 32
     assert none_hash("xxhash", None, "0.13.0") == b"\x09" * 32
     # Seeded roots are the same across eras (spec §3.5).

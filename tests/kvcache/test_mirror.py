@@ -248,7 +248,7 @@ def test_block_keys_and_the_mirror_chain_keys_exactly_as_by_hand(
         extra_keys=tuple(extra[:blocks]),
     )  # fmt: skip
     mirror.apply(_batch(event))
-    assert [mirror.key_of(h) for h in event.block_hashes] == _chain_by_hand(tokens, size, extra)
+    assert [mirror.key_of(h) for h in event.block_hashes] == _chain_by_hand(tokens, size, extra)  # type: ignore[arg-type]
 
 
 class _ZeroDigest:
@@ -431,7 +431,8 @@ def _run(op: tuple[Any, ...], mirror: BlockMirror, ref: _Reference, index: dict[
 @settings(max_examples=300, deadline=None)
 @given(_OPS)
 def test_net_deltas_applied_to_an_index_reproduce_the_mirror(ops: list[tuple[Any, ...]]) -> None:
-    mirror, ref, index = BlockMirror(), _Reference(), {}
+    mirror, ref = BlockMirror(), _Reference()
+    index: dict[int, int] = {}
     for op in ops:
         _run(op, mirror, ref, index)
         assert set(mirror.blocks()) == set(ref.places)

@@ -144,7 +144,7 @@ async def test_oversized_message_is_refused_before_it_is_buffered() -> None:
     install_message_limit()  # idempotent
     stream = FakeH2Stream(b"\x00" + (LIMIT + 1).to_bytes(4, "big") + b"x" * (LIMIT + 1))
     with pytest.raises(GRPCError) as caught:
-        await grpclib.server.recv_message(stream, CheckedProtoCodec(LIMIT), Cluster)  # type: ignore[attr-defined]
+        await grpclib.server.recv_message(stream, CheckedProtoCodec(LIMIT), Cluster)  # type: ignore[attr-defined, arg-type]
     assert caught.value.status is Status.RESOURCE_EXHAUSTED
     assert caught.value.message == "message of 1001 bytes exceeds the limit of 1000 bytes"
     assert stream.read == 5
@@ -154,7 +154,7 @@ async def test_compressed_message_is_refused() -> None:
     install_message_limit()
     stream = FakeH2Stream(b"\x01\x00\x00\x00\x00")
     with pytest.raises(GRPCError, match="compressed messages are not supported") as caught:
-        await grpclib.server.recv_message(stream, CheckedProtoCodec(LIMIT), Cluster)  # type: ignore[attr-defined]
+        await grpclib.server.recv_message(stream, CheckedProtoCodec(LIMIT), Cluster)  # type: ignore[attr-defined, arg-type]
     assert caught.value.status is Status.UNIMPLEMENTED
 
 

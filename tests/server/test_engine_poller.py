@@ -108,7 +108,7 @@ async def metrics_replica(pages: list[bytes | None]) -> AsyncIterator[tuple[str,
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        handlers.add(task)  # type: ignore[arg-type]
+        handlers.add(task)
         writers.add(writer)
         try:
             while True:

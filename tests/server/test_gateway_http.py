@@ -15,8 +15,9 @@ from dataclasses import dataclass, field
 
 import httpx
 import pytest
-from simserve import free_port, sim_engine
+from simserve import sim_engine
 
+from llmgw.addresses import free_port
 from llmgw.httpguard import BrowserAccess
 from llmgw.server.router.gateway import Gateway, GatewayConfig
 from llmgw.server.router.httplimits import ServerLimits

@@ -39,7 +39,7 @@ def test_a_batch_routes_by_its_first_prompt_and_token_ids_become_text() -> None:
 
 
 def test_chat_text_is_the_chatml_rendering_the_engine_tokenizes() -> None:
-    messages = [
+    messages: list[dict[str, Any]] = [
         {"role": "system", "content": "Be brief."},
         {
             "role": "user",

@@ -21,7 +21,7 @@ async def _until(check: Callable[[], bool], timeout_s: float = 5.0) -> None:
 async def _started(limits: ConnectionLimits) -> tuple[LimitedServer, int]:
     server = LimitedServer([], limits=limits)
     await server.start("127.0.0.1", 0)
-    sockets = server._server.sockets if server._server is not None else []
+    sockets = server._server.sockets if server._server is not None else []  # type: ignore[attr-defined]
     return server, int(sockets[0].getsockname()[1])
 
 

@@ -6,7 +6,7 @@ import asyncio
 import base64
 import json
 import re
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 from urllib.parse import unquote
@@ -312,9 +312,9 @@ async def test_oversized_body_is_refused_without_reading_it_all(control: Control
         body = frame(b"")[:1] + (10**9).to_bytes(4, "big") if chunks_read == 1 else b"x" * 4096
         return {"type": "http.request", "body": body, "more_body": True}
 
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     scope = {
@@ -437,7 +437,7 @@ async def test_default_refuses_every_origin_and_foreign_host(client: httpx.Async
 async def test_browser_gate_guards_what_it_wraps() -> None:
     reached: list[str] = []
 
-    async def inner(scope: dict[str, Any], receive: object, send: Any) -> None:
+    async def inner(scope: MutableMapping[str, Any], receive: object, send: Any) -> None:
         reached.append(scope["path"])
         await send({"type": "http.response.start", "status": 299, "headers": []})
         await send({"type": "http.response.body", "body": b""})
@@ -490,7 +490,7 @@ async def test_lifespan(control: Control) -> None:
         inbox.put_nowait({"type": kind})
     sent: list[str] = []
 
-    async def send(message: dict[str, str]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message["type"])
 
     await app({"type": "lifespan"}, inbox.get, send)

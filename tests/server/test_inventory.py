@@ -85,7 +85,7 @@ def test_registration_encodes_once_and_round_trips() -> None:
 
 def test_restored_node_is_not_ready_until_it_registers() -> None:
     inv = Inventory()
-    inv.restore("n1", NodeInfo(node_id="n1"), cordoned=True, first_seen_ms=7)
+    inv.restore("n1", NodeInfo(node_id="n1"), cordoned=True, first_seen_ms=7)  # type: ignore[arg-type]
     record = inv.nodes["n1"]
     assert inv.state(record, 0.0) is NodeState.NOT_READY
     _, record = inv.register(_node(), 1, peer="p", now_ms=9, now_mono=0.0)

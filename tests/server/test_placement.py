@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,7 +19,13 @@ from llmgw.api.llmgw.v1 import (
     NodeTelemetry,
 )
 from llmgw.server.capacity import NodeCapacity, node_capacity
-from llmgw.server.placement import FleetPlacer, place_deployment, place_replica, requirement
+from llmgw.server.placement import (
+    FleetPlacer,
+    Taken,
+    place_deployment,
+    place_replica,
+    requirement,
+)
 from llmgw.server.plan import ReplicaPlan, Unplaceable
 
 FP = "fp-1"
@@ -52,7 +59,7 @@ def _cap(
     )
 
 
-def _profile(gpu_class: str = "H100", tp: int = 1, **kw: int) -> EngineProfile:
+def _profile(gpu_class: str = "H100", tp: int = 1, **kw: Any) -> EngineProfile:
     return EngineProfile(name="p", engine="sim", gpu_class=gpu_class, tp=tp, **kw)
 
 
@@ -61,7 +68,7 @@ def _place(
     profile: EngineProfile,
     count: int = 1,
     deployment: Deployment | None = None,
-    **used: Mapping[str, object],
+    **taken: Mapping[str, Any],
 ) -> list[ReplicaPlan | Unplaceable]:
     return place_deployment(
         nodes,
@@ -69,7 +76,7 @@ def _place(
         deployment or Deployment(name="chat", profile="p", replicas=count),
         replica_ids=[f"chat-{i}" for i in range(count)],
         fingerprint=FP,
-        **used,  # type: ignore[arg-type]
+        taken=Taken(**taken),
     )
 
 
@@ -114,7 +121,7 @@ def test_two_tp4_replicas_fill_both_numa_halves() -> None:
         [dgx],
         _profile(tp=4),
         1,
-        used_devices={"dgx-1": frozenset(first.leader.gpu_uuids + second.leader.gpu_uuids)},
+        devices={"dgx-1": frozenset(first.leader.gpu_uuids + second.leader.gpu_uuids)},
     )
     assert third == Unplaceable(
         "no schedulable node has 4 free H100 GPUs: dgx-1 has 0 free (8 in use)"
@@ -124,7 +131,7 @@ def test_two_tp4_replicas_fill_both_numa_halves() -> None:
 def test_a_single_gpu_packs_into_the_fuller_numa_half() -> None:
     dgx = _cap("dgx-h100", "dgx-1")
     used = {"dgx-1": frozenset(d.uuid for d in dgx.devices if d.index in (0, 1, 2))}
-    [plan] = _plans(_place([dgx], _profile(tp=1), used_devices=used))
+    [plan] = _plans(_place([dgx], _profile(tp=1), devices=used))
     assert _indices(dgx, plan.leader.gpu_uuids) == [3]  # NUMA 0 has one left: best fit
 
 
@@ -133,7 +140,7 @@ def test_replicas_spread_across_nodes() -> None:
     plans = _plans(_place(nodes, _profile(tp=2), 3))
     assert sorted(p.leader.node_id for p in plans) == ["dgx-1", "dgx-2", "dgx-3"]
     # existing replicas of the deployment count too
-    [plan] = _plans(_place(nodes, _profile(tp=2), replicas_per_node={"dgx-1": 1, "dgx-2": 1}))
+    [plan] = _plans(_place(nodes, _profile(tp=2), replicas={"dgx-1": 1, "dgx-2": 1}))
     assert plan.leader.node_id == "dgx-3"
 
 
@@ -155,7 +162,7 @@ def test_tp8_two_nodes_only_across_a_shared_infiniband_fabric() -> None:
     [again] = _place(
         nodes,
         profile,
-        used_devices={
+        devices={
             n: frozenset(s.gpu_uuids[0] for s in plan.shards if s.node_id == n) for n in plan.nodes
         },
     )
@@ -183,7 +190,7 @@ def test_multi_node_names_nodes_that_share_no_fabric() -> None:
 def test_multi_node_with_no_qualifying_node_names_the_misses() -> None:
     nodes = [_cap("dgx-h100", "dgx-1"), _cap("dgx-h100", "dgx-2", state=NodeState.NOT_READY)]
     used = {"dgx-1": frozenset(d.uuid for d in nodes[0].devices[:5])}
-    [miss] = _place(nodes, _profile(tp=4, pp=2, nodes=2), used_devices=used)
+    [miss] = _place(nodes, _profile(tp=4, pp=2, nodes=2), devices=used)
     assert miss == Unplaceable(
         "TP=4 × PP=2 × 2 nodes needs two nodes on one InfiniBand fabric or NVLink domain "
         "with 4 free H100 each: no node qualifies (dgx-1 has 3 free (5 in use), "
@@ -204,7 +211,7 @@ def test_multi_node_hcas_come_from_the_shared_fabric_only() -> None:
         assert shard.hcas == ("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3")
     # GPUs of NUMA 1 have no near HCA on ib-compute: every HCA on that fabric is given
     taken = {n.node_id: frozenset(d.uuid for d in n.devices[:4]) for n in nodes}
-    [plan] = _plans(_place(nodes, _profile(tp=4, nodes=2), used_devices=taken))
+    [plan] = _plans(_place(nodes, _profile(tp=4, nodes=2), devices=taken))
     assert plan.leader.hcas == ("mlx5_0", "mlx5_1", "mlx5_2", "mlx5_3")
 
 
@@ -252,7 +259,7 @@ def test_l4_pcie_places_tp2_on_one_numa_node() -> None:
 def test_cpu_profiles_need_threads() -> None:
     nodes = [_cap("cpu-only", "cpu-1"), _cap("l4-pcie", "l4-1")]
     profile = _profile("cpu", cpu_threads=100)
-    [plan] = _plans(_place(nodes, profile, used_threads={"cpu-1": 150}))
+    [plan] = _plans(_place(nodes, profile, threads={"cpu-1": 150}))
     assert plan.leader.node_id == "l4-1" and plan.leader.gpu_uuids == ()
     assert plan.leader.cpu_threads == 100
     results = _place(nodes, profile, 3)
@@ -287,7 +294,7 @@ def test_reason_names_the_closest_misses() -> None:
         _cap("l4-pcie", "l4-1"),
     ]
     used = {"dgx-1": frozenset(d.uuid for d in nodes[0].devices[:6])}
-    [miss] = _place(nodes, _profile(tp=4), used_devices=used)
+    [miss] = _place(nodes, _profile(tp=4), devices=used)
     assert miss == Unplaceable(
         "no schedulable node has 4 free H100 GPUs: dgx-1 has 2 free (6 in use), "
         "dgx-2 is CORDONED, dgx-3 is NOT_READY, l4-1 has no H100 GPUs"
@@ -309,7 +316,7 @@ def test_unhealthy_gpus_and_low_memory_are_named() -> None:
 
 def test_ports_skip_used_ones_and_run_out() -> None:
     dgx = _cap("dgx-h100", "dgx-1")
-    plans = _plans(_place([dgx], _profile(tp=1), 2, used_ports={"dgx-1": frozenset({20000})}))
+    plans = _plans(_place([dgx], _profile(tp=1), 2, ports={"dgx-1": frozenset({20000})}))
     assert [p.leader.port for p in plans] == [20001, 20002]
     results = place_deployment(
         [dgx],
@@ -333,11 +340,9 @@ def test_place_replica_matches_place_deployment() -> None:
         Deployment(name="chat"),
         replica_id="r1",
         fingerprint=FP,
-        used_devices={},
-        used_ports={},
-        replicas_per_node={},
+        taken=Taken(),
     )
-    assert plan == _place([dgx], _profile(tp=2))[0].__class__(
+    assert plan == _place([dgx], _profile(tp=2))[0].__class__(  # type: ignore[call-arg]
         "r1",
         "chat",
         "p",
@@ -457,9 +462,9 @@ def _check_rounds(fleet: list[NodeCapacity], rounds: list[tuple[EngineProfile, i
             fleet,
             profile,
             count,
-            used_devices={k: frozenset(v) for k, v in used.items()},
-            used_ports={k: frozenset(v) for k, v in ports.items()},
-            used_threads=dict(threads),
+            devices={k: frozenset(v) for k, v in used.items()},
+            ports={k: frozenset(v) for k, v in ports.items()},
+            threads=dict(threads),
         )
         need = requirement(profile)
         for plan in (r for r in results if isinstance(r, ReplicaPlan)):

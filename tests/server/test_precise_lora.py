@@ -102,7 +102,7 @@ async def test_lora_keys_are_those_the_mirror_makes_of_vllms_own_events(case_id:
     assert len(published) == len(tokens) // case["block_size"] == 3
 
     index = KvIndex()
-    index.apply("a", False, published, block_size=case["block_size"])
+    index.apply("a", False, published, block_size=case["block_size"])  # type: ignore[arg-type]
     precise = tier(index)
     request = await prepared(precise, {"model": lora, "prompt": tokens})
     assert request.lora == lora
@@ -231,7 +231,8 @@ async def test_a_lora_chat_finds_the_blocks_the_simulated_engine_published() -> 
     ]
     with short_folder() as folder:
         endpoints = KvEventEndpoints(f"ipc://{folder}/pub", f"ipc://{folder}/replay", "kv")
-        flags = ("--served-model-name", BASE, "--enable-lora", "--lora-modules")
+        flags: tuple[str, ...] = ("--served-model-name", BASE, "--enable-lora")
+        flags += ("--lora-modules",)
         flags += (f"{ADAPTER}=/adapters/{ADAPTER}", "--kv-events-config")
         flags += (kv_events_config(endpoints), *NO_TIME)
         async with (

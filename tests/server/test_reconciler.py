@@ -11,6 +11,7 @@ import hashlib
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import betterproto2
 from hypothesis import HealthCheck, given, settings
@@ -122,7 +123,7 @@ def node(node_id: str, *, ready: bool = True, since: float | None = None) -> Nod
 
 
 def shard(
-    plan: ShardPlan, replica_id: str, state: ShardState = ShardState.READY, **status: int | str
+    plan: ShardPlan, replica_id: str, state: ShardState = ShardState.READY, **status: Any
 ) -> Shard:
     reported = ShardStatus(
         shard_id=plan.shard_id, replica_id=replica_id, rank=plan.rank, state=state, **status
@@ -149,7 +150,7 @@ def one_deployment(count: int = 1, prof: EngineProfile | None = None) -> Reconci
 def kinds(decision: Decision) -> list[tuple[str, str, str]]:
     """(node, kind, shard id) of every command."""
     which = [(n, betterproto2.which_one_of(m, "msg")) for n, m in decision.commands]
-    return [(n, name.removesuffix("_shard"), inner.shard_id) for n, (name, inner) in which]
+    return [(n, name.removesuffix("_shard"), inner.shard_id) for n, (name, inner) in which]  # type: ignore[union-attr]
 
 
 def settle(state: ReconcileInput) -> tuple[ReconcileInput, dict[str, Shard]]:
@@ -289,6 +290,7 @@ def test_unknown_and_misplaced_shards_are_stopped() -> None:
     decision = reconcile(replace(state, shards=reported))
     assert kinds(decision) == [("n3", "stop", "chat-1.0"), ("n2", "stop", "ghost-1.0")]
     stop = decision.commands[1][1].stop_shard
+    assert stop is not None
     assert stop == StopShard(shard_id="ghost-1.0", grace_seconds=10, reason=stop.reason)
     assert "unknown" in stop.reason
 

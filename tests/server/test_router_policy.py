@@ -286,7 +286,7 @@ def test_the_guard_needs_both_the_absolute_and_the_relative_excess() -> None:
 def test_a_burst_sharing_one_prefix_spreads_over_the_fleet() -> None:
     policy = prefix_policy()
     load = LoadTracker()
-    outcomes = Counter()
+    outcomes: Counter[str] = Counter()
     for n in range(30):
         decision = policy.choose(RouteRequest("m", SYSTEM + f"question {n}"), fleet(), load)
         assert decision is not None

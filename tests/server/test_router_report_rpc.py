@@ -11,6 +11,7 @@ import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpclib.client
 import grpclib.server
@@ -105,7 +106,7 @@ def figures(n: int, replica: str = "r1", in_flight: int = 0) -> RouterStats:
     )
 
 
-def report(gateway_id: str, n: int, **row: int) -> RouterReport:
+def report(gateway_id: str, n: int, **row: Any) -> RouterReport:
     return RouterReport(
         gateway_id=gateway_id, started_at_unix_ms=1, stats=figures(n, **row), interval_ms=2000
     )

@@ -16,9 +16,10 @@ from grpclib.testing import ChannelFor
 from simserve import NO_TIME, sim_engine
 
 from llmgw.api.llmgw.v1 import ControlServiceStub, GetRouterStatsRequest, RouterStats
-from llmgw.server.controlsvc import NO_GATEWAY, ControlService, router_stats
+from llmgw.server.controlsvc import NO_GATEWAY, ControlService
 from llmgw.server.plane import ControlPlane
 from llmgw.server.router.gateway import Gateway, GatewayConfig
+from llmgw.server.router.stats import router_stats
 from llmgw.server.router.table import RoutingTable, Target
 from llmgw.server.store import Store
 from llmgw.sim.engine.metrics import EngineGauges, EngineStats, render_metrics
@@ -101,7 +102,7 @@ async def metrics_page(body: bytes) -> AsyncIterator[str]:
     async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         task = asyncio.current_task()
         assert task is not None
-        handlers.add(task)  # type: ignore[arg-type]
+        handlers.add(task)
         try:
             await reader.readuntil(b"\r\n\r\n")
             head = b"HTTP/1.1 200 OK\r\nconnection: close\r\ncontent-length: %d\r\n\r\n"

@@ -152,7 +152,10 @@ def test_counters_never_go_backwards_across_restarts_and_departures() -> None:
     never negative), and nothing counted is lost."""
     clock = Clock()
     store = RouterReports(ReportLimits(max_gateways=3), clock=clock)
-    r1 = lambda n: row("r1", in_flight=1, requests=n)  # noqa: E731
+
+    def r1(n: int) -> ReplicaRouterStats:
+        return row("r1", in_flight=1, requests=n)
+
     steps = [
         (2, "a", 10, 1),
         (0, "b", 20, 1),
@@ -166,7 +169,7 @@ def test_counters_never_go_backwards_across_restarts_and_departures() -> None:
         (0, "c", 3, 1),  # the limit is 3: c takes the stalest slot (a's second run)
         (2, "d", 6, 1),  # and d takes b's
     ]
-    samples = []
+    samples: list[dict[str, int]] = []
     for wait, gateway_id, n, start in steps:
         clock.now += wait
         store.take(report(gateway_id, n, r1(n), started=start))

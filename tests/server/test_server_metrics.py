@@ -76,7 +76,7 @@ def engine_labels(node: str, replica: str, shard: str) -> frozenset[tuple[str, s
 
 def _engine(node: str, shard: str, base: int, last_seq: int | None) -> EngineFollowStats:
     values = [base + i for i in range(9)]  # every counter a different value
-    return EngineFollowStats(node, shard, *values, last_seq=last_seq)
+    return EngineFollowStats(node, shard, *values, last_seq=last_seq)  # type: ignore[misc]
 
 
 STORE = KvBlocksStats(replicas=2, blocks=30, deltas=11, stored=40, removed=10, resets=3,

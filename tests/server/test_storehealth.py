@@ -82,8 +82,8 @@ def _sqlite_read_only(tmp_path: Path) -> sqlite3.OperationalError:
 def _sqlite_io_error() -> sqlite3.OperationalError:
     """What sqlite raises when the kernel fails a write (SQLITE_IOERR_WRITE)."""
     exc = sqlite3.OperationalError("disk I/O error")
-    exc.sqlite_errorcode = 778  # type: ignore[attr-defined]
-    exc.sqlite_errorname = "SQLITE_IOERR_WRITE"  # type: ignore[attr-defined]
+    exc.sqlite_errorcode = 778
+    exc.sqlite_errorname = "SQLITE_IOERR_WRITE"
     return exc
 
 
@@ -135,7 +135,7 @@ class _Disk:
 
     def executemany(self, sql: str, rows: Any) -> Awaitable[Any]:
         if self.full:
-            return self._refuse()  # type: ignore[return-value]
+            return self._refuse()
         return self._db.executemany(sql, rows)  # type: ignore[union-attr]
 
 

@@ -14,9 +14,10 @@ from pathlib import Path
 import grpclib.client
 import httpx
 import pytest
-from simserve import free_port, wait_listening
+from simserve import wait_listening
 from tlspki import Pki
 
+from llmgw.addresses import free_port
 from llmgw.agent.backoff import BackoffPolicy
 from llmgw.agent.link import AgentLink, LinkConfig
 from llmgw.api.llmgw.v1 import Cluster, ControlServiceStub, Gpu, NodeInfo

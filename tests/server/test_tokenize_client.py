@@ -11,8 +11,9 @@ from typing import Any
 
 import httpx
 import pytest
-from simserve import free_port, sim_engine
+from simserve import sim_engine
 
+from llmgw.addresses import free_port
 from llmgw.server.router.gateway import Gateway, GatewayConfig
 from llmgw.server.router.kvindex import KvIndex
 from llmgw.server.router.load import LoadTracker

@@ -21,7 +21,7 @@ async def test_snapshot_then_deltas_in_order() -> None:
     hub.publish(WatchEvent(node_removed="b"))
     got = [await anext(stream), await anext(stream)]
     assert [(e.revision, e.node_removed) for e in got] == [(1, "a"), (2, "b")]
-    await stream.aclose()
+    await stream.aclose()  # type: ignore[attr-defined]
     assert hub.watchers == 0
 
 
@@ -36,7 +36,7 @@ async def test_a_watcher_that_falls_behind_gets_a_fresh_snapshot() -> None:
     assert hub.resyncs == 1
     hub.publish(WatchEvent(node_removed="next"))
     assert (await anext(stream)).node_removed == "next"
-    await stream.aclose()
+    await stream.aclose()  # type: ignore[attr-defined]
 
 
 async def test_waiting_watcher_wakes_on_publish() -> None:
@@ -48,4 +48,4 @@ async def test_waiting_watcher_wakes_on_publish() -> None:
     assert not pending.done()
     hub.publish(WatchEvent(node_removed="x"))
     assert (await asyncio.wait_for(pending, 1)).node_removed == "x"
-    await stream.aclose()
+    await stream.aclose()  # type: ignore[attr-defined]

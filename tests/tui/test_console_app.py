@@ -76,8 +76,10 @@ def line_colours(app: ConsoleApp, text: str) -> list[tuple[int, int, int]]:
     seen: list[tuple[int, int, int]] = []
     for segment in strip:
         colour = segment.style.color if segment.style else None
-        if colour is not None and tuple(colour.get_truecolor()) not in seen:
-            seen.append(tuple(colour.get_truecolor()))
+        if colour is not None:
+            red, green, blue = colour.get_truecolor()
+            if (red, green, blue) not in seen:
+                seen.append((red, green, blue))
     return seen
 
 

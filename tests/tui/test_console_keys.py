@@ -151,7 +151,11 @@ def test_row_texts_are_computed_once_per_row_object() -> None:
     texts, calls = RowTexts(), []
 
     def compute(word: str) -> Callable[[], str]:
-        return lambda: calls.append(word) or word
+        def text() -> str:
+            calls.append(word)
+            return word
+
+        return text
 
     a, b = ("a",), ("b",)
     assert texts.text(a, compute("A")) == "A" and texts.text(b, compute("B")) == "B"

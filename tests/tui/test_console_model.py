@@ -259,7 +259,7 @@ def test_unknown_enum_values_read_as_the_safe_value() -> None:
     assert read_shard_state(ShardState.READY) is ShardState.READY
     assert read_node_state(42) is NodeState.NOT_READY
     assert read_health(7) is Health.UNKNOWN and read_health(Health.UNHEALTHY) is Health.UNHEALTHY
-    wire = bytes(WatchEvent(shard=Shard(shard_id="s", status=ShardStatus(state=4))))
+    wire = bytes(WatchEvent(shard=Shard(shard_id="s", status=ShardStatus(state=4))))  # type: ignore[arg-type]
     newer = WatchEvent.parse(wire.replace(b"\x20\x04", b"\x20\x09"))  # state 9: from the future
     model = primed()
     model.apply(newer, T0)

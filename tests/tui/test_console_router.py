@@ -98,7 +98,7 @@ def test_two_polls_give_windowed_rates_and_ratios() -> None:
     assert router.request_rate == pytest.approx(2.0)  # 20 requests answered in 10 s
     assert router.prefix_share == pytest.approx(12 / 20)  # hits among the decisions
     tiers = {t.tier: t for t in router.tiers}
-    assert (tiers["precise"].decisions, tiers["precise"].rate) == (20, pytest.approx(1.4))
+    assert (tiers["precise"].decisions, tiers["precise"].rate) == (20, pytest.approx(1.4))  # type: ignore[comparison-overlap]
     assert tiers["precise"].hit_share == pytest.approx(12 / 14)
     assert tiers["load"].hit_share == 0.0
     assert router.available_share == pytest.approx(1000 / 2000)
@@ -106,7 +106,7 @@ def test_two_polls_give_windowed_rates_and_ratios() -> None:
     assert router.captured_of_available == pytest.approx(600 / 1000)
     assert router.delivered_share == pytest.approx(400 / 2000)
     rows = {r.replica_id: r for r in router.replicas}
-    assert (rows["r1"].in_flight, rows["r1"].request_rate) == (3, pytest.approx(1.4))
+    assert (rows["r1"].in_flight, rows["r1"].request_rate) == (3, pytest.approx(1.4))  # type: ignore[comparison-overlap]
     assert rows["r1"].delivered_hit_ratio == pytest.approx(0.3)
     assert rows["r2"].delivered_hit_ratio is None and rows["r2"].request_rate == pytest.approx(0.6)
 
@@ -123,7 +123,7 @@ def test_a_gateway_restart_counts_from_zero_never_negative() -> None:
     assert router.delivered_share == pytest.approx((400 + 50) / (2000 + 100))
     assert router.available_share == pytest.approx(1000 / 2000)  # nothing routed since
     [row] = router.replicas  # r2 left the gateway
-    assert (row.replica_id, row.requests, row.request_rate) == ("r1", 5, pytest.approx(19 / 20))
+    assert (row.replica_id, row.requests, row.request_rate) == ("r1", 5, pytest.approx(19 / 20))  # type: ignore[comparison-overlap]
 
 
 def test_an_old_server_keeps_the_decisions_only_view() -> None:

@@ -331,11 +331,8 @@ class HttpConnection(asyncio.Protocol):
         expect = next((v for k, v in self._headers if k == b"expect"), None)
         refusal = self._browser_refusal()
         if refusal is not None:  # before anything else: a foreign page learns nothing more
-            self._refuse_later(refusal.status, refusal.message, 0)
-            sized = any(k == b"content-length" for k, _ in self._headers)
-            if not sized or declared > DRAIN_LIMIT or expect is not None:
-                raise ValueError("refused")  # answered at once, connection closed
-            return  # a small body is read and dropped, so that the client reads the answer
+            self._refuse_foreign(refusal, declared, expect)
+            return
         if self._server.admit is not None:
             self._admit()
         if self._refused is None and declared > self._limits.max_body_bytes:
@@ -345,11 +342,23 @@ class HttpConnection(asyncio.Protocol):
         if self._refused is None and declared and not self._hold(declared):
             self._refuse_at_once(503, self._budget_message())
         if expect is not None and expect.lower() == b"100-continue":
-            if self._refused is not None:
-                raise ValueError("refused")
-            if self._task is None:  # never inside another request's response
-                self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
-                self.started = False
+            self._continue()
+
+    def _refuse_foreign(self, refusal: BrowserRefusal, declared: int, expect: bytes | None) -> None:
+        """Refuse a browser page's request: a small body is read and dropped, so that the
+        client reads the answer; anything else is answered at once, the connection closed."""
+        self._refuse_later(refusal.status, refusal.message, 0)
+        sized = any(k == b"content-length" for k, _ in self._headers)
+        if not sized or declared > DRAIN_LIMIT or expect is not None:
+            raise ValueError("refused")
+
+    def _continue(self) -> None:
+        """Answer ``Expect: 100-continue``: close a refused request, else ask for the body."""
+        if self._refused is not None:
+            raise ValueError("refused")
+        if self._task is None:  # never inside another request's response
+            self.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.started = False
 
     def on_body(self, body: bytes) -> None:
         self._body_bytes += len(body)

@@ -374,7 +374,7 @@ class PreciseTier:
     (0 = unknown): the gateway passes the engine poller's. ``clock`` stamps tree inserts.
     """
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (collaborators the gateway passes and tests replace)
         self,
         index: KvIndex,
         policy: PrefixPolicy,
