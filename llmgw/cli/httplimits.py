@@ -10,7 +10,7 @@ import argparse
 import math
 from typing import TYPE_CHECKING
 
-from llmgw.cli.main import CliError
+from llmgw.cli.errors import CliError
 
 if TYPE_CHECKING:
     from llmgw.server.router.httplimits import ServerLimits
