@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from llmgw.api.llmgw.v1 import Gpu, HostFacts, NodeInfo
-from llmgw.cli.get import render_table
+from llmgw.cli.tables import render_table
 from llmgw.printable import escape, text_problem, text_problems, unsafe
 
 FORGED = "n1\n\x1b[2Knode-forged  READY"

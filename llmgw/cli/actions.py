@@ -11,20 +11,16 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-from collections.abc import Callable
 
 from llmgw.api.llmgw.v1 import ActionResult
-from llmgw.cli.get import _call
+from llmgw.cli.rpc import add_client_flags, call
 from llmgw.client import ControlClient
 
-__all__ = ["add_parsers", "run_action"]
+__all__ = ["register", "run_action"]
 
 
-def add_parsers(
-    sub: argparse._SubParsersAction[argparse.ArgumentParser],
-    add_server: Callable[[argparse.ArgumentParser], None],
-) -> None:
-    """Register the four subcommands; ``add_server`` adds the ``--server`` option."""
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register the four subcommands."""
     specs = (
         ("start", "TARGET", "scale a deployment up by one, or start a stopped replica's again"),
         ("drain", "REPLICA", "drain a replica: in-flight requests finish, then it stops"),
@@ -36,7 +32,7 @@ def add_parsers(
         p.add_argument("target", metavar=metavar)
         if verb == "reprofile":
             p.add_argument("--profile", required=True, metavar="NAME", help="a stored profile")
-        add_server(p)
+        add_client_flags(p)
         p.set_defaults(command=_run, verb=verb)
 
 
@@ -60,6 +56,6 @@ async def run_action(server: str, verb: str, target: str, profile: str = "") -> 
             return await client.start_replica(deployment, replica_id=replica)
         return await client.reprofile_replica(replica, profile=profile, deployment=deployment)
 
-    result: ActionResult = await _call(server, act)
+    result: ActionResult = await call(server, act)
     sys.stdout.write(f"{result.message}\n")
     return 0

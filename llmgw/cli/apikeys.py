@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from llmgw.cli.main import CliError
+from llmgw.cli.errors import CliError
 
 if TYPE_CHECKING:
     from llmgw.server.router.apikeys import ApiKeys

@@ -1,5 +1,6 @@
 """Desired state from the command line: ``llmgw apply``, ``delete deployment``, ``get
-deployments|profiles`` and ``events``.
+deployments|profiles`` and ``events`` (their flags are ``llmgw.cli.desired``'s and
+``llmgw.cli.get``'s, which import this module when one of them runs).
 
 ``apply -f FILE`` parses the file here first, so a bad one is refused at once with every
 problem by key path and nothing is sent; a deployment may name a profile the server already
@@ -31,8 +32,9 @@ from llmgw.api.llmgw.v1 import (
     EngineProfile,
     WatchEvent,
 )
-from llmgw.cli.get import _call, render_table
-from llmgw.cli.main import CliError
+from llmgw.cli.errors import CliError
+from llmgw.cli.rpc import call
+from llmgw.cli.tables import render_table
 from llmgw.client import ControlClient, RpcError, Timeouts
 from llmgw.printable import escape
 from llmgw.server.auth import REDACTED
@@ -69,7 +71,7 @@ async def _apply(server: str, text: str, source: str, *, dry_run: bool, output: 
 
     # A whole file is checked and stored in one call: ~1 s per 100 kB on a quiet server, and
     # CI's machine once took longer than that for 10,000 deployments: 1 s per 20 kB.
-    answers = await _call(server, apply, Timeouts(call=30.0 + len(text) / 20_000))
+    answers = await call(server, apply, Timeouts(call=30.0 + len(text) / 20_000))
     if output == "json":
         rows = [{"target": target, "message": message} for target, message in answers]
         sys.stdout.write(json.dumps({"applied": rows}, indent=2) + "\n")
@@ -123,11 +125,11 @@ def _requests(
 async def run_delete(server: str, kind: str, name: str, *, force: bool = False) -> int:
     """``llmgw delete deployment NAME`` and ``llmgw delete node NAME [--force]``."""
     if kind == "node":
-        result = await _call(server, lambda client: client.delete_node(name, force=force))
+        result = await call(server, lambda client: client.delete_node(name, force=force))
     elif force:
         raise CliError("--force applies to 'delete node' only")
     else:
-        result = await _call(server, lambda client: client.delete_deployment(name))
+        result = await call(server, lambda client: client.delete_deployment(name))
     sys.stdout.write(f"{result.message}\n")
     return 0
 
@@ -144,7 +146,7 @@ async def run_get_desired(server: str, kind: str, output: str) -> int:
             return [], profiles
         return list((await client.get_cluster()).deployments), profiles
 
-    deployments, profiles = await _call(server, read)
+    deployments, profiles = await call(server, read)
     items = profiles if kind == "profiles" else deployments
     if output == "json":
         sys.stdout.write(json.dumps({kind: [i.to_dict() for i in items]}, indent=2) + "\n")
@@ -200,12 +202,12 @@ def _fingerprint(profile: EngineProfile) -> str:
 async def run_events(server: str, *, follow: bool) -> int:
     """``llmgw events [--follow]``: the audit log, then (following) new records as they come."""
     if not follow:
-        cluster = await _call(server, lambda client: client.get_cluster())
+        cluster = await call(server, lambda client: client.get_cluster())
         rows = [["WHEN", "ACTOR", "ACTION", "TARGET", "RESULT"]]
         rows += [_event_cells(e) for e in cluster.events]
         sys.stdout.write(render_table(rows) + "\n")
         return 0
-    await _call(server, _follow)
+    await call(server, _follow)
     return 0
 
 

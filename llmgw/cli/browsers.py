@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import argparse
 
-from llmgw.cli.main import CliError
+from llmgw.cli.errors import CliError
 from llmgw.httpguard import BrowserAccess, BrowserAccessError
 
 

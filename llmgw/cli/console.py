@@ -13,14 +13,13 @@ import argparse
 import asyncio
 import gc
 import json
-import logging
 import sys
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 
-from llmgw.cli.get import render_table
-from llmgw.cli.main import DEFAULT_WEB_URL, CliError
+from llmgw.cli.errors import CliError
+from llmgw.cli.rpc import DEFAULT_WEB_URL
+from llmgw.cli.screenlog import logging_to
+from llmgw.cli.tables import render_table
 from llmgw.cli.tls import add_client_ca_flag
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel, RpcError, ServerUnreachable
 
@@ -28,7 +27,7 @@ VIEW_NAMES = ("overview", "nodes", "replicas", "shards", "router", "events")
 """The console's views (llmgw.tui.registry.VIEWS, tested to agree)."""
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``console`` and its flags."""
     p = sub.add_parser(
         "console",
@@ -77,7 +76,7 @@ def run_console_command(args: argparse.Namespace) -> int:
     headers = {"authorization": f"Bearer {args.token}"} if args.token else None
     if args.once:
         return asyncio.run(_once(args.server, headers, args.output))
-    with _logging_to(args.log_file):
+    with logging_to(args.log_file):
         return asyncio.run(
             _interactive(
                 args.server,
@@ -128,23 +127,3 @@ async def _interactive(
         )
         await app.run_async(mouse=mouse)
     return app.return_code or 0
-
-
-@contextmanager
-def _logging_to(path: Path | None) -> Iterator[None]:
-    """Send log records to ``path`` (or nowhere) instead of stderr, then restore."""
-    root = logging.getLogger()
-    saved = root.handlers[:]
-    handler: logging.Handler = logging.NullHandler()
-    if path is not None:
-        try:
-            handler = logging.FileHandler(path, encoding="utf-8")
-        except OSError as exc:
-            raise CliError(f"cannot open the log file {path}: {exc}") from exc
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root.handlers = [handler]
-    try:
-        yield
-    finally:
-        root.handlers = saved
-        handler.close()

@@ -45,9 +45,10 @@ from llmgw.addresses import free_port
 from llmgw.agent.process import is_running
 from llmgw.agent.records import RecordStore
 from llmgw.api.llmgw.v1 import ApplyDeploymentRequest, NodeState, ShardState
-from llmgw.cli.console import _logging_to  # the console's own: records off the screen
+from llmgw.cli.errors import CliError
 from llmgw.cli.get import run_get
-from llmgw.cli.main import DEFAULT_WEB_URL, CliError
+from llmgw.cli.rpc import DEFAULT_WEB_URL
+from llmgw.cli.screenlog import logging_to  # the console's own: records off the screen
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
 from llmgw.command import LLMGW_COMMAND
 from llmgw.engineports import NoFreeWindow, PortRange, default_or_window, format_port_range
@@ -528,7 +529,7 @@ async def _with_workload(
         tasks.create_task(workload.run(done))
         try:
             if console:
-                with _logging_to(fleet.logs / "demo.log"):
+                with logging_to(fleet.logs / "demo.log"):
                     await _console(fleet, stop)
             else:
                 await _wait(stop, fleet, options)

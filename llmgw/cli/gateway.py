@@ -34,13 +34,14 @@ from typing import TYPE_CHECKING
 from llmgw.addresses import AddressError, parse_host_port
 from llmgw.cli.apikeys import add_key_file_flag, gateway_api_keys
 from llmgw.cli.browsers import add_browser_flags, browser_access
-from llmgw.cli.httplimits import add_http_limit_flags, http_limits
-from llmgw.cli.main import (
+from llmgw.cli.errors import CliError
+from llmgw.cli.flags import (
     GATEWAY_POLICIES,
-    CliError,
     add_tokenize_timeout_flag,
+    read_token_file,
     tokenize_timeout,
 )
+from llmgw.cli.httplimits import add_http_limit_flags, http_limits
 from llmgw.cli.tls import add_ca_flag, add_listen_flags, connect_context, listen_files
 from llmgw.signals import stop_on_signals
 
@@ -61,7 +62,7 @@ MAX_REPORT_INTERVAL_S = 300.0  # llmgw.server.router.reporter.MAX_INTERVAL_S
 MAX_GATEWAY_ID = 200
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``gateway`` and its flags."""
     p = sub.add_parser(
         "gateway",
@@ -182,8 +183,6 @@ def run_gateway_command(args: argparse.Namespace) -> int:
     feed_tls = connect_context(args.ca_file, ALPN_GRPC)
     token = None
     if args.token_file is not None:
-        from llmgw.cli.token import read_token_file
-
         token = read_token_file(args.token_file, "--token-file")
     report = _Reporting(gateway_id, report_interval_s)
     try:

@@ -1,11 +1,14 @@
-"""``llmgw get …`` and node actions: operator reads and writes over gRPC-web.
+"""``llmgw get …`` and ``llmgw cordon|uncordon``: operator reads and writes over gRPC-web.
 
 Tables are for people (fixed columns, one row per thing, control characters escaped);
-``-o json`` prints the proto3 JSON of the messages, for scripts.
+``-o json`` prints the proto3 JSON of the messages, for scripts. ``get deployments`` and
+``get profiles`` are the desired state's (``llmgw.cli.apply``, imported when they run).
 """
 
 from __future__ import annotations
 
+import argparse
+import asyncio
 import json
 import sys
 from collections.abc import Callable, Iterable, Sequence
@@ -14,22 +17,59 @@ from typing import Any
 import betterproto2
 
 from llmgw.api.llmgw.v1 import Cluster, Gpu, GpuHealth, GpuTelemetry, Node, Shard
-from llmgw.cli.main import CliError
-from llmgw.client import (
-    ClientError,
-    ControlClient,
-    GrpcWebChannel,
-    RpcError,
-    ServerUnreachable,
-    Timeouts,
-)
-from llmgw.printable import escape
+from llmgw.cli.rpc import add_client_flags, call
+from llmgw.cli.tables import render_table
+from llmgw.client import ControlClient
+
+__all__ = ["register", "run_get", "run_node_action"]
 
 GiB = 1 << 30
 
 
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``get``, ``cordon`` and ``uncordon``."""
+    p = sub.add_parser(
+        "get",
+        help="list nodes, GPUs, replicas, shards, deployments or profiles",
+        description="List what the control server knows, over gRPC-web.",
+    )
+    p.add_argument(
+        "kind", choices=["nodes", "gpus", "replicas", "shards", "deployments", "profiles"]
+    )
+    p.add_argument(
+        "-o",
+        "--output",
+        choices=["table", "json"],
+        default="table",
+        help="table (default) or the proto3 JSON of the messages",
+    )
+    add_client_flags(p)
+    p.set_defaults(command=_run_get)
+    for verb, text in (
+        ("cordon", "place nothing new on a node"),
+        ("uncordon", "let placement use a node again"),
+    ):
+        p = sub.add_parser(verb, help=text, description=f"{text[0].upper()}{text[1:]}.")
+        p.add_argument("node_id", metavar="NODE")
+        add_client_flags(p)
+        p.set_defaults(command=_run_node_action, verb=verb)
+
+
+def _run_get(args: argparse.Namespace) -> int:
+    if args.kind in ("deployments", "profiles"):
+        from llmgw.cli.apply import run_get_desired
+
+        return asyncio.run(run_get_desired(args.server, args.kind, args.output))
+
+    return asyncio.run(run_get(args.server, args.kind, args.output))
+
+
+def _run_node_action(args: argparse.Namespace) -> int:
+    return asyncio.run(run_node_action(args.server, args.verb, args.node_id))
+
+
 async def run_get(server: str, kind: str, output: str) -> int:
-    cluster = await _call(server, lambda client: client.get_cluster())
+    cluster = await call(server, lambda client: client.get_cluster())
     if output == "json":
         sys.stdout.write(json.dumps(_as_json(cluster, kind), indent=2) + "\n")
     else:
@@ -44,23 +84,9 @@ async def run_node_action(server: str, verb: str, node_id: str) -> int:
             return await client.cordon_node(node_id)
         return await client.uncordon_node(node_id)
 
-    result = await _call(server, act)
+    result = await call(server, act)
     sys.stdout.write(f"{result.message}\n")
     return 0
-
-
-async def _call(
-    server: str, fn: Callable[[ControlClient], Any], timeouts: Timeouts | None = None
-) -> Any:
-    try:
-        async with GrpcWebChannel(server, timeouts=timeouts or Timeouts()) as channel:
-            return await fn(ControlClient(channel))
-    except ServerUnreachable as exc:
-        raise CliError(f"cannot reach the control server at {server}: {exc}") from exc
-    except RpcError as exc:
-        raise CliError(f"{exc.status.name}: {exc.message}") from exc
-    except ClientError as exc:
-        raise CliError(str(exc)) from exc
 
 
 def _as_json(cluster: Cluster, kind: str) -> dict[str, Any]:
@@ -87,22 +113,6 @@ def _node_id(node: Node) -> str:
 
 def _gpus(node: Node) -> list[Gpu]:
     return list(node.info.gpus) if node.info is not None else []
-
-
-def render_table(rows: Sequence[Sequence[str]]) -> str:
-    """Left-aligned columns separated by two spaces; the first row is the header.
-
-    Every cell is escaped (``llmgw.printable.escape``): a newline or an escape sequence in a
-    hostname, a label or a reason prints as ``\\n``/``\\x1b``, never as a row of its own.
-    """
-    rows = [[escape(cell) for cell in row] for row in rows]
-    if len(rows) <= 1:
-        return "\n".join("  ".join(r) for r in rows) + ("\n(none)" if len(rows) == 1 else "")
-    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
-    return "\n".join(
-        "  ".join(cell.ljust(w) for cell, w in zip(row, widths, strict=True)).rstrip()
-        for row in rows
-    )
 
 
 def _node_rows(cluster: Cluster) -> list[list[str]]:

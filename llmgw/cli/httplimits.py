@@ -1,7 +1,8 @@
 """The HTTP ports' limit flags, shared by ``llmgw server`` (its gRPC-web and gateway ports)
 and ``llmgw gateway``: the ones operators tune, the rest of ``ServerLimits`` fixed.
 
-Like the other command modules, it imports only the standard library at import time.
+It imports only the standard library and ``CliError`` at import time; the gateway's
+``ServerLimits`` is imported when a function runs.
 """
 
 from __future__ import annotations
@@ -10,7 +11,7 @@ import argparse
 import math
 from typing import TYPE_CHECKING
 
-from llmgw.cli.main import CliError
+from llmgw.cli.errors import CliError
 
 if TYPE_CHECKING:
     from llmgw.server.router.httplimits import ServerLimits

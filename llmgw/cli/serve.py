@@ -1,4 +1,8 @@
-"""``llmgw server`` and ``llmgw agent``: turn flags into configs and run the processes."""
+"""``llmgw server`` and ``llmgw agent``: turn flags into configs and run the processes.
+
+The flags are ``llmgw.cli.server``'s and ``llmgw.cli.agent``'s, which import this module
+only when their command runs (it imports the whole server and agent).
+"""
 
 from __future__ import annotations
 
@@ -25,8 +29,9 @@ from llmgw.agent.engines import EngineError, engine_binaries
 from llmgw.agent.shards import RestartPolicy
 from llmgw.cli.apikeys import gateway_api_keys
 from llmgw.cli.browsers import browser_access
+from llmgw.cli.errors import CliError
+from llmgw.cli.flags import engine_ports_flag, read_token_file, tokenize_timeout
 from llmgw.cli.httplimits import http_limits
-from llmgw.cli.main import CliError, engine_ports_flag, tokenize_timeout
 from llmgw.cli.tls import listen_files
 from llmgw.engineports import DEFAULT_ENGINE_PORTS
 from llmgw.fdlimit import within_fd_limits
@@ -124,8 +129,6 @@ def _finite(value: float, flag: str) -> float:
 
 
 def _token_file(path: Path | None, flag: str) -> str | None:
-    from llmgw.cli.token import read_token_file
-
     return None if path is None else read_token_file(path, flag)
 
 

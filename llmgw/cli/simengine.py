@@ -15,7 +15,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING
 
-from llmgw.cli.main import CliError
+from llmgw.cli.errors import CliError
 
 if TYPE_CHECKING:
     from asyncio import AbstractEventLoop
@@ -27,7 +27,7 @@ _DTYPES = ("auto", "half", "float16", "bfloat16", "float", "float32")
 _LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``sim-engine`` and its flags."""
     p = sub.add_parser(
         "sim-engine",

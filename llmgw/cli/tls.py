@@ -12,7 +12,7 @@ import ssl
 from collections.abc import Sequence
 from pathlib import Path
 
-from llmgw.cli.main import CliError
+from llmgw.cli.errors import CliError
 from llmgw.tls import TlsFileError, TlsFiles, client_context
 
 CA_ENV = "LLMGW_CA_FILE"

@@ -1,4 +1,4 @@
-"""``llmgw token``: create, list and revoke the control server's tokens, and the client flags.
+"""``llmgw token``: create, list and revoke the control server's tokens.
 
 Tokens are written to the server's SQLite file directly (``--db``, the same default as
 ``llmgw server``); a running server reads them within seconds. The new token is printed
@@ -10,32 +10,30 @@ authentication on::
     llmgw get nodes --token-file admin.token
 
 Clients of the server (``llmgw get``, ``drain``, ``apply`` …) take ``--token``,
-``--token-file`` or ``$LLMGW_TOKEN`` (:func:`client_token`).
+``--token-file`` or ``$LLMGW_TOKEN`` (``llmgw.cli.rpc``).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from llmgw.cli.main import CliError
+from llmgw.cli.errors import CliError
 from llmgw.protocol import NODE_ID_RULE, valid_node_id
 from llmgw.server.auth import Role, StoredToken, hash_token, new_token
 from llmgw.server.errors import StoreError
 from llmgw.server.store import Store
 
-TOKEN_ENV = "LLMGW_TOKEN"
 CREATABLE_ROLES = tuple(role.value for role in Role)
 T = TypeVar("T")
 
 
-def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``token create``, ``token list`` and ``token revoke``."""
     p = sub.add_parser(
         "token",
@@ -141,38 +139,3 @@ def _run(work: Coroutine[Any, Any, T]) -> T:
         return asyncio.run(work)
     except StoreError as exc:
         raise CliError(str(exc)) from exc
-
-
-def read_token_file(path: Path, flag: str) -> str:
-    """The token in a file, surrounding whitespace dropped; CliError naming the flag if not."""
-    try:
-        token = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise CliError(f"{flag} {path}: cannot read it ({exc})") from exc
-    if not token:
-        raise CliError(f"{flag} {path}: the file is empty")
-    return token
-
-
-def add_client_flags(p: argparse.ArgumentParser) -> None:
-    """``--token`` and ``--token-file`` for a command that calls the server."""
-    p.add_argument(
-        "--token",
-        default=None,
-        metavar="TOKEN",
-        help=f"a bearer token (visible to other users in ps: prefer --token-file or ${TOKEN_ENV})",
-    )
-    p.add_argument(
-        "--token-file", type=Path, default=None, metavar="FILE", help="read the token from FILE"
-    )
-
-
-def client_token(args: argparse.Namespace) -> str | None:
-    """The token ``args`` ask for: ``--token``, else ``--token-file``, else ``$LLMGW_TOKEN``."""
-    token: str | None = getattr(args, "token", None)
-    if token:
-        return token
-    path: Path | None = getattr(args, "token_file", None)
-    if path is not None:
-        return read_token_file(path, "--token-file")
-    return os.environ.get(TOKEN_ENV) or None

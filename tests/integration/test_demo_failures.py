@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from llmgw.cli.demo import state_dir
-from llmgw.cli.main import CliError
+from llmgw.cli.errors import CliError
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

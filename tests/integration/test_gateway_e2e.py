@@ -30,7 +30,7 @@ import openai
 import pytest
 from procs import Cluster, wait_for
 
-from llmgw.cli.main import GATEWAY_POLICIES
+from llmgw.cli.flags import GATEWAY_POLICIES
 from llmgw.server.router.policy import POLICIES
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]

@@ -28,7 +28,8 @@ from llmgw.api.llmgw.v1 import (
     StartShard,
 )
 from llmgw.cli import serve
-from llmgw.cli.main import build_parser, engine_ports_flag, main
+from llmgw.cli.flags import engine_ports_flag
+from llmgw.cli.main import build_parser, main
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server import app

@@ -18,7 +18,8 @@ import httpx
 import pytest
 
 from llmgw.cli.apikeys import ENV, gateway_api_keys
-from llmgw.cli.main import CliError, build_parser
+from llmgw.cli.errors import CliError
+from llmgw.cli.main import build_parser
 from llmgw.server.router.apikeys import API_KEY_ENV, UNAUTHORIZED_BODY, ApiKeys, parse_key_file
 from llmgw.server.router.gateway import Gateway, GatewayConfig
 from llmgw.server.router.table import RoutingTable, Target

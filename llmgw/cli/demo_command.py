@@ -1,0 +1,70 @@
+"""``llmgw demo``: its flags and their checks; the demo itself (``llmgw.cli.demo``) is
+imported when the command runs, so that every other command starts without it."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from llmgw.cli.errors import CliError
+from llmgw.cli.flags import engine_ports_flag
+
+__all__ = ["register"]
+
+
+def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Register ``demo`` and its flags."""
+    p = sub.add_parser(
+        "demo",
+        help="run the whole system on loopback with simulated GPUs, and open the console",
+        description="Start a control server with its gateway and three simulated GPU nodes "
+        "on loopback, deploy simulated engines with KV events on, send a light workload "
+        "through the gateway, and open the console on it; quitting the console stops "
+        "everything and prints a summary. --headless runs the same without the console "
+        "for --duration seconds (default 30).",
+    )
+    p.add_argument(
+        "--headless",
+        action="store_true",
+        help="no console: run for --duration seconds, then print a summary",
+    )
+    p.add_argument(
+        "--duration",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="with --headless or without a terminal: stop after this long "
+        "(default: 30 with --headless, else until Ctrl-C)",
+    )
+    p.add_argument(
+        "--rate",
+        type=float,
+        default=3.0,
+        metavar="PER_SECOND",
+        help="workload requests per second through the gateway (default: 3)",
+    )
+    p.add_argument(
+        "--state-dir",
+        type=Path,
+        default=None,
+        metavar="DIR",
+        help="keep the demo's database and agent state here (default: a temp dir)",
+    )
+    p.add_argument(
+        "--engine-ports",
+        default=None,
+        metavar="LO-HI",
+        help="the engines' ports (default: 20000-29999 when its bottom is free, "
+        "else a free window of 200 ports)",
+    )
+    p.set_defaults(command=_run)
+
+
+def _run(args: argparse.Namespace) -> int:
+    from llmgw.cli.demo import DemoOptions, run_demo
+
+    if args.rate <= 0:
+        raise CliError(f"--rate must be positive, got {args.rate:g}")
+    ports = engine_ports_flag(args.engine_ports)
+    options = DemoOptions(args.headless, args.duration, args.state_dir, args.rate, ports)
+    return run_demo(options)
