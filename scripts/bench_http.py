@@ -170,10 +170,10 @@ async def serve_hypercorn(app: Any, sock: socket.socket, stop: asyncio.Event) ->
 
 
 async def serve_llmgw(app: Any, stop: asyncio.Event) -> None:
+    from llmgw.gateway.httplimits import ServerLimits
+    from llmgw.gateway.httpserver import HttpServer
     from llmgw.server.asgihttp import AsgiHandler
     from llmgw.server.grpcweb import most_body_bytes
-    from llmgw.server.router.httplimits import ServerLimits
-    from llmgw.server.router.httpserver import HttpServer
 
     limits = ServerLimits(max_body_bytes=most_body_bytes(MAX_MESSAGE_BYTES))  # as llmgw server
     server = HttpServer(AsgiHandler(app), limits)
@@ -648,7 +648,7 @@ def settings_line(s: Settings, sizes: Mapping[int, int]) -> str:
             "hypercorn: asyncio worker on uvloop, h11, no access log, "
             f"keep_alive_max_requests={HYPERCORN_KEEPALIVE_REQUESTS:,}); "
             if "hypercorn" in SERVERS
-            else "llmgw: llmgw.server.router.httpserver through llmgw.server.asgihttp, its "
+            else "llmgw: llmgw.gateway.httpserver through llmgw.server.asgihttp, its "
             "default limits, as `llmgw server` now runs the port); "
         )
         + f"client: raw asyncio HTTP/1.1 keep-alive on uvloop, pinned to CPU {s.client_cpu}, "

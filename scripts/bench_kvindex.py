@@ -57,6 +57,8 @@ from typing import Any
 from benchkit import base_machine, command_line
 
 from llmgw.api.llmgw.v1 import AgentMessage, KvDelta, RouterFeedEvent
+from llmgw.gateway.feed import apply_kv_blocks
+from llmgw.gateway.routing.kvindex import KvIndex, pack_keys, unpack_keys
 from llmgw.kvcache import (
     BlockRemoved,
     BlockStored,
@@ -68,8 +70,6 @@ from llmgw.kvcache import (
 from llmgw.kvcache.mirror import ROOT_KEY, BlockMirror, MirrorDelta, block_keys, pack_hashes
 from llmgw.server.codec import decode_message
 from llmgw.server.kvblocks import KvBlocks, KvWatcher, decode_kv_delta
-from llmgw.server.router.feed import apply_kv_blocks
-from llmgw.server.router.kvindex import KvIndex, pack_keys, unpack_keys
 
 TARGET = 200_000  # blocks per second, frame to index
 TOPIC = "kv-events"

@@ -129,8 +129,8 @@ def _profiles() -> Target:
 
 
 def _openai() -> Target:
-    from llmgw.server.router.errors import BadRequest
-    from llmgw.server.router.openai import CHAT_PATH, COMPLETIONS_PATH, parse_request
+    from llmgw.gateway.errors import BadRequest
+    from llmgw.gateway.openai import CHAT_PATH, COMPLETIONS_PATH, parse_request
 
     def target(data: bytes) -> None:
         path = CHAT_PATH if data[:1] == b"c" else COMPLETIONS_PATH
@@ -143,7 +143,7 @@ def _openai() -> Target:
 
 
 def _tokenize() -> Target:
-    from llmgw.server.router.tokenize import parse_tokens, tokenize_input
+    from llmgw.gateway.tokenize import parse_tokens, tokenize_input
 
     def target(data: bytes) -> None:
         parse_tokens(data, 1 << 16)
@@ -155,7 +155,7 @@ def _tokenize() -> Target:
 
 def _metrics() -> Target:
     from llmgw.agent.probe import parse_in_flight
-    from llmgw.server.router.engines import ReuseWindow, parse_engine_metrics
+    from llmgw.gateway.engines import ReuseWindow, parse_engine_metrics
 
     window = ReuseWindow(60.0)
 
@@ -172,7 +172,7 @@ def _metrics() -> Target:
 
 
 def _http() -> Target:
-    from llmgw.server.router.httpserver import HttpConnection, HttpServer, ServerLimits
+    from llmgw.gateway.httpserver import HttpConnection, HttpServer, ServerLimits
 
     loop = asyncio.new_event_loop()
     written: list[bytes] = []

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 from llmgw.cli.main import CliError
 
 if TYPE_CHECKING:
-    from llmgw.server.router.httplimits import ServerLimits
+    from llmgw.gateway.httplimits import ServerLimits
 
 __all__ = ["add_http_limit_flags", "http_limits"]
 
@@ -21,7 +21,7 @@ __all__ = ["add_http_limit_flags", "http_limits"]
 def add_http_limit_flags(p: argparse.ArgumentParser, ports: str) -> None:
     """``--idle-timeout``, ``--header-timeout``, ``--max-connections``,
     ``--max-connections-per-peer`` and ``--max-body-buffer``, for ``ports``."""
-    from llmgw.server.router.httplimits import ServerLimits
+    from llmgw.gateway.httplimits import ServerLimits
 
     default = ServerLimits()
     g = p.add_argument_group(f"limits of {ports}")
@@ -69,7 +69,7 @@ def add_http_limit_flags(p: argparse.ArgumentParser, ports: str) -> None:
 
 def http_limits(args: argparse.Namespace) -> ServerLimits:
     """The flags' values, checked."""
-    from llmgw.server.router.httplimits import ServerLimits
+    from llmgw.gateway.httplimits import ServerLimits
 
     for flag, value in (
         ("--idle-timeout", args.idle_timeout),

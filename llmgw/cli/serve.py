@@ -134,7 +134,7 @@ def _gateway_listen(text: str) -> Listen | None:
 
 
 def _gateway_policy(name: str) -> str:
-    from llmgw.server.router.policy import POLICIES
+    from llmgw.gateway.routing.policy import POLICIES
 
     if name not in POLICIES:
         raise CliError(f"--gateway-policy {name!r} is not one of {', '.join(POLICIES)}")

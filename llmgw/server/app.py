@@ -4,7 +4,7 @@ One event loop serves the same service objects on two ports: native gRPC (grpcli
 for agents and operator clients, and gRPC-web plus ``/healthz`` (HTTP/1.1, asgihttp.py) for the
 console, browsers and ``llmgw get``. The router feed (``llmgw.server.routersvc``, carrying
 API keys) is on the native port only. Unless turned off, the OpenAI gateway
-(``llmgw.server.router``) serves on a third port, fed in process from the plane. SIGINT and
+(``llmgw.gateway``) serves on a third port, fed in process from the plane. SIGINT and
 SIGTERM stop every port, flush heartbeat times and close the database. The reconciler
 (``llmgw.server.reconcile_loop``) runs in the same loop, unless turned off or test hooks are
 on. The gRPC-web port also serves the server's own Prometheus metrics on ``/metrics``
@@ -34,7 +34,7 @@ The state database is held with an exclusive lock (``llmgw.server.statelock``) t
 before it opens and before any port binds: a second server on the same ``--db`` refuses,
 naming the first.
 
-Both HTTP ports run under ``ServerConfig.http_limits`` (``llmgw.server.router.httplimits``:
+Both HTTP ports run under ``ServerConfig.http_limits`` (``llmgw.gateway.httplimits``:
 head size, head/body/idle timeouts, connections in all and per peer, buffered body bytes);
 the gRPC-web port's largest body follows from ``max_message_bytes``.
 """
@@ -50,6 +50,14 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
+from llmgw.gateway import (
+    TOKENIZE_TIMEOUT_S,
+    ApiKeys,
+    Gateway,
+    GatewayConfig,
+    HttpServer,
+    ServerLimits,
+)
 from llmgw.httpguard import BrowserAccess, HttpGuard, is_loopback_host
 from llmgw.server.agentsvc import AgentService
 from llmgw.server.asgihttp import AsgiHandler
@@ -63,10 +71,6 @@ from llmgw.server.inventory import InventoryConfig
 from llmgw.server.metrics import server_metrics
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
-from llmgw.server.router.apikeys import ApiKeys
-from llmgw.server.router.gateway import TOKENIZE_TIMEOUT_S, Gateway, GatewayConfig
-from llmgw.server.router.httplimits import ServerLimits
-from llmgw.server.router.httpserver import HttpServer
 from llmgw.server.routerreports import RouterReports
 from llmgw.server.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.statelock import hold_state_lock
@@ -126,7 +130,7 @@ class ServerConfig:
     reconcile: bool = True  # run the reconciler (off with test hooks: it would fence their shards)
     reconcile_every_s: float = 1.0  # a round at least this often, and after every change
     gateway_listen: Listen | None = None  # the in-server OpenAI gateway; None: none
-    gateway_policy: str = "prefix"  # llmgw.server.router.policy.POLICIES
+    gateway_policy: str = "prefix"  # llmgw.gateway.routing.policy.POLICIES
     gateway_tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S  # the precise tier's /tokenize bound
     gateway_api_keys: ApiKeys = ApiKeys()  # clients' keys for the gateway's /v1; none: open
     join_token: str | None = field(default=None, repr=False)  # agents' token; never logged

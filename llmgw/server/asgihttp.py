@@ -1,6 +1,6 @@
 """An ASGI application (the gRPC-web port's ``GrpcWebApp``) on our HTTP/1.1 server.
 
-The gRPC-web port is served by ``llmgw.server.router.httpserver.HttpServer``, the gateway's
+The gRPC-web port is served by ``llmgw.gateway.httpserver.HttpServer``, the gateway's
 server, under the same ``ServerLimits`` (head size and count, head, body and idle
 timeouts, connection caps in all and per peer, a budget of buffered body bytes). uvicorn,
 which served it before, kept a connection that sent a header byte a second, or nothing,
@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 from urllib.parse import unquote
 
-from llmgw.server.router.httpserver import HttpConnection, Request, status_line
+from llmgw.gateway import HttpConnection, Request, status_line
 
 __all__ = ["AsgiApp", "AsgiHandler"]
 

@@ -57,6 +57,7 @@ from llmgw.api.llmgw.v1 import (
     WatchEvent,
     WatchRequest,
 )
+from llmgw.gateway import Gateway, router_stats
 from llmgw.server import actions
 from llmgw.server.auth import ANONYMOUS_ACTOR, REDACTED, current_actor, sees_secrets
 from llmgw.server.desired import (
@@ -70,8 +71,6 @@ from llmgw.server.desired import (
 from llmgw.server.errors import ProfileError, UnknownNode, quoted
 from llmgw.server.plane import ControlPlane
 from llmgw.server.profiles import profile_fingerprint
-from llmgw.server.router.gateway import Gateway
-from llmgw.server.router.stats import router_stats
 from llmgw.server.routerreports import RouterReports, StatsPart, combine
 from llmgw.server.store import AuditRecord
 

@@ -1,6 +1,6 @@
 """The control server's own Prometheus metrics: ``GET /metrics`` on its gRPC-web port.
 
-Text format 0.0.4, written by hand as the gateway's are (``llmgw.server.router.metrics``;
+Text format 0.0.4, written by hand as the gateway's are (``llmgw.gateway.metrics``;
 the gateway's own families, ``llmgw_kv_index_*`` among them, are on the gateway's port).
 It carries no secrets (node, replica and shard ids, counts), so it is served without a
 token, like ``/healthz``. Families::
@@ -42,10 +42,10 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from llmgw.gateway import family, quote_label
 from llmgw.server.kvblocks import KvBlocksStats
 from llmgw.server.kvfollow import EngineFollowStats
 from llmgw.server.plane import ControlPlane
-from llmgw.server.router.metrics import family, quote_label
 
 __all__ = ["CONTENT_TYPE", "render_server_metrics", "server_metrics"]
 

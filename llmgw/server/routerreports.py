@@ -1,7 +1,7 @@
 """What separate gateways report (``RouterService.Report``), added into ``GetRouterStats``.
 
 Each ``llmgw gateway`` process sends its figures every few seconds under its own
-``gateway_id`` (``llmgw.server.router.reporter``). :class:`RouterReports` keeps the latest
+``gateway_id`` (``llmgw.gateway.reporter``). :class:`RouterReports` keeps the latest
 report of each gateway instance, and :func:`combine` adds them to the in-server gateway's
 figures (when it runs) into the fleet's ``RouterStats``:
 

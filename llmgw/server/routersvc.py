@@ -56,13 +56,17 @@ from llmgw.api.llmgw.v1 import (
     RouteTarget,
     WatchEvent,
 )
+from llmgw.gateway import (
+    Gateway,
+    GatewayConfig,
+    KvIndex,
+    RoutingTable,
+    apply_feed_event,
+    targets_from_snapshot,
+)
 from llmgw.server.kvblocks import KvWatcher
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
-from llmgw.server.router.feed import apply_feed_event, targets_from_snapshot
-from llmgw.server.router.gateway import Gateway, GatewayConfig
-from llmgw.server.router.kvindex import KvIndex
-from llmgw.server.router.table import RoutingTable
 from llmgw.server.routerreports import ReportRefused, RouterReports
 
 log = logging.getLogger(__name__)

@@ -25,9 +25,9 @@ from test_kvevents import Engine, _restart, endpoints_in, joined, synced
 
 from llmgw.agent.kvevents import KvEventHub, KvFollowConfig
 from llmgw.api.llmgw.v1 import KvDelta
+from llmgw.gateway.feed import apply_kv_blocks
+from llmgw.gateway.routing.kvindex import KvIndex
 from llmgw.server.kvblocks import KvBlocks, KvWatcher, decode_kv_delta
-from llmgw.server.router.feed import apply_kv_blocks
-from llmgw.server.router.kvindex import KvIndex
 
 NODE, REPLICA, SHARD = "n1", "r1", "s1"
 

@@ -41,10 +41,10 @@ from llmgw.client import (
     ServerUnreachable,
     Timeouts,
 )
+from llmgw.gateway.httplimits import ServerLimits
+from llmgw.gateway.httpserver import HttpServer
 from llmgw.server.asgihttp import AsgiHandler
 from llmgw.server.grpcweb import GrpcWebApp
-from llmgw.server.router.httplimits import ServerLimits
-from llmgw.server.router.httpserver import HttpServer
 
 
 class Control(ControlServiceBase):

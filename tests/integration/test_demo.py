@@ -33,8 +33,8 @@ from llmgw.cli.demo import (
     decisions_by_tier,
     render_summary,
 )
+from llmgw.gateway.engines import metric_samples
 from llmgw.server.profiles import parse_document
-from llmgw.server.router.engines import metric_samples
 
 # --- the demo as a user runs it ------------------------------------------------------------
 

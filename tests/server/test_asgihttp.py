@@ -8,9 +8,9 @@ from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from contextlib import asynccontextmanager
 from typing import Any
 
+from llmgw.gateway.httplimits import ServerLimits
+from llmgw.gateway.httpserver import HttpServer
 from llmgw.server.asgihttp import AsgiHandler
-from llmgw.server.router.httplimits import ServerLimits
-from llmgw.server.router.httpserver import HttpServer
 
 Message = MutableMapping[str, Any]
 Send = Callable[[Message], Awaitable[None]]

@@ -25,11 +25,11 @@ from llmgw.api.llmgw.v1 import (
     WatchEvent,
     WatchRequest,
 )
+from llmgw.gateway.httplimits import ServerLimits
+from llmgw.gateway.httpserver import HttpServer
 from llmgw.httpguard import BrowserAccess, HttpGuard
 from llmgw.server.asgihttp import AsgiHandler
 from llmgw.server.grpcweb import BrowserGate, GrpcWebApp
-from llmgw.server.router.httplimits import ServerLimits
-from llmgw.server.router.httpserver import HttpServer
 
 GET_CLUSTER = "/llmgw.v1.ControlService/GetCluster"
 CORDON_NODE = "/llmgw.v1.ControlService/CordonNode"

@@ -33,6 +33,9 @@ from llmgw.api.llmgw.v1 import (
     ShardState,
     ShardStatus,
 )
+from llmgw.gateway.feed import apply_feed_event
+from llmgw.gateway.routing.kvindex import KvIndex, unpack_keys
+from llmgw.gateway.routing.table import RoutingTable
 from llmgw.kvcache.mirror import pack_hashes
 from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server.agentsvc import AgentService
@@ -48,9 +51,6 @@ from llmgw.server.kvblocks import (
 from llmgw.server.plan import ReplicaPlan, ShardPlan
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
-from llmgw.server.router.feed import apply_feed_event
-from llmgw.server.router.kvindex import KvIndex, unpack_keys
-from llmgw.server.router.table import RoutingTable
 from llmgw.server.routersvc import route_events
 from llmgw.server.store import Store
 

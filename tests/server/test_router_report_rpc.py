@@ -1,6 +1,6 @@
 """RouterService.Report on a native grpclib server with tokens: the gateway role reports,
 others are refused; GetRouterStats adds the reports to the in-server gateway's figures; and
-the gateway's reporter (llmgw.server.router.reporter) sends its figures and rides out
+the gateway's reporter (llmgw.gateway.reporter) sends its figures and rides out
 failures."""
 
 from __future__ import annotations
@@ -26,12 +26,12 @@ from llmgw.api.llmgw.v1 import (
     RouterServiceStub,
     RouterStats,
 )
+from llmgw.gateway.app import Gateway
+from llmgw.gateway.reporter import ReportConfig, instance_id, report_forever
+from llmgw.gateway.routing.table import RoutingTable, Target
 from llmgw.server.auth import Authenticator, Role, hash_token, install, new_token
 from llmgw.server.controlsvc import NO_GATEWAY, ControlService
 from llmgw.server.plane import ControlPlane
-from llmgw.server.router.gateway import Gateway
-from llmgw.server.router.reporter import ReportConfig, instance_id, report_forever
-from llmgw.server.router.table import RoutingTable, Target
 from llmgw.server.routerreports import RouterReports
 from llmgw.server.routersvc import RouterService
 from llmgw.server.store import Store
@@ -195,7 +195,7 @@ async def test_the_reporter_sends_the_gateways_figures_then_stops_when_cancelled
 async def test_the_reporter_rides_out_failures_and_says_a_refusal_once(
     server: Server, caplog: pytest.LogCaptureFixture
 ) -> None:
-    caplog.set_level(logging.DEBUG, logger="llmgw.server.router.reporter")
+    caplog.set_level(logging.DEBUG, logger="llmgw.gateway.reporter")
     gateway = Gateway(RoutingTable())
     config = ReportConfig("gw#1", 1, interval_s=0.1, timeout_s=1.0)
     for channel, refused in ((server.channel(Role.VIEWER), True), (_nowhere(), False)):

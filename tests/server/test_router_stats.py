@@ -16,10 +16,10 @@ from grpclib.testing import ChannelFor
 from simserve import NO_TIME, sim_engine
 
 from llmgw.api.llmgw.v1 import ControlServiceStub, GetRouterStatsRequest, RouterStats
+from llmgw.gateway.app import Gateway, GatewayConfig
+from llmgw.gateway.routing.table import RoutingTable, Target
 from llmgw.server.controlsvc import NO_GATEWAY, ControlService, router_stats
 from llmgw.server.plane import ControlPlane
-from llmgw.server.router.gateway import Gateway, GatewayConfig
-from llmgw.server.router.table import RoutingTable, Target
 from llmgw.server.store import Store
 from llmgw.sim.engine.metrics import EngineGauges, EngineStats, render_metrics
 

@@ -27,6 +27,16 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
     WatchEvent,
 )
+from llmgw.gateway.app import GatewayConfig
+from llmgw.gateway.feed import (
+    FollowConfig,
+    apply_feed_event,
+    feed_channel,
+    follow,
+    target_from_route,
+)
+from llmgw.gateway.routing.kvindex import KvIndex, unpack_keys
+from llmgw.gateway.routing.table import RoutingTable, Target
 from llmgw.kvcache.mirror import pack_hashes
 from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server import routersvc
@@ -35,16 +45,6 @@ from llmgw.server.kvblocks import decode_kv_delta
 from llmgw.server.plan import ReplicaPlan, ShardPlan
 from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
-from llmgw.server.router.feed import (
-    FollowConfig,
-    apply_feed_event,
-    feed_channel,
-    follow,
-    target_from_route,
-)
-from llmgw.server.router.gateway import GatewayConfig
-from llmgw.server.router.kvindex import KvIndex, unpack_keys
-from llmgw.server.router.table import RoutingTable, Target
 from llmgw.server.routersvc import RouterService, route_events, serve_gateway
 from llmgw.server.store import Store
 from llmgw.server.watch import DEFAULT_QUEUE
@@ -235,7 +235,7 @@ async def test_follow_keeps_the_table_through_an_outage_and_resyncs(
         _shard(plane, "chat-2", ShardState.READY)
         await _until(lambda: len(table.candidates("chat")) == 2, "chat-2 READY")
 
-        caplog.set_level(logging.DEBUG, logger="llmgw.server.router.feed")
+        caplog.set_level(logging.DEBUG, logger="llmgw.gateway.feed")
         service.shutdown()  # as the server does when it stops: the feed ends UNAVAILABLE
         server.close()
         await server.wait_closed()
