@@ -68,8 +68,8 @@ from llmgw.kvcache import (
     encode_frames,
 )
 from llmgw.kvcache.mirror import ROOT_KEY, BlockMirror, MirrorDelta, block_keys, pack_hashes
-from llmgw.server.codec import decode_message
-from llmgw.server.kvblocks import KvBlocks, KvWatcher, decode_kv_delta
+from llmgw.server.state.kvblocks import KvBlocks, KvWatcher, decode_kv_delta
+from llmgw.server.wire.codec import decode_message
 
 TARGET = 200_000  # blocks per second, frame to index
 TOPIC = "kv-events"

@@ -34,7 +34,7 @@ def _codec() -> Target:
     from grpclib.exceptions import GRPCError
 
     from llmgw.api.llmgw.v1 import AgentServiceBase, ControlServiceBase, RouterServiceBase
-    from llmgw.server.codec import decode_message
+    from llmgw.server.wire.codec import decode_message
 
     services = (ControlServiceBase(), AgentServiceBase(), RouterServiceBase())
     types = sorted({h.request_type for s in services for h in s.__mapping__().values()}, key=str)
@@ -54,7 +54,7 @@ def _codec() -> Target:
 
 def _grpcweb() -> Target:
     from llmgw.api.llmgw.v1 import ControlServiceBase
-    from llmgw.server.grpcweb import GrpcWebApp
+    from llmgw.server.wire.grpcweb import GrpcWebApp
 
     app = GrpcWebApp([ControlServiceBase()], max_message_bytes=64 * 1024)
     loop = asyncio.new_event_loop()
@@ -114,8 +114,8 @@ def _kv_events() -> Target:
 
 
 def _profiles() -> Target:
+    from llmgw.server.core.profiles import parse_document, render_document
     from llmgw.server.errors import ProfileError
-    from llmgw.server.profiles import parse_document, render_document
 
     def target(data: bytes) -> None:
         try:

@@ -52,8 +52,8 @@ from llmgw.client import ClientError, ControlClient, GrpcWebChannel
 from llmgw.command import LLMGW_COMMAND
 from llmgw.engineports import NoFreeWindow, PortRange, default_or_window, format_port_range
 from llmgw.gateway.engines import metric_samples
+from llmgw.server.core.profiles import parse_document
 from llmgw.server.errors import ProfileError
-from llmgw.server.profiles import parse_document
 from llmgw.signals import stop_on_signals
 
 __all__ = [

@@ -32,7 +32,7 @@ from llmgw.engineports import DEFAULT_ENGINE_PORTS
 from llmgw.fdlimit import within_fd_limits
 from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
 from llmgw.server.errors import ServerError
-from llmgw.server.grpcport import ConnectionLimits
+from llmgw.server.wire.grpcport import ConnectionLimits
 
 
 def run_server_command(args: argparse.Namespace) -> int:

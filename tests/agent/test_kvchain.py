@@ -27,7 +27,7 @@ from llmgw.agent.kvevents import KvEventHub, KvFollowConfig
 from llmgw.api.llmgw.v1 import KvDelta
 from llmgw.gateway.feed import apply_kv_blocks
 from llmgw.gateway.routing.kvindex import KvIndex
-from llmgw.server.kvblocks import KvBlocks, KvWatcher, decode_kv_delta
+from llmgw.server.state.kvblocks import KvBlocks, KvWatcher, decode_kv_delta
 
 NODE, REPLICA, SHARD = "n1", "r1", "s1"
 

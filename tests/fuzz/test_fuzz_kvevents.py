@@ -48,8 +48,8 @@ from llmgw.kvcache import (
     encode_replay_message,
 )
 from llmgw.kvcache.mirror import BlockMirror, apply_delta, pack_hashes
-from llmgw.server.codec import decode_message
-from llmgw.server.kvblocks import decode_kv_delta
+from llmgw.server.state.kvblocks import decode_kv_delta
+from llmgw.server.wire.codec import decode_message
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 

@@ -14,11 +14,11 @@ from llmgw.api.llmgw.v1 import EngineProfile, LoraAdapter, RouteTarget, ShardSta
 from llmgw.gateway.app import Gateway, GatewayConfig
 from llmgw.gateway.feed import target_from_route
 from llmgw.gateway.routing.table import RoutingTable, Target
-from llmgw.server.plan import ReplicaPlan, ShardPlan
-from llmgw.server.plane import ControlPlane
-from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord
-from llmgw.server.routersvc import route_target
-from llmgw.server.store import Store
+from llmgw.server.core.plan import ReplicaPlan, ShardPlan
+from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.server.state.plane import ControlPlane
+from llmgw.server.state.store import Store
+from llmgw.server.wire.routersvc import route_target
 
 ADAPTER = "sql-lora"
 

@@ -34,7 +34,7 @@ from llmgw.cli.demo import (
     render_summary,
 )
 from llmgw.gateway.engines import metric_samples
-from llmgw.server.profiles import parse_document
+from llmgw.server.core.profiles import parse_document
 
 # --- the demo as a user runs it ------------------------------------------------------------
 
