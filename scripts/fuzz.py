@@ -91,7 +91,8 @@ def _grpcweb() -> Target:
 
 def _kv_events() -> Target:
     from llmgw.kvcache import KvEventDecodeError, decode_batch, decode_frames
-    from llmgw.kvcache.mirror import BlockMirror, pack_hashes
+    from llmgw.kvcache.keys import pack_keys
+    from llmgw.kvcache.mirror import BlockMirror
 
     mirror = BlockMirror()
 
@@ -106,7 +107,7 @@ def _kv_events() -> Target:
             return
         mirror.apply(batch)
         delta = mirror.take_delta()
-        pack_hashes(delta.stored + delta.stored_keys + delta.removed + delta.removed_keys)
+        pack_keys(delta.stored + delta.stored_keys + delta.removed + delta.removed_keys)
         if len(mirror) > 100_000:
             mirror.reset()
 

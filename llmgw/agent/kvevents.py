@@ -58,7 +58,8 @@ from llmgw.kvcache import (
     decode_replay_message,
 )
 from llmgw.kvcache import encode_replay_request as replay_request
-from llmgw.kvcache.mirror import BlockMirror, MirrorDelta, pack_hashes
+from llmgw.kvcache.keys import pack_keys
+from llmgw.kvcache.mirror import BlockMirror, MirrorDelta
 
 __all__ = ["EngineSubscriber", "KvEventCounters", "KvEventHub", "KvFollowConfig"]
 
@@ -591,8 +592,8 @@ class KvEventHub:
                 oldest_event_ts=delta.oldest_event_ts,
             )
             if stored:
-                message.stored, message.stored_keys = pack_hashes(hashes), pack_hashes(keys)
+                message.stored, message.stored_keys = pack_keys(hashes), pack_keys(keys)
             else:
-                message.removed, message.removed_keys = pack_hashes(hashes), pack_hashes(keys)
+                message.removed, message.removed_keys = pack_keys(hashes), pack_keys(keys)
             out.append(message)
         return out

@@ -43,7 +43,6 @@ from llmgw.gateway.routing import (
     Target,
     make_policy,
 )
-from llmgw.gateway.routing.kvindex import KeySet, pack_keys, unpack_keys
 from llmgw.gateway.stats import router_stats
 
 __all__ = [
@@ -55,7 +54,6 @@ __all__ = [
     "GatewayConfig",
     "HttpConnection",
     "HttpServer",
-    "KeySet",
     "KvIndex",
     "LeastLoadPolicy",
     "LoadTracker",
@@ -73,10 +71,8 @@ __all__ = [
     "apply_feed_event",
     "family",
     "make_policy",
-    "pack_keys",
     "quote_label",
     "router_stats",
     "status_line",
     "targets_from_snapshot",
-    "unpack_keys",
 ]

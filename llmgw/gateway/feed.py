@@ -45,8 +45,9 @@ from llmgw.api.llmgw.v1 import (
     RouteTarget,
     ShardState,
 )
-from llmgw.gateway.routing.kvindex import KvIndex, unpack_keys
+from llmgw.gateway.routing.kvindex import KvIndex
 from llmgw.gateway.routing.table import RoutingTable, Target
+from llmgw.kvcache.keys import unpack_keys
 from llmgw.protocol import read_shard_state
 
 log = logging.getLogger(__name__)

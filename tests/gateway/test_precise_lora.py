@@ -45,7 +45,8 @@ from llmgw.gateway.routing.table import Target
 from llmgw.gateway.tokenize import TokenizeClient, TokenizeConfig
 from llmgw.gateway.upstream import UpstreamPool
 from llmgw.kvcache import BlockStored, EventBatch, decode_batch, decode_frames
-from llmgw.kvcache.mirror import BlockMirror, block_keys, normalize_hash, unpack_hashes
+from llmgw.kvcache.keys import unpack_keys
+from llmgw.kvcache.mirror import BlockMirror, block_keys, normalize_hash
 
 GOLDEN = json.loads((Path(__file__).parent.parent / "data" / "vllm_kv_golden.json").read_text())
 BASE, ADAPTER = "chat", "sql-lora"
@@ -219,7 +220,7 @@ async def settled(hub: KvEventHub, blocks: int) -> list[int]:
     for _ in range(500):
         if hub.counters()["s1"].blocks >= blocks:
             await asyncio.sleep(0.05)  # anything still in flight
-            return [key for delta in hub.full_copy() for key in unpack_hashes(delta.stored_keys)]
+            return [key for delta in hub.full_copy() for key in unpack_keys(delta.stored_keys)]
         await asyncio.sleep(0.01)
     raise AssertionError(f"the agent mirrored {hub.counters()['s1'].blocks} blocks")
 

@@ -1,16 +1,14 @@
-"""Which replica holds which KV cache block: the gateway's precise index, and its key set.
+"""Which replica holds which KV cache block: the gateway's precise index.
 
 Keys are llmgw block keys (``llmgw.kvcache.mirror.block_key``): 64-bit blake2b values, 0
 meaning "unknown" (never indexed). The feed (``KvBlocks`` in protos/llmgw/v1/router.proto)
 tells :class:`KvIndex` what each replica stores and removes; the precise routing tier asks
 :meth:`KvIndex.match` how many leading blocks of a request each candidate holds.
 
-**Layout.** Both :class:`KeySet` (one replica's keys, the control server's store) and
-:class:`KvIndex` keep their keys in *sorted buckets*: ``2**bits`` ``array('Q')``, a key
-living in bucket ``key >> (64 - bits)``, found with ``bisect`` (C); ``bits`` grows and
-shrinks so that a bucket holds 64 to 512 keys on average (keys are blake2b outputs, so
-buckets fill evenly). A key costs 8 bytes (plus about 6 % of array slack) instead of the
-~78 a Python ``set`` of ints spends. :class:`KvIndex` keeps one index entry per distinct
+**Layout.** :class:`KvIndex` keeps its keys in the sorted buckets of
+``llmgw.kvcache.keys.KeySet`` (one replica's keys, the control server's store): ``2**bits``
+``array('Q')``, a key living in bucket ``key >> (64 - bits)``, found with ``bisect`` (C),
+64 to 512 keys a bucket on average. It keeps one index entry per distinct
 key, shared by every replica holding it: beside each key (a parallel ``array('I')``) the
 id of an interned *holder mask*, one bit per replica; 13.1 bytes per distinct key at 100
 replicas × 100,000 blocks, less per (replica, block) when replicas share prefixes.
@@ -27,180 +25,28 @@ small steps by later calls, strips dead bits bucket by bucket and drops entries 
 without holders. A dead bit is reused only after a sweep that began after its death has
 passed every bucket, so a stale entry can never be read as a new replica's block.
 
-Everything runs on one event loop: no locks. Standard library only (part of the routing core:
-no I/O). Figures: scripts/bench_kvindex.py.
+Everything runs on one event loop: no locks. Standard library and ``llmgw.kvcache`` only
+(part of the routing core: no I/O). Figures: scripts/bench_kvindex.py.
 """
 
 from __future__ import annotations
 
 import heapq
-import sys
 from array import array
 from bisect import bisect_left
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Final
 
-__all__ = ["KeySet", "KvIndex", "KvIndexStats", "pack_keys", "unpack_keys"]
+from llmgw.kvcache.keys import MAX_FILL, MIN_FILL, merge_buckets, split_buckets
 
-_MAX_FILL: Final = 512  # keys per bucket on average before the buckets double
-_MIN_FILL: Final = 64  # ... and below which they halve
-_BULK: Final = 1024  # a batch at least this big (and 1/8 of the set) rebuilds a KeySet
+__all__ = ["KvIndex", "KvIndexStats"]
+
 _SWEEP_PER_KEY: Final = 8  # index entries swept per key applied, while a sweep runs
 _SWEEP_MIN: Final = 256  # ... and at least this many per call
 _HOT_LIMIT: Final = 65_536  # keys whose holder masks `match` keeps at hand (then cleared)
-_LITTLE: Final = sys.byteorder == "little"
 _U64: Final = 1 << 64
-
-
-def pack_keys(keys: Iterable[int]) -> bytes:
-    """64-bit keys as 8-byte big-endian words, concatenated (the feed's wire form).
-    OverflowError for a key outside 0..2**64-1."""
-    packed = keys if isinstance(keys, array) and keys.typecode == "Q" else array("Q", keys)
-    if _LITTLE:
-        packed = array("Q", packed)
-        packed.byteswap()
-    return packed.tobytes()
-
-
-def unpack_keys(data: bytes) -> array[int]:
-    """The inverse of `pack_keys`; ValueError when the length is not a multiple of 8."""
-    if len(data) % 8:
-        raise ValueError(f"packed keys: {len(data)} bytes is not a multiple of 8")
-    keys = array("Q")
-    keys.frombytes(data)
-    if _LITTLE:
-        keys.byteswap()
-    return keys
-
-
-def _split(buckets: list[array[int]], bits: int) -> list[array[int]]:
-    """Sorted buckets of ``bits`` bits as buckets of ``bits + 1`` bits (same keys)."""
-    out: list[array[int]] = []
-    half = 63 - bits  # the bit that picks the upper half of a bucket
-    for index, keys in enumerate(buckets):
-        cut = bisect_left(keys, ((index << 1) | 1) << half)
-        out += (keys[:cut], keys[cut:])
-    return out
-
-
-def _merge(buckets: list[array[int]]) -> list[array[int]]:
-    """Sorted buckets as buckets of one bit less (pairs concatenated)."""
-    return [buckets[i] + buckets[i + 1] for i in range(0, len(buckets), 2)]
-
-
-def _bucketed(keys: Sequence[int], bits: int) -> list[array[int]]:
-    """Sorted distinct ``keys`` cut into ``2**bits`` buckets."""
-    out: list[array[int]] = []
-    shift, start = 64 - bits, 0
-    for index in range(1, (1 << bits) + 1):
-        end = bisect_left(keys, index << shift) if index < (1 << bits) else len(keys)
-        out.append(array("Q", keys[start:end]))
-        start = end
-    return out
-
-
-class KeySet:
-    """A set of 64-bit keys (0 ignored) in sorted buckets: about 8.7 bytes a key.
-
-    Iteration is in ascending key order. Adding returns whether the key was new, removing
-    whether it was there, so a caller can count exactly.
-    """
-
-    __slots__ = ("_bits", "_buckets", "_len")
-
-    def __init__(self, keys: Iterable[int] = ()) -> None:
-        self._bits = 0
-        self._buckets: list[array[int]] = [array("Q")]
-        self._len = 0
-        self.update(keys)
-
-    def __len__(self) -> int:
-        return self._len
-
-    def __contains__(self, key: object) -> bool:
-        if type(key) is not int or not 0 < key < _U64:
-            return False
-        keys = self._buckets[key >> (64 - self._bits)]
-        i = bisect_left(keys, key)
-        return i < len(keys) and keys[i] == key
-
-    def __iter__(self) -> Iterator[int]:
-        for keys in self._buckets:
-            yield from keys
-
-    def to_array(self) -> array[int]:
-        """Every key, ascending, in one array."""
-        out = array("Q")
-        for keys in self._buckets:
-            out += keys
-        return out
-
-    def add(self, key: int) -> bool:
-        """Add ``key``; True when it was not there (keys outside 1..2**64-1 are ignored)."""
-        return self._add_all((key,)) == 1
-
-    def discard(self, key: int) -> bool:
-        """Remove ``key``; True when it was there."""
-        return self._discard_all((key,)) == 1
-
-    def update(self, keys: Iterable[int]) -> int:
-        """Add every key; how many were new. A big batch rebuilds the set in one sort."""
-        batch = keys if isinstance(keys, (array, list, tuple)) else list(keys)
-        if len(batch) >= _BULK and len(batch) * 8 >= self._len:
-            before = self._len
-            merged = {key for key in batch if 0 < key < _U64}
-            merged.update(self)
-            self._rebuild(sorted(merged))
-            return self._len - before
-        return self._add_all(batch)
-
-    def difference_update(self, keys: Iterable[int]) -> int:
-        """Remove every key; how many were there."""
-        return self._discard_all(keys)
-
-    def _add_all(self, batch: Iterable[int]) -> int:
-        added, shift, buckets = 0, 64 - self._bits, self._buckets
-        for key in batch:
-            if not 0 < key < _U64:
-                continue
-            keys = buckets[key >> shift]
-            i = bisect_left(keys, key)
-            if i < len(keys) and keys[i] == key:
-                continue
-            keys.insert(i, key)
-            added += 1
-            if self._len + added > _MAX_FILL << self._bits:
-                self._buckets = buckets = _split(buckets, self._bits)
-                self._bits += 1
-                shift -= 1
-        self._len += added
-        return added
-
-    def _discard_all(self, batch: Iterable[int]) -> int:
-        gone, shift, buckets = 0, 64 - self._bits, self._buckets
-        for key in batch:
-            if not 0 < key < _U64:
-                continue
-            keys = buckets[key >> shift]
-            i = bisect_left(keys, key)
-            if i == len(keys) or keys[i] != key:
-                continue
-            del keys[i]
-            gone += 1
-        self._len -= gone
-        while self._bits and self._len < _MIN_FILL << self._bits:
-            self._buckets = _merge(self._buckets)
-            self._bits -= 1
-        return gone
-
-    def _rebuild(self, ordered: Sequence[int]) -> None:
-        bits = 0
-        while len(ordered) > _MAX_FILL << bits:
-            bits += 1
-        self._bits, self._len = bits, len(ordered)
-        self._buckets = _bucketed(ordered, bits)
 
 
 @dataclass(frozen=True, slots=True)
@@ -522,7 +368,7 @@ class KvIndex:
                 self._vals[index].insert(i, masks.intern(bit))
                 hot.pop(key, None)
                 self._len += 1
-                if self._len > _MAX_FILL << self._bits:
+                if self._len > MAX_FILL << self._bits:
                     self._resize(+1)
                     shift = 64 - self._bits
             added += 1
@@ -556,7 +402,7 @@ class KvIndex:
             del bucket[i]
             del vals[i]
             self._len -= 1
-            if self._bits and self._len < _MIN_FILL << self._bits:
+            if self._bits and self._len < MIN_FILL << self._bits:
                 self._resize(-1)
         self._blocks[replica_id] -= gone
         self._counts["removed"] += gone
@@ -564,12 +410,12 @@ class KvIndex:
     def _resize(self, step: int) -> None:
         """Double (+1) or halve (-1) the buckets; a running sweep keeps its place."""
         if step > 0:
-            self._keys = _split(self._keys, self._bits)
+            self._keys = split_buckets(self._keys, self._bits)
             self._vals = [part for i, vals in enumerate(self._vals)
                           for part in _cut(vals, len(self._keys[2 * i]))]  # fmt: skip
             self._sweep_at = self._sweep_at * 2 if self._sweep_at > 0 else self._sweep_at
         else:
-            self._keys, self._vals = _merge(self._keys), _merge(self._vals)
+            self._keys, self._vals = merge_buckets(self._keys), merge_buckets(self._vals)
             self._sweep_at = self._sweep_at // 2 if self._sweep_at > 0 else self._sweep_at
         self._bits += step
 

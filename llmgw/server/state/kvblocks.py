@@ -5,7 +5,7 @@ Agents send ``KvDelta`` messages up their stream (protos/llmgw/v1/agent.proto): 
 vLLM hash and an llmgw block key (``llmgw.kvcache.mirror.block_key``; 0 when unknown).
 :func:`decode_kv_delta` checks one and keeps the keys; a malformed one raises
 :class:`KvDeltaRefused` and changes nothing (the stream goes on). :class:`KvBlocks` keeps,
-per replica and rank, the set of keys held (a :class:`~llmgw.gateway.routing.kvindex.KeySet`:
+per replica and rank, the set of keys held (a :class:`~llmgw.kvcache.keys.KeySet`:
 ~8.7 bytes a key); the vLLM hashes are not kept, a key names a block's content as the hash
 does.
 
@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 
 from llmgw.api.llmgw.v1 import KvBlocks as KvBlocksEvent
 from llmgw.api.llmgw.v1 import KvDelta, Shard, ShardState
-from llmgw.gateway import KeySet, pack_keys, unpack_keys
+from llmgw.kvcache.keys import KeySet, pack_keys, unpack_keys
 from llmgw.protocol import read_shard_state
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.errors import ServerError

@@ -34,9 +34,9 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
 )
 from llmgw.gateway.feed import apply_feed_event
-from llmgw.gateway.routing.kvindex import KvIndex, unpack_keys
+from llmgw.gateway.routing.kvindex import KvIndex
 from llmgw.gateway.routing.table import RoutingTable
-from llmgw.kvcache.mirror import pack_hashes
+from llmgw.kvcache.keys import pack_keys, unpack_keys
 from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
@@ -76,10 +76,10 @@ def _delta(
         shard_id=shard_id,
         data_parallel_rank=rank,
         reset=reset,
-        stored=pack_hashes([k ^ 1 for k in stored]),
-        stored_keys=pack_hashes(stored),
-        removed=pack_hashes([k ^ 1 for k in removed]),
-        removed_keys=pack_hashes(removed),
+        stored=pack_keys([k ^ 1 for k in stored]),
+        stored_keys=pack_keys(stored),
+        removed=pack_keys([k ^ 1 for k in removed]),
+        removed_keys=pack_keys(removed),
         block_size=16,
         oldest_event_ts=1_700_000_000.5,
     )
@@ -98,7 +98,7 @@ def test_decode_keeps_keys_in_order_and_the_rest() -> None:
     assert (decoded.shard_id, decoded.rank, decoded.reset) == ("chat-1.0", 2, True)
     assert (decoded.block_size, decoded.oldest_event_ts) == (16, 1_700_000_000.5)
     # hashes without keys (an agent that computes none): nothing to index, still valid
-    bare = decode_kv_delta(KvDelta(shard_id="s", stored=pack_hashes([1, 2])))
+    bare = decode_kv_delta(KvDelta(shard_id="s", stored=pack_keys([1, 2])))
     assert list(bare.stored_keys) == [] and not bare.reset
 
 
@@ -108,8 +108,8 @@ def test_decode_keeps_keys_in_order_and_the_rest() -> None:
         ({"stored": b"\x00" * 7}, "KvDelta.stored: 7 bytes"),
         ({"removed": b"\x00" * 9}, "KvDelta.removed: 9 bytes"),
         ({"stored_keys": b"\x00" * 12}, "KvDelta.stored_keys: 12 bytes"),
-        ({"stored_keys": pack_hashes([1])}, "KvDelta.stored_keys: 1 keys for 2 block hashes"),
-        ({"removed_keys": pack_hashes([1, 2])}, "KvDelta.removed_keys: 2 keys for 1 block"),
+        ({"stored_keys": pack_keys([1])}, "KvDelta.stored_keys: 1 keys for 2 block hashes"),
+        ({"removed_keys": pack_keys([1, 2])}, "KvDelta.removed_keys: 2 keys for 1 block"),
         ({"shard_id": ""}, "shard_id is empty"),
         ({"data_parallel_rank": 5000}, "data_parallel_rank 5000 is above 4095"),
         ({"oldest_event_ts": math.nan}, "oldest_event_ts nan is not a time"),

@@ -35,9 +35,9 @@ from llmgw.gateway.feed import (
     follow,
     target_from_route,
 )
-from llmgw.gateway.routing.kvindex import KvIndex, unpack_keys
+from llmgw.gateway.routing.kvindex import KvIndex
 from llmgw.gateway.routing.table import RoutingTable, Target
-from llmgw.kvcache.mirror import pack_hashes
+from llmgw.kvcache.keys import pack_keys, unpack_keys
 from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
@@ -319,8 +319,8 @@ def _kv(plane: ControlPlane, replica_id: str, stored: list[int], *, reset: bool 
     removed = removed or []
     delta = KvDelta(
         shard_id=f"{replica_id}.0", reset=reset, block_size=16,
-        stored=pack_hashes(stored), stored_keys=pack_hashes(stored),
-        removed=pack_hashes(removed), removed_keys=pack_hashes(removed),
+        stored=pack_keys(stored), stored_keys=pack_keys(stored),
+        removed=pack_keys(removed), removed_keys=pack_keys(removed),
     )  # fmt: skip
     plane.kv_delta("a1", plane.inventory.nodes["a1"].connection, decode_kv_delta(delta))
 
