@@ -51,7 +51,7 @@ from llmgw.cli.main import DEFAULT_WEB_URL, CliError
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
 from llmgw.command import LLMGW_COMMAND
 from llmgw.engineports import NoFreeWindow, PortRange, default_or_window, format_port_range
-from llmgw.gateway.engines import metric_samples
+from llmgw.promtext import metric_samples
 from llmgw.server.core.profiles import parse_document
 from llmgw.server.errors import ProfileError
 from llmgw.signals import stop_on_signals

@@ -25,7 +25,6 @@ from llmgw.gateway.app import TOKENIZE_TIMEOUT_S, Gateway, GatewayConfig
 from llmgw.gateway.feed import apply_feed_event, targets_from_snapshot
 from llmgw.gateway.httplimits import ServerLimits
 from llmgw.gateway.httpserver import HttpConnection, HttpServer, Request, status_line
-from llmgw.gateway.metrics import family, quote_label
 from llmgw.gateway.routing import (
     POLICIES,
     Decision,
@@ -69,9 +68,7 @@ __all__ = [
     "SessionPolicy",
     "Target",
     "apply_feed_event",
-    "family",
     "make_policy",
-    "quote_label",
     "router_stats",
     "status_line",
     "targets_from_snapshot",

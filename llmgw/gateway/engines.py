@@ -24,10 +24,8 @@ A replica that leaves the table is forgotten (``on_capacity(replica_id, None)``)
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import math
-import re
 import time
 from collections import Counter, deque
 from collections.abc import Callable, Iterable
@@ -39,6 +37,7 @@ from llmgw.gateway.metrics import GatewayMetrics, labelled
 from llmgw.gateway.routing.table import RoutingTable, Target
 from llmgw.gateway.tokenize import failure_reason, fetch
 from llmgw.gateway.upstream import UpstreamPool
+from llmgw.promtext import parse_sample
 
 log = logging.getLogger(__name__)
 
@@ -56,10 +55,7 @@ HITS: Final = "vllm:prefix_cache_hits_total"
 CACHE_INFO: Final = "vllm:cache_config_info"
 KV_USAGE: Final = "vllm:kv_cache_usage_perc"
 _WANTED: Final = (QUERIES, HITS, CACHE_INFO, KV_USAGE)
-_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(?:\{(.*)\})?\s+(\S+)")
 _MAX_INCREMENT = float(2**53)  # a larger sum of increments is no real engine's
-
-_LABEL = re.compile(r'(?<!\w)(\w+)="((?:[^"\\]|\\.)*)"')  # anchored: linear on long runs
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,7 +110,7 @@ def parse_engine_metrics(text: str) -> EngineSample:
     for line in text.splitlines():
         if not line.startswith(_WANTED):
             continue
-        name, labels, value = _sample(line)
+        name, labels, value = parse_sample(line)
         series = labels.get("engine", "")
         if name == QUERIES:
             queries[series] = value
@@ -128,31 +124,6 @@ def parse_engine_metrics(text: str) -> EngineSample:
             usage[series] = min(max(value, 0.0), 1.0)
     kv_usage = sum(usage.values()) / len(usage) if usage else None
     return EngineSample(queries, hits, block_size, kv_tokens, kv_usage)
-
-
-def metric_samples(text: str, name: str) -> list[tuple[dict[str, str], float]]:
-    """The samples of ``name`` in a Prometheus text exposition, with their labels; lines
-    that cannot be read are skipped (for figures shown to a person, not routed on)."""
-    out = []
-    for line in text.splitlines():
-        if not line.startswith(name):
-            continue
-        with contextlib.suppress(ValueError):
-            sample, labels, value = _sample(line)
-            if sample == name:
-                out.append((labels, value))
-    return out
-
-
-def _sample(line: str) -> tuple[str, dict[str, str], float]:
-    match = _SAMPLE.match(line)
-    if match is None:
-        raise ValueError(f"unreadable sample {line[:120]!r}")
-    try:
-        value = float(match.group(3))
-    except ValueError as exc:
-        raise ValueError(f"unreadable value in {line[:120]!r}") from exc
-    return match.group(1), dict(_LABEL.findall(match.group(2) or "")), value
 
 
 def _int_label(labels: dict[str, str], name: str) -> int:

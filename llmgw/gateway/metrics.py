@@ -2,9 +2,10 @@
 
 Our own few lines instead of ``prometheus_client``: the hot path pays a dict increment per
 counter and a ``bisect`` per histogram observation, and ``/metrics`` writes text format
-0.0.4 (``# HELP``/``# TYPE`` per family, histograms as cumulative ``_bucket{le=…}`` with
-``+Inf``, ``_sum`` and ``_count``). Label cardinality stays bounded: tiers × outcomes,
-status codes, the models of the routing table, the replicas of the routing table.
+0.0.4 with ``llmgw.promtext`` (``# HELP``/``# TYPE`` per family, histograms as cumulative
+``_bucket{le=…}`` with ``+Inf``, ``_sum`` and ``_count``). Label cardinality stays bounded:
+tiers × outcomes, status codes, the models of the routing table, the replicas of the
+routing table.
 
 Families::
 
@@ -62,9 +63,11 @@ from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from llmgw import promtext
 from llmgw.gateway.routing.kvindex import KvIndexStats
+from llmgw.promtext import family, quote_label
 
-CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
+CONTENT_TYPE = promtext.CONTENT_TYPE.encode()
 
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
@@ -385,18 +388,6 @@ def gauge(out: list[str], name: str, help_: str, value: float) -> None:
 
 def _value(value: float) -> str:
     return str(value) if isinstance(value, int) else _number(value)
-
-
-def family(out: list[str], name: str, kind: str, help_: str) -> None:
-    """A family's HELP and TYPE lines."""
-    out.append(f"# HELP {name} {help_}")
-    out.append(f"# TYPE {name} {kind}")
-
-
-def quote_label(value: str) -> str:
-    """A label value, quoted and escaped as the text exposition format wants."""
-    escaped = value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-    return f'"{escaped}"'
 
 
 def _number(value: float) -> str:

@@ -1,6 +1,6 @@
 """The control server's own Prometheus metrics: ``GET /metrics`` on its gRPC-web port.
 
-Text format 0.0.4, written by hand as the gateway's are (``llmgw.gateway.metrics``;
+Text format 0.0.4, written with ``llmgw.promtext`` as the gateway's is (``llmgw.gateway.metrics``;
 the gateway's own families, ``llmgw_kv_index_*`` among them, are on the gateway's port).
 It carries no secrets (node, replica and shard ids, counts), so it is served without a
 token, like ``/healthz``. Families::
@@ -42,7 +42,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from llmgw.gateway import family, quote_label
+from llmgw.promtext import family, label_set
 from llmgw.server.state.kvblocks import KvBlocksStats
 from llmgw.server.state.kvfollow import EngineFollowStats
 from llmgw.server.state.plane import ControlPlane
@@ -161,7 +161,7 @@ def _store_lines(out: list[str], store: KvBlocksStats) -> None:
 
 def _engine_labels(engine: EngineFollowStats, replica: str) -> str:
     pairs = (("node", engine.node_id), ("replica", replica), ("shard", engine.shard_id))
-    return "{" + ",".join(f"{key}={quote_label(value)}" for key, value in pairs) + "}"
+    return label_set(pairs)
 
 
 def _sample(out: list[str], name: str, labels: str, value: int) -> None:
