@@ -77,7 +77,7 @@ from llmgw.api.llmgw.v1 import (
 from llmgw.cli.demo import state_dir
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
 from llmgw.client.channel import Timeouts
-from llmgw.server.profiles import parse_document
+from llmgw.server.core.profiles import parse_document
 
 log = logging.getLogger("chaos")
 

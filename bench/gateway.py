@@ -109,8 +109,8 @@ RETRY_PAUSE_S: Final = 2.0
 
 
 async def run_gateway(args: argparse.Namespace) -> None:
-    from llmgw.server.router.gateway import Gateway, GatewayConfig
-    from llmgw.server.router.table import RoutingTable, Target
+    from llmgw.gateway.app import Gateway, GatewayConfig
+    from llmgw.gateway.routing.table import RoutingTable, Target
 
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()

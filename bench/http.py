@@ -1,13 +1,13 @@
 #!/usr/bin/env python3
 """Benchmark: the gRPC-web port under uvicorn and under another HTTP server (``--against``).
 
-The same ``llmgw.server.grpcweb.GrpcWebApp`` (a real ``ControlService`` over a real
+The same ``llmgw.server.wire.grpcweb.GrpcWebApp`` (a real ``ControlService`` over a real
 ``ControlPlane`` and SQLite ``Store``, with ``--nodes`` simulated ``dgx-h100`` nodes in its
 inventory) is served in the same run by
 
 * uvicorn (``http="httptools"``, uvloop), configured as ``llmgw server`` configures it, and
 * ``--against llmgw`` (the default): our httptools ``HttpServer`` through
-  ``llmgw.server.asgihttp``, with its default ``ServerLimits``, as ``llmgw server`` now runs
+  ``llmgw.server.wire.asgihttp``, with its default ``ServerLimits``, as ``llmgw server`` now runs
   the port; or ``--against hypercorn``: hypercorn (its asyncio worker on uvloop, as
   ``--worker-class uvloop`` runs it; h11 is hypercorn's only HTTP/1.1 implementation),
 
@@ -107,11 +107,11 @@ def parse_serve(argv: Sequence[str]) -> argparse.Namespace:
 async def build_app(store: Any, nodes: int) -> Any:
     """The gRPC-web app as ``llmgw server`` builds it, with ``nodes`` registered nodes."""
     from llmgw.agent.discovery import simulated_node
-    from llmgw.server.controlsvc import ControlService
-    from llmgw.server.grpcweb import GrpcWebApp
-    from llmgw.server.inventory import InventoryConfig
-    from llmgw.server.plane import ControlPlane
-    from llmgw.server.store import now_ms
+    from llmgw.server.state.inventory import InventoryConfig
+    from llmgw.server.state.plane import ControlPlane
+    from llmgw.server.state.store import now_ms
+    from llmgw.server.wire.controlsvc import ControlService
+    from llmgw.server.wire.grpcweb import GrpcWebApp
 
     # A grace longer than any run keeps the nodes READY, as if they were heartbeating.
     plane = ControlPlane(store, InventoryConfig(grace_s=10.0 * 24 * 3600))
@@ -171,10 +171,10 @@ async def serve_hypercorn(app: Any, sock: socket.socket, stop: asyncio.Event) ->
 
 
 async def serve_llmgw(app: Any, stop: asyncio.Event) -> None:
-    from llmgw.server.asgihttp import AsgiHandler
-    from llmgw.server.grpcweb import most_body_bytes
-    from llmgw.server.router.httplimits import ServerLimits
-    from llmgw.server.router.httpserver import HttpServer
+    from llmgw.gateway.httplimits import ServerLimits
+    from llmgw.gateway.httpserver import HttpServer
+    from llmgw.server.wire.asgihttp import AsgiHandler
+    from llmgw.server.wire.grpcweb import most_body_bytes
 
     limits = ServerLimits(max_body_bytes=most_body_bytes(MAX_MESSAGE_BYTES))  # as llmgw server
     server = HttpServer(AsgiHandler(app), limits)
@@ -187,7 +187,7 @@ async def serve_llmgw(app: Any, stop: asyncio.Event) -> None:
 
 
 async def run_serve(args: argparse.Namespace) -> None:
-    from llmgw.server.store import Store
+    from llmgw.server.state.store import Store
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -649,7 +649,7 @@ def settings_line(s: Settings, sizes: Mapping[int, int]) -> str:
             "hypercorn: asyncio worker on uvloop, h11, no access log, "
             f"keep_alive_max_requests={HYPERCORN_KEEPALIVE_REQUESTS:,}); "
             if "hypercorn" in SERVERS
-            else "llmgw: llmgw.server.router.httpserver through llmgw.server.asgihttp, its "
+            else "llmgw: llmgw.gateway.httpserver through llmgw.server.wire.asgihttp, its "
             "default limits, as `llmgw server` now runs the port); "
         )
         + f"client: raw asyncio HTTP/1.1 keep-alive on uvloop, pinned to CPU {s.client_cpu}, "

@@ -56,6 +56,8 @@ from typing import Any
 
 from bench.kit import base_machine, command_line
 from llmgw.api.llmgw.v1 import AgentMessage, KvDelta, RouterFeedEvent
+from llmgw.gateway.feed import apply_kv_blocks
+from llmgw.gateway.routing.kvindex import KvIndex
 from llmgw.kvcache import (
     BlockRemoved,
     BlockStored,
@@ -64,11 +66,10 @@ from llmgw.kvcache import (
     encode_batch,
     encode_frames,
 )
-from llmgw.kvcache.mirror import ROOT_KEY, BlockMirror, MirrorDelta, block_keys, pack_hashes
-from llmgw.server.codec import decode_message
-from llmgw.server.kvblocks import KvBlocks, KvWatcher, decode_kv_delta
-from llmgw.server.router.feed import apply_kv_blocks
-from llmgw.server.router.kvindex import KvIndex, pack_keys, unpack_keys
+from llmgw.kvcache.keys import pack_keys, unpack_keys
+from llmgw.kvcache.mirror import ROOT_KEY, BlockMirror, MirrorDelta, block_keys
+from llmgw.server.state.kvblocks import KvBlocks, KvWatcher, decode_kv_delta
+from llmgw.server.wire.codec import decode_message
 
 TARGET = 200_000  # blocks per second, frame to index
 TOPIC = "kv-events"
@@ -131,10 +132,10 @@ def _kv_delta(delta: MirrorDelta, mirror: BlockMirror, seq: int) -> KvDelta:
     return KvDelta(
         shard_id="r0.0",
         reset=delta.reset,
-        stored=pack_hashes(delta.stored),
-        stored_keys=pack_hashes(delta.stored_keys),
-        removed=pack_hashes(delta.removed),
-        removed_keys=pack_hashes(delta.removed_keys),
+        stored=pack_keys(delta.stored),
+        stored_keys=pack_keys(delta.stored_keys),
+        removed=pack_keys(delta.removed),
+        removed_keys=pack_keys(delta.removed_keys),
         seq=seq,
         block_size=mirror.block_size,
         oldest_event_ts=delta.oldest_event_ts,
@@ -252,8 +253,8 @@ def _build_store(keys: list[list[int]], chunk: int = 32_768) -> KvBlocks:
     for n, replica in enumerate(keys):
         for i in range(0, len(replica), chunk):
             part = replica[i : i + chunk]
-            delta = KvDelta(shard_id=f"r{n}.0", reset=i == 0, stored=pack_hashes(part),
-                            stored_keys=pack_hashes(part))  # fmt: skip
+            delta = KvDelta(shard_id=f"r{n}.0", reset=i == 0, stored=pack_keys(part),
+                            stored_keys=pack_keys(part))  # fmt: skip
             store.apply("n1", f"r{n}", decode_kv_delta(delta))
     return store
 

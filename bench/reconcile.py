@@ -72,13 +72,13 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
 )
 from llmgw.protocol import PROTOCOL_VERSION
-from llmgw.server.capacity import NodeCapacity, node_capacity
-from llmgw.server.controlsvc import ControlService
-from llmgw.server.placement import Taken, place_deployment
-from llmgw.server.plan import ReplicaPlan, ShardPlan, Unplaceable
-from llmgw.server.plane import ControlPlane
+from llmgw.server.core.capacity import NodeCapacity, node_capacity
+from llmgw.server.core.placement import Taken, place_deployment
+from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
 from llmgw.server.reconcile_loop import ReconcileLoop
-from llmgw.server.store import Store
+from llmgw.server.state.plane import ControlPlane
+from llmgw.server.state.store import Store
+from llmgw.server.wire.controlsvc import ControlService
 
 TARGET_S = 1.0
 PORTS = (20000, 29999)

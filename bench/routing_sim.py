@@ -42,12 +42,11 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-from llmgw.kvcache import EventBatch, hash_block, none_hash
-from llmgw.kvcache.mirror import BlockMirror, MirrorDelta, block_keys
-from llmgw.server.router.kvindex import KvIndex
-from llmgw.server.router.load import LoadTracker
-from llmgw.server.router.metrics import GatewayMetrics
-from llmgw.server.router.policy import (
+from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.precise import TIER_PRECISE, PreciseConfig, PreciseRequest, PreciseTier
+from llmgw.gateway.routing.kvindex import KvIndex
+from llmgw.gateway.routing.load import LoadTracker
+from llmgw.gateway.routing.policy import (
     Decision,
     Policy,
     PrefixConfig,
@@ -56,8 +55,9 @@ from llmgw.server.router.policy import (
     make_policy,
     prefix_decision,
 )
-from llmgw.server.router.precise import TIER_PRECISE, PreciseConfig, PreciseRequest, PreciseTier
-from llmgw.server.router.table import RoutingTable, Target
+from llmgw.gateway.routing.table import RoutingTable, Target
+from llmgw.kvcache import EventBatch, hash_block, none_hash
+from llmgw.kvcache.mirror import BlockMirror, MirrorDelta, block_keys
 from llmgw.sim.engine.blocks import BlockPool
 from llmgw.sim.engine.config import SimBehaviour
 from llmgw.sim.engine.generation import OutputPlan, SamplingSpec, word_token_ids

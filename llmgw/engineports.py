@@ -1,7 +1,7 @@
 """Engine port ranges: ``--engine-ports LO-HI``, and a window of free ports for one cluster.
 
 The control server gives each engine shard the lowest free port of its range
-(``llmgw.server.placement``), :data:`DEFAULT_ENGINE_PORTS` unless told otherwise. Every
+(``llmgw.server.core.placement``), :data:`DEFAULT_ENGINE_PORTS` unless told otherwise. Every
 cluster started on one host with the same range hands out the same ports first, so
 clusters that run side by side (test runs, ``llmgw demo``, people's own) give each one a
 window of its own with :func:`pick_window`: a random run of free ports that stays clear of

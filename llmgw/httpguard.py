@@ -4,8 +4,8 @@ A browser lets any page send requests to any address it can reach, loopback incl
 "simple" cross-origin POST goes out without asking, and a page under a name its attacker
 points at 127.0.0.1 (DNS rebinding) is even same-origin with our port. Both arrive with
 headers a browser cannot forge: ``Origin`` names the page, ``Host`` the name it used. The
-gRPC-web port (``llmgw.server.grpcweb``) and the gateway port
-(``llmgw.server.router.httpserver``) ask :meth:`HttpGuard.refusal` about every request
+gRPC-web port (``llmgw.server.wire.grpcweb``) and the gateway port
+(``llmgw.gateway.httpserver``) ask :meth:`HttpGuard.refusal` about every request
 before any handler runs, and answer its :class:`Refusal` (403, or 400 for a request
 without a Host).
 

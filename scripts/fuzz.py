@@ -35,7 +35,7 @@ def _codec() -> Target:
     from grpclib.exceptions import GRPCError
 
     from llmgw.api.llmgw.v1 import AgentServiceBase, ControlServiceBase, RouterServiceBase
-    from llmgw.server.codec import decode_message
+    from llmgw.server.wire.codec import decode_message
 
     services = (ControlServiceBase(), AgentServiceBase(), RouterServiceBase())
     types = sorted({h.request_type for s in services for h in s.__mapping__().values()}, key=str)
@@ -55,7 +55,7 @@ def _codec() -> Target:
 
 def _grpcweb() -> Target:
     from llmgw.api.llmgw.v1 import ControlServiceBase
-    from llmgw.server.grpcweb import GrpcWebApp
+    from llmgw.server.wire.grpcweb import GrpcWebApp
 
     app = GrpcWebApp([ControlServiceBase()], max_message_bytes=64 * 1024)
     loop = asyncio.new_event_loop()
@@ -92,7 +92,8 @@ def _grpcweb() -> Target:
 
 def _kv_events() -> Target:
     from llmgw.kvcache import KvEventDecodeError, decode_batch, decode_frames
-    from llmgw.kvcache.mirror import BlockMirror, pack_hashes
+    from llmgw.kvcache.keys import pack_keys
+    from llmgw.kvcache.mirror import BlockMirror
 
     mirror = BlockMirror()
 
@@ -107,7 +108,7 @@ def _kv_events() -> Target:
             return
         mirror.apply(batch)
         delta = mirror.take_delta()
-        pack_hashes(delta.stored + delta.stored_keys + delta.removed + delta.removed_keys)
+        pack_keys(delta.stored + delta.stored_keys + delta.removed + delta.removed_keys)
         if len(mirror) > 100_000:
             mirror.reset()
 
@@ -115,8 +116,8 @@ def _kv_events() -> Target:
 
 
 def _profiles() -> Target:
+    from llmgw.server.core.profiles import parse_document, render_document
     from llmgw.server.errors import ProfileError
-    from llmgw.server.profiles import parse_document, render_document
 
     def target(data: bytes) -> None:
         try:
@@ -130,8 +131,8 @@ def _profiles() -> Target:
 
 
 def _openai() -> Target:
-    from llmgw.server.router.errors import BadRequest
-    from llmgw.server.router.openai import CHAT_PATH, COMPLETIONS_PATH, parse_request
+    from llmgw.gateway.errors import BadRequest
+    from llmgw.gateway.openai import CHAT_PATH, COMPLETIONS_PATH, parse_request
 
     def target(data: bytes) -> None:
         path = CHAT_PATH if data[:1] == b"c" else COMPLETIONS_PATH
@@ -144,7 +145,7 @@ def _openai() -> Target:
 
 
 def _tokenize() -> Target:
-    from llmgw.server.router.tokenize import parse_tokens, tokenize_input
+    from llmgw.gateway.tokenize import parse_tokens, tokenize_input
 
     def target(data: bytes) -> None:
         parse_tokens(data, 1 << 16)
@@ -156,7 +157,7 @@ def _tokenize() -> Target:
 
 def _metrics() -> Target:
     from llmgw.agent.probe import parse_in_flight
-    from llmgw.server.router.engines import ReuseWindow, parse_engine_metrics
+    from llmgw.gateway.engines import ReuseWindow, parse_engine_metrics
 
     window = ReuseWindow(60.0)
 
@@ -173,7 +174,7 @@ def _metrics() -> Target:
 
 
 def _http() -> Target:
-    from llmgw.server.router.httpserver import HttpConnection, HttpServer, ServerLimits
+    from llmgw.gateway.httpserver import HttpConnection, HttpServer, ServerLimits
 
     loop = asyncio.new_event_loop()
     written: list[bytes] = []

@@ -1,6 +1,6 @@
 """Which cluster this agent's engines belong to, remembered in its state directory.
 
-Every control server's database has a cluster id (``llmgw.server.statefile``), sent to
+Every control server's database has a cluster id (``llmgw.server.state.statefile``), sent to
 agents in ``Registered.cluster_id``. The agent keeps the id of the cluster it handed its
 engines to in ``STATE_DIR/cluster-id`` and sends it in every ``Register``. A server of
 another cluster (one started on the wrong ``--db``, or on a new one) knows none of the

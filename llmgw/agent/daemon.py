@@ -32,7 +32,8 @@ from llmgw.agent.cluster import ClusterIdError, ClusterMembership
 from llmgw.agent.discovery import NvmlTelemetry, SimulatedTelemetry, nvml_node, simulated_node
 from llmgw.agent.engines import build_launch
 from llmgw.agent.engines.base import EngineBinaries, LaunchSpec, ShardSpec
-from llmgw.agent.kvevents import KvEventHub, KvFollowConfig
+from llmgw.agent.kvevents import KvFollowConfig
+from llmgw.agent.kvhub import KvEventHub
 from llmgw.agent.link import AgentLink, LinkConfig
 from llmgw.agent.shards import RestartPolicy
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig

@@ -25,7 +25,7 @@ so a duplicate agent asks again every few seconds, logs why, and takes the node 
 the holder is gone.
 
 KV deltas do not go through the outbound queue: with a ``kv`` source (the agent's
-`~llmgw.agent.kvevents.KvEventHub`), every session sends a full copy of every engine's
+`~llmgw.agent.kvhub.KvEventHub`), every session sends a full copy of every engine's
 blocks right after registering, then the net changes as the source batches them. While no
 session runs nothing is taken from the source, so nothing piles up: the next full copy
 covers whatever changed meanwhile. Heartbeats also carry the source's KV event counters
@@ -101,7 +101,7 @@ class LinkConfig:
 
 
 class KvSource(Protocol):
-    """What the link sends about KV blocks (``llmgw.agent.kvevents.KvEventHub``)."""
+    """What the link sends about KV blocks (``llmgw.agent.kvhub.KvEventHub``)."""
 
     def full_copy(self) -> list[KvDelta]:
         """Every engine's blocks; later deltas are relative to this copy."""

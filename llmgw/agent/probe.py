@@ -22,7 +22,7 @@ import httpx
 
 from llmgw.agent.engines.base import LaunchSpec
 from llmgw.api.llmgw.v1 import ShardState
-from llmgw.promtext import int_label, read_sample
+from llmgw.promtext import int_label, parse_sample
 
 IN_FLIGHT_GAUGES = frozenset(
     {
@@ -85,7 +85,7 @@ def parse_in_flight(text: str) -> int | None:
         if not line.startswith(_IN_FLIGHT_PREFIXES):
             continue
         try:
-            name, _, value = read_sample(line)
+            name, _, value = parse_sample(line)
         except ValueError:
             continue
         if name in IN_FLIGHT_GAUGES and math.isfinite(value):
@@ -112,7 +112,7 @@ def parse_kv_blocks(text: str) -> int | None:
         if not line.startswith(CACHE_INFO):
             continue
         try:
-            name, labels, _ = read_sample(line)
+            name, labels, _ = parse_sample(line)
         except ValueError:
             return None
         if name != CACHE_INFO:

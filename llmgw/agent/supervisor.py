@@ -50,7 +50,7 @@ from typing import Self
 
 from llmgw.addresses import free_port
 from llmgw.agent.engines.base import EngineError, LaunchSpec, ShardSpec, check_profile
-from llmgw.agent.kvevents import KvEventHub
+from llmgw.agent.kvhub import KvEventHub
 from llmgw.agent.marks import EngineMarks
 from llmgw.agent.probe import EngineProbe
 from llmgw.agent.process import EngineProcess, is_running, kill_leftovers

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 from llmgw.cli.errors import CliError
 
 if TYPE_CHECKING:
-    from llmgw.server.router.apikeys import ApiKeys
+    from llmgw.gateway.apikeys import ApiKeys
 
-ENV = "LLMGW_GATEWAY_API_KEY"  # llmgw.server.router.apikeys.API_KEY_ENV (tested to agree)
+ENV = "LLMGW_GATEWAY_API_KEY"  # llmgw.gateway.apikeys.API_KEY_ENV (tested to agree)
 HELP = (
     "require `Authorization: Bearer KEY` on the gateway's /v1 routes, KEY one of the keys in "
     f"FILE (one per line, '#' comments); /healthz and /metrics stay open (default: ${ENV} "
@@ -36,7 +36,7 @@ def gateway_api_keys(
     path: Path | None, flag: str, environ: Mapping[str, str] = os.environ
 ) -> ApiKeys:
     """The keys in ``path``, else the one in ``$LLMGW_GATEWAY_API_KEY``, else none."""
-    from llmgw.server.router.apikeys import ApiKeys
+    from llmgw.gateway.apikeys import ApiKeys
 
     if path is None:
         value = environ.get(ENV, "")
@@ -49,7 +49,7 @@ def gateway_api_keys(
 
 
 def _parsed(text: str, where: str) -> tuple[str, ...]:
-    from llmgw.server.router.apikeys import parse_key_file
+    from llmgw.gateway.apikeys import parse_key_file
 
     try:
         return parse_key_file(text)

@@ -37,12 +37,12 @@ from llmgw.cli.rpc import call
 from llmgw.cli.tables import render_table
 from llmgw.client import ControlClient, RpcError, Timeouts
 from llmgw.printable import escape
-from llmgw.server.auth import REDACTED
+from llmgw.server.core.profiles import CPU_CLASS, Document, parse_document, profile_fingerprint
+from llmgw.server.errors import ProfileError
 
 # The desired-state helpers live with the server; this reads the document the same way.
-from llmgw.server.desired import parse_with_profiles
-from llmgw.server.errors import ProfileError
-from llmgw.server.profiles import CPU_CLASS, Document, parse_document, profile_fingerprint
+from llmgw.server.state.desired import parse_with_profiles
+from llmgw.server.wire.auth import REDACTED
 
 
 def run_apply(server: str, path: Path, *, dry_run: bool, output: str) -> int:

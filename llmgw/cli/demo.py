@@ -52,9 +52,9 @@ from llmgw.cli.screenlog import logging_to  # the console's own: records off the
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
 from llmgw.command import LLMGW_COMMAND
 from llmgw.engineports import NoFreeWindow, PortRange, default_or_window, format_port_range
+from llmgw.promtext import metric_samples
+from llmgw.server.core.profiles import parse_document
 from llmgw.server.errors import ProfileError
-from llmgw.server.profiles import parse_document
-from llmgw.server.router.engines import metric_samples
 from llmgw.signals import stop_on_signals
 from llmgw.sim.workload import DEMO_PROMPTS, Arrivals, chat_body
 

@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 GATEWAY_POLICIES = "prefix, round_robin, least_load or session"
-"""The gateway's policies in words (llmgw.server.router.policy.POLICIES, tested to agree)."""
+"""The gateway's policies in words (llmgw.gateway.routing.policy.POLICIES, tested to agree)."""
 
 
 def add_tokenize_timeout_flag(p: argparse.ArgumentParser, flag: str) -> None:
@@ -41,7 +41,7 @@ def add_tokenize_timeout_flag(p: argparse.ArgumentParser, flag: str) -> None:
 
 def tokenize_timeout(value: float | None, flag: str) -> float:
     """The flag's value, checked; the gateway's default when it was not given."""
-    from llmgw.server.router.gateway import TOKENIZE_TIMEOUT_S
+    from llmgw.gateway.app import TOKENIZE_TIMEOUT_S
 
     if value is None:
         return TOKENIZE_TIMEOUT_S

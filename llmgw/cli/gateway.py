@@ -1,7 +1,7 @@
 """``llmgw gateway``: the OpenAI gateway as its own process, following a control server.
 
-It serves what the in-server gateway serves (``llmgw.server.router.gateway``) and learns
-the replicas from the control server's router feed (``llmgw.server.router.feed``), so
+It serves what the in-server gateway serves (``llmgw.gateway.app``) and learns
+the replicas from the control server's router feed (``llmgw.gateway.feed``), so
 gateways scale out beside one control server. While the control server is away it keeps
 routing with the last replicas it knew and reconnects by itself. SIGINT and SIGTERM stop
 it: the listener closes, requests in flight are cancelled, the feed's channel is closed.
@@ -10,7 +10,7 @@ runs over TLS, verifying the control server's certificate; with ``--tls-cert`` a
 ``--tls-key`` the OpenAI port serves TLS. The event loop is uvloop's.
 
 Every ``--report-interval`` seconds it reports its routing figures to the control server
-(``RouterService.Report``, ``llmgw.server.router.reporter``) under ``--gateway-id`` (default:
+(``RouterService.Report``, ``llmgw.gateway.reporter``) under ``--gateway-id`` (default:
 this host's name and the port it serves on) plus a random suffix per process start, so the
 console's router figures count every gateway; a failed report never disturbs routing.
 
@@ -51,14 +51,14 @@ if TYPE_CHECKING:
     import grpclib.client
     import grpclib.events
 
-    from llmgw.server.router.gateway import Gateway, GatewayConfig
+    from llmgw.gateway.app import Gateway, GatewayConfig
 
 log = logging.getLogger(__name__)
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 DEFAULT_LISTEN = "127.0.0.1:8000"
-DEFAULT_REPORT_INTERVAL_S = 2.0  # llmgw.server.router.reporter.DEFAULT_INTERVAL_S
-MAX_REPORT_INTERVAL_S = 300.0  # llmgw.server.router.reporter.MAX_INTERVAL_S
+DEFAULT_REPORT_INTERVAL_S = 2.0  # llmgw.gateway.reporter.DEFAULT_INTERVAL_S
+MAX_REPORT_INTERVAL_S = 300.0  # llmgw.gateway.reporter.MAX_INTERVAL_S
 MAX_GATEWAY_ID = 200
 
 
@@ -160,8 +160,8 @@ def host_port(text: str, flag: str) -> tuple[str, int]:
 
 
 def run_gateway_command(args: argparse.Namespace) -> int:
-    from llmgw.server.router.gateway import GatewayConfig
-    from llmgw.server.router.policy import POLICIES
+    from llmgw.gateway.app import GatewayConfig
+    from llmgw.gateway.routing.policy import POLICIES
     from llmgw.tls import ALPN_GRPC
 
     server = host_port(args.server, "--server")
@@ -258,9 +258,9 @@ async def run_gateway(
     """Serve until SIGINT/SIGTERM (or ``stop`` is set), following ``server``'s feed (over
     TLS with ``feed_tls``, a client context) and reporting its figures there every
     ``report_interval_s`` (0: never) as ``gateway_id`` (None: this host's name and port)."""
-    from llmgw.server.router.feed import feed_channel, follow
-    from llmgw.server.router.gateway import Gateway
-    from llmgw.server.router.table import RoutingTable
+    from llmgw.gateway.app import Gateway
+    from llmgw.gateway.feed import feed_channel, follow
+    from llmgw.gateway.routing.table import RoutingTable
 
     stop = stop or asyncio.Event()
     started_ms = int(time.time() * 1000)
@@ -301,7 +301,7 @@ async def _reporting(
         log.info("llmgw gateway: reporting routing figures is off (--report-interval 0)")
         yield
         return
-    from llmgw.server.router.reporter import ReportConfig, instance_id, report_forever
+    from llmgw.gateway.reporter import ReportConfig, instance_id, report_forever
 
     report = ReportConfig(
         gateway_id=instance_id(name),

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 from llmgw.cli.errors import CliError
 
 if TYPE_CHECKING:
-    from llmgw.server.router.httplimits import ServerLimits
+    from llmgw.gateway.httplimits import ServerLimits
 
 __all__ = ["add_http_limit_flags", "http_limits"]
 
@@ -22,7 +22,7 @@ __all__ = ["add_http_limit_flags", "http_limits"]
 def add_http_limit_flags(p: argparse.ArgumentParser, ports: str) -> None:
     """``--idle-timeout``, ``--header-timeout``, ``--max-connections``,
     ``--max-connections-per-peer`` and ``--max-body-buffer``, for ``ports``."""
-    from llmgw.server.router.httplimits import ServerLimits
+    from llmgw.gateway.httplimits import ServerLimits
 
     default = ServerLimits()
     g = p.add_argument_group(f"limits of {ports}")
@@ -70,7 +70,7 @@ def add_http_limit_flags(p: argparse.ArgumentParser, ports: str) -> None:
 
 def http_limits(args: argparse.Namespace) -> ServerLimits:
     """The flags' values, checked."""
-    from llmgw.server.router.httplimits import ServerLimits
+    from llmgw.gateway.httplimits import ServerLimits
 
     for flag, value in (
         ("--idle-timeout", args.idle_timeout),

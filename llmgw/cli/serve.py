@@ -37,7 +37,7 @@ from llmgw.engineports import DEFAULT_ENGINE_PORTS
 from llmgw.fdlimit import within_fd_limits
 from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
 from llmgw.server.errors import ServerError
-from llmgw.server.grpcport import ConnectionLimits
+from llmgw.server.wire.grpcport import ConnectionLimits
 
 
 def run_server_command(args: argparse.Namespace) -> int:
@@ -137,7 +137,7 @@ def _gateway_listen(text: str) -> Listen | None:
 
 
 def _gateway_policy(name: str) -> str:
-    from llmgw.server.router.policy import POLICIES
+    from llmgw.gateway.routing.policy import POLICIES
 
     if name not in POLICIES:
         raise CliError(f"--gateway-policy {name!r} is not one of {', '.join(POLICIES)}")

@@ -149,7 +149,7 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _add_grpc_limits(p: argparse.ArgumentParser) -> None:
-    """The native port's connection limits (``llmgw.server.grpcport.ConnectionLimits``)."""
+    """The native port's connection limits (``llmgw.server.wire.grpcport.ConnectionLimits``)."""
     p.add_argument(
         "--grpc-handshake-timeout",
         type=float,

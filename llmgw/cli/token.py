@@ -25,9 +25,10 @@ from typing import Any, TypeVar
 
 from llmgw.cli.errors import CliError
 from llmgw.protocol import NODE_ID_RULE, valid_node_id
-from llmgw.server.auth import Role, StoredToken, hash_token, new_token
 from llmgw.server.errors import StoreError
-from llmgw.server.store import Store
+from llmgw.server.state.store import Store
+from llmgw.server.state.tokens import Role, StoredToken
+from llmgw.server.wire.auth import hash_token, new_token
 
 CREATABLE_ROLES = tuple(role.value for role in Role)
 T = TypeVar("T")

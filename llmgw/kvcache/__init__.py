@@ -4,6 +4,9 @@ Pure functions and frozen dataclasses; imports nothing else of llmgw. The simula
 publishes with `encode_batch`/`encode_frames` and hashes with `block_hashes`; the gateway
 decodes with `decode_batch`/`decode_frames` and hashes prompts with `hash_prefix` and
 `PrefixHashes.extend`. Reference: spec/vllm-kv-events.md and spec/vllm_kv_golden.json.
+The agent mirrors an engine's blocks with our block keys (``mirror``); those keys cross the
+wire in one form (``keys.pack_keys``/``unpack_keys``) and the control server holds each
+replica's in a ``keys.KeySet``.
 """
 
 from llmgw.kvcache.errors import (

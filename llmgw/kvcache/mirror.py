@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import hashlib
 import math
-import struct
 import sys
 from array import array
 from collections.abc import Callable, MutableMapping, Sequence
@@ -66,8 +65,6 @@ __all__ = [
     "block_key",
     "block_keys",
     "normalize_hash",
-    "pack_hashes",
-    "unpack_hashes",
 ]
 
 ROOT_KEY: Final = 0
@@ -235,18 +232,6 @@ def apply_delta(index: MutableMapping[int, int], delta: MirrorDelta) -> None:
     for block in delta.removed:
         index.pop(block, None)
     index.update(zip(delta.stored, delta.stored_keys, strict=True))
-
-
-def pack_hashes(values: Sequence[int]) -> bytes:
-    """64-bit values as 8-byte big-endian words, concatenated (the KvDelta wire form)."""
-    return struct.pack(f">{len(values)}Q", *values)
-
-
-def unpack_hashes(data: bytes) -> tuple[int, ...]:
-    """The inverse of `pack_hashes`; ValueError when the length is not a multiple of 8."""
-    if len(data) % 8:
-        raise ValueError(f"packed hashes: {len(data)} bytes is not a multiple of 8")
-    return struct.unpack(f">{len(data) // 8}Q", data)
 
 
 # -- the mirror -----------------------------------------------------------------------------

@@ -2,20 +2,20 @@
 
 One event loop serves the same service objects on two ports: native gRPC (grpclib, HTTP/2)
 for agents and operator clients, and gRPC-web plus ``/healthz`` (HTTP/1.1, asgihttp.py) for the
-console, browsers and ``llmgw get``. The router feed (``llmgw.server.routersvc``, carrying
+console, browsers and ``llmgw get``. The router feed (``llmgw.server.wire.routersvc``, carrying
 API keys) is on the native port only. Unless turned off, the OpenAI gateway
-(``llmgw.server.router``) serves on a third port, fed in process from the plane. SIGINT and
+(``llmgw.gateway``) serves on a third port, fed in process from the plane. SIGINT and
 SIGTERM stop every port, flush heartbeat times and close the database. The reconciler
 (``llmgw.server.reconcile_loop``) runs in the same loop, unless turned off or test hooks are
 on. The gRPC-web port also serves the server's own Prometheus metrics on ``/metrics``
-(``llmgw.server.metrics``: agents' KV event counters, the KV block store).
+(``llmgw.server.wire.metrics``: agents' KV event counters, the KV block store).
 
 The native port drops a connection that sends no HTTP/2 preface within a handshake timeout,
 closes one with no open stream for an idle timeout, and caps connections in all and per
-peer address (``llmgw.server.grpcport``).
+peer address (``llmgw.server.wire.grpcport``).
 
 Every call on the native and the gRPC-web port is checked by one
-``llmgw.server.auth.Authenticator`` (off, and said so loudly, while there are no tokens).
+``llmgw.server.wire.auth.Authenticator`` (off, and said so loudly, while there are no tokens).
 While it is off the server refuses to listen on any address beyond loopback, before
 anything binds, unless told ``--insecure-no-auth`` (:func:`unauthenticated_exposure`).
 
@@ -24,17 +24,17 @@ rebinding) unless opened with ``--cors-origin``/``--allowed-host`` (``llmgw.http
 
 A state database that cannot be written (full or read-only disk) does not stop the server:
 ``/healthz`` answers 503 with the reason, calls that write answer UNAVAILABLE on both ports,
-and it recovers by itself (``llmgw.server.storehealth``).
+and it recovers by itself (``llmgw.server.state.storehealth``).
 
 With a certificate and its key (``ServerConfig.tls``, ``--tls-cert``/``--tls-key``) every
 port serves TLS only (``llmgw.tls``: ALPN h2 on the native port, http/1.1 on the others);
 a file that cannot be read or used is a ``ConfigError`` naming it, before anything binds.
 
-The state database is held with an exclusive lock (``llmgw.server.statelock``) taken
+The state database is held with an exclusive lock (``llmgw.server.state.statelock``) taken
 before it opens and before any port binds: a second server on the same ``--db`` refuses,
 naming the first.
 
-Both HTTP ports run under ``ServerConfig.http_limits`` (``llmgw.server.router.httplimits``:
+Both HTTP ports run under ``ServerConfig.http_limits`` (``llmgw.gateway.httplimits``:
 head size, head/body/idle timeouts, connections in all and per peer, buffered body bytes);
 the gRPC-web port's largest body follows from ``max_message_bytes``.
 """
@@ -50,30 +50,34 @@ from pathlib import Path
 
 from llmgw.addresses import AddressError, bracketed, parse_host_port, state_home
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
+from llmgw.gateway import (
+    TOKENIZE_TIMEOUT_S,
+    ApiKeys,
+    Gateway,
+    GatewayConfig,
+    HttpServer,
+    ServerLimits,
+)
 from llmgw.httpguard import BrowserAccess, HttpGuard, is_loopback_host
-from llmgw.server.agentsvc import AgentService
-from llmgw.server.asgihttp import AsgiHandler
-from llmgw.server.auth import Authenticator, install
-from llmgw.server.codec import CheckedProtoCodec, install_message_limit
-from llmgw.server.controlsvc import ControlService
 from llmgw.server.errors import ConfigError
-from llmgw.server.grpcport import ConnectionLimits, LimitedServer
-from llmgw.server.grpcweb import BrowserGate, GrpcWebApp, most_body_bytes
-from llmgw.server.inventory import InventoryConfig
-from llmgw.server.metrics import server_metrics
-from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
-from llmgw.server.router.apikeys import ApiKeys
-from llmgw.server.router.gateway import TOKENIZE_TIMEOUT_S, Gateway, GatewayConfig
-from llmgw.server.router.httplimits import ServerLimits
-from llmgw.server.router.httpserver import HttpServer
-from llmgw.server.routerreports import RouterReports
-from llmgw.server.routersvc import RouterService, ServedGateway, serve_gateway
-from llmgw.server.statelock import hold_state_lock
-from llmgw.server.store import Store
-from llmgw.server.storehealth import install as install_store_health
-from llmgw.server.storehealth import unavailable_when_unwritable
-from llmgw.server.testhooks import AgentCommandHook
+from llmgw.server.state.inventory import InventoryConfig
+from llmgw.server.state.plane import ControlPlane
+from llmgw.server.state.statelock import hold_state_lock
+from llmgw.server.state.store import Store
+from llmgw.server.state.storehealth import install as install_store_health
+from llmgw.server.state.storehealth import unavailable_when_unwritable
+from llmgw.server.wire.agentsvc import AgentService
+from llmgw.server.wire.asgihttp import AsgiHandler
+from llmgw.server.wire.auth import Authenticator, install
+from llmgw.server.wire.codec import CheckedProtoCodec, install_message_limit
+from llmgw.server.wire.controlsvc import ControlService
+from llmgw.server.wire.grpcport import ConnectionLimits, LimitedServer
+from llmgw.server.wire.grpcweb import BrowserGate, GrpcWebApp, most_body_bytes
+from llmgw.server.wire.metrics import server_metrics
+from llmgw.server.wire.routerreports import RouterReports
+from llmgw.server.wire.routersvc import RouterService, ServedGateway, serve_gateway
+from llmgw.server.wire.testhooks import AgentCommandHook
 from llmgw.signals import stop_on_signals
 from llmgw.tls import ALPN_GRPC, ALPN_HTTP1, TlsFileError, TlsFiles, server_context
 
@@ -124,11 +128,11 @@ class ServerConfig:
     heartbeat_interval_ms: int = 1000
     max_message_bytes: int = 4 << 20
     tick_s: float = 0.5
-    test_hooks: bool = False  # POST /debug/agents/{node}/command (llmgw.server.testhooks)
+    test_hooks: bool = False  # POST /debug/agents/{node}/command (llmgw.server.wire.testhooks)
     reconcile: bool = True  # run the reconciler (off with test hooks: it would fence their shards)
     reconcile_every_s: float = 1.0  # a round at least this often, and after every change
     gateway_listen: Listen | None = None  # the in-server OpenAI gateway; None: none
-    gateway_policy: str = "prefix"  # llmgw.server.router.policy.POLICIES
+    gateway_policy: str = "prefix"  # llmgw.gateway.routing.policy.POLICIES
     gateway_tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S  # the precise tier's /tokenize bound
     gateway_api_keys: ApiKeys = ApiKeys()  # clients' keys for the gateway's /v1; none: open
     join_token: str | None = field(default=None, repr=False)  # agents' token; never logged

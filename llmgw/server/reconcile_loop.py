@@ -1,7 +1,7 @@
-"""The reconciler's I/O edge: rounds of :func:`~llmgw.server.reconciler.reconcile` against
+"""The reconciler's I/O edge: rounds of :func:`~llmgw.server.core.reconciler.reconcile` against
 the control plane, run every tick and as soon as something changed.
 
-A round builds a :class:`~llmgw.server.reconcile_state.ReconcileInput` from what the plane
+A round builds a :class:`~llmgw.server.core.reconcile_state.ReconcileInput` from what the plane
 holds now: the deployments and profiles, the replica records, the shards agents report,
 one :class:`NodeView` per node of the inventory (ready while its agent is connected and
 heartbeating; a node NOT_READY since it was last seen ready, and one the store remembers
@@ -52,13 +52,11 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 
 from llmgw.api.llmgw.v1 import ControlMessage, Deployment, EngineProfile, NodeState
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange, format_port_range
-from llmgw.server.capacity import node_capacity
-from llmgw.server.errors import StoreUnwritable
-from llmgw.server.placement import FleetPlacer
-from llmgw.server.plan import ReplicaPlan, ShardPlan, Unplaceable
-from llmgw.server.plane import ControlPlane, node_address
-from llmgw.server.profiles import profile_fingerprint
-from llmgw.server.reconcile_state import (
+from llmgw.server.core.capacity import node_capacity
+from llmgw.server.core.placement import FleetPlacer
+from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
+from llmgw.server.core.profiles import profile_fingerprint
+from llmgw.server.core.reconcile_state import (
     Decision,
     Lifecycle,
     NodeView,
@@ -69,8 +67,10 @@ from llmgw.server.reconcile_state import (
     crash_delay,
     held_reason,
 )
-from llmgw.server.reconciler import reconcile
-from llmgw.server.store import AuditRecord, now_ms
+from llmgw.server.core.reconciler import reconcile
+from llmgw.server.errors import StoreUnwritable
+from llmgw.server.state.plane import ControlPlane, node_address
+from llmgw.server.state.store import AuditRecord, now_ms
 
 __all__ = ["ACTOR", "ReconcileLoop", "SendFn", "api_key_for"]
 

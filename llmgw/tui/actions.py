@@ -9,7 +9,7 @@ the in-flight requests that finish first, the replicas that move). The confirmat
 decides: what it refuses comes back as its message, and its audit record arrives through
 Watch like every other change.
 
-What the server does for each verb (``llmgw.server.actions``): drain scales the replica's
+What the server does for each verb (``llmgw.server.wire.actions``): drain scales the replica's
 deployment down by one and retires that replica; start scales a deployment up by one;
 reprofile points the whole deployment at another profile and replaces its replicas one at
 a time (surge of one); drain-node cordons the node and replaces each replica on it

@@ -15,7 +15,8 @@ import json
 import sys
 
 from llmgw.agent.engines.base import KvEventEndpoints
-from llmgw.agent.kvevents import KvEventHub, KvFollowConfig
+from llmgw.agent.kvevents import KvFollowConfig
+from llmgw.agent.kvhub import KvEventHub
 
 
 def memory_kib() -> dict[str, int]:

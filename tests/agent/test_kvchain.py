@@ -23,11 +23,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from test_kvevents import Engine, _restart, endpoints_in, joined, synced
 
-from llmgw.agent.kvevents import KvEventHub, KvFollowConfig
+from llmgw.agent.kvevents import KvFollowConfig
+from llmgw.agent.kvhub import KvEventHub
 from llmgw.api.llmgw.v1 import KvDelta
-from llmgw.server.kvblocks import KvBlocks, KvWatcher, decode_kv_delta
-from llmgw.server.router.feed import apply_kv_blocks
-from llmgw.server.router.kvindex import KvIndex
+from llmgw.gateway.feed import apply_kv_blocks
+from llmgw.gateway.routing.kvindex import KvIndex
+from llmgw.server.state.kvblocks import KvBlocks, KvWatcher, decode_kv_delta
 
 NODE, REPLICA, SHARD = "n1", "r1", "s1"
 

@@ -31,7 +31,8 @@ from hypothesis import strategies as st
 from llmgw.agent.backoff import BackoffPolicy
 from llmgw.agent.daemon import Agent, AgentConfig
 from llmgw.agent.engines.base import KvEventEndpoints
-from llmgw.agent.kvevents import KvEventCounters, KvEventHub, KvFollowConfig
+from llmgw.agent.kvevents import KvEventCounters, KvFollowConfig
+from llmgw.agent.kvhub import KvEventHub
 from llmgw.agent.link import CONNECT_PATH
 from llmgw.agent.shards import RestartPolicy
 from llmgw.api.llmgw.v1 import (
@@ -55,7 +56,8 @@ from llmgw.kvcache import (
     encode_frames,
     event_hash,
 )
-from llmgw.kvcache.mirror import ROOT_KEY, block_key, block_keys, unpack_hashes
+from llmgw.kvcache.keys import unpack_keys
+from llmgw.kvcache.mirror import ROOT_KEY, block_key, block_keys
 from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.sim.engine.config import KvEventsConfig
 from llmgw.sim.engine.kvpublisher import KvEventPublisher
@@ -182,10 +184,10 @@ class Index:
             blocks = self.engines.setdefault((delta.shard_id, delta.data_parallel_rank), {})
             if delta.reset:
                 blocks.clear()
-            for block in unpack_hashes(delta.removed):
+            for block in unpack_keys(delta.removed):
                 blocks.pop(block, None)
-            stored = unpack_hashes(delta.stored)
-            blocks.update(zip(stored, unpack_hashes(delta.stored_keys), strict=True))
+            stored = unpack_keys(delta.stored)
+            blocks.update(zip(stored, unpack_keys(delta.stored_keys), strict=True))
 
     def of(self, shard_id: str, rank: int = 0) -> dict[int, int]:
         return self.engines.get((shard_id, rank), {})
@@ -715,8 +717,8 @@ async def test_the_agent_streams_kv_deltas_and_each_new_stream_starts_with_a_ful
         await until(lambda: len(fake.sessions) == 2 and fake.kv(1))
         copy = fake.kv(1)[0]
         assert copy.reset and copy.shard_id == "kv1" and copy.seq == first.messages[-1].seq
-        stored = unpack_hashes(copy.stored)
-        assert dict(zip(stored, unpack_hashes(copy.stored_keys), strict=True)) == first.of("kv1")
+        stored = unpack_keys(copy.stored)
+        assert dict(zip(stored, unpack_keys(copy.stored_keys), strict=True)) == first.of("kv1")
 
         # kill -9: its blocks leave upstream within 2 s; the restarted engine's arrive
         second = Index()

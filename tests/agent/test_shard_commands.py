@@ -28,11 +28,11 @@ from llmgw.api.llmgw.v1 import (
     ShardState,
     ShardStatus,
 )
-from llmgw.server.agentsvc import AgentService
-from llmgw.server.codec import CheckedProtoCodec, install_message_limit
-from llmgw.server.inventory import InventoryConfig
-from llmgw.server.plane import ControlPlane
-from llmgw.server.store import Store
+from llmgw.server.state.inventory import InventoryConfig
+from llmgw.server.state.plane import ControlPlane
+from llmgw.server.state.store import Store
+from llmgw.server.wire.agentsvc import AgentService
+from llmgw.server.wire.codec import CheckedProtoCodec, install_message_limit
 
 S = ShardState
 FAST = BackoffPolicy(base_s=0.05, cap_s=0.2)

@@ -7,7 +7,7 @@ import pytest
 from llmgw.cli import serve
 from llmgw.cli.main import build_parser, main
 from llmgw.server.app import ServerConfig
-from llmgw.server.grpcport import ConnectionLimits
+from llmgw.server.wire.grpcport import ConnectionLimits
 
 
 def _limits(monkeypatch: pytest.MonkeyPatch, *flags: str) -> ConnectionLimits:

@@ -11,9 +11,9 @@ import pytest
 from llmgw.cli import gateway as gateway_cli
 from llmgw.cli import serve
 from llmgw.cli.main import build_parser, main
+from llmgw.gateway.app import TOKENIZE_TIMEOUT_S, GatewayConfig
 from llmgw.server import app
 from llmgw.server.app import Listen, ServerConfig
-from llmgw.server.router.gateway import TOKENIZE_TIMEOUT_S, GatewayConfig
 
 
 def _server_config(monkeypatch: pytest.MonkeyPatch, *flags: str) -> ServerConfig:

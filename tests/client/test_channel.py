@@ -41,10 +41,10 @@ from llmgw.client import (
     ServerUnreachable,
     Timeouts,
 )
-from llmgw.server.asgihttp import AsgiHandler
-from llmgw.server.grpcweb import GrpcWebApp
-from llmgw.server.router.httplimits import ServerLimits
-from llmgw.server.router.httpserver import HttpServer
+from llmgw.gateway.httplimits import ServerLimits
+from llmgw.gateway.httpserver import HttpServer
+from llmgw.server.wire.asgihttp import AsgiHandler
+from llmgw.server.wire.grpcweb import GrpcWebApp
 
 
 class Control(ControlServiceBase):
@@ -387,7 +387,7 @@ def test_unclosed_channel_warns() -> None:
 
 @asynccontextmanager
 async def http_server(app: GrpcWebApp) -> AsyncIterator[str]:
-    """``app`` on the HTTP server the gRPC-web port runs on (llmgw.server.asgihttp)."""
+    """``app`` on the HTTP server the gRPC-web port runs on (llmgw.server.wire.asgihttp)."""
     server = HttpServer(AsgiHandler(app), ServerLimits())
     host, port = await server.start("127.0.0.1", 0)
     try:

@@ -23,12 +23,12 @@ from fuzzkit import async_growth, examples, openai_bodies
 from hypothesis import event, example, given
 from hypothesis import strategies as st
 
-from llmgw.server.router.engines import QUERIES, EnginePoller, PollerConfig
-from llmgw.server.router.gateway import Gateway, GatewayConfig
-from llmgw.server.router.httplimits import ServerLimits
-from llmgw.server.router.table import RoutingTable, Target
-from llmgw.server.router.tokenize import TokenizeClient, TokenizeConfig
-from llmgw.server.router.upstream import UpstreamPool
+from llmgw.gateway.app import Gateway, GatewayConfig
+from llmgw.gateway.engines import QUERIES, EnginePoller, PollerConfig
+from llmgw.gateway.httplimits import ServerLimits
+from llmgw.gateway.routing.table import RoutingTable, Target
+from llmgw.gateway.tokenize import TokenizeClient, TokenizeConfig
+from llmgw.gateway.upstream import UpstreamPool
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 

@@ -1,4 +1,4 @@
-"""Fuzzing the gRPC-web port (``llmgw.server.grpcweb.GrpcWebApp``) as an ASGI application in
+"""Fuzzing the gRPC-web port (``llmgw.server.wire.grpcweb.GrpcWebApp``) as an ASGI application in
 front of the real ControlService: any method, path, headers, content type and body, in
 binary and text modes, cut into any chunks.
 
@@ -29,10 +29,10 @@ from hypothesis import event, example, given
 from hypothesis import strategies as st
 
 from llmgw.api.llmgw.v1 import ControlServiceBase, GetClusterRequest
-from llmgw.server.controlsvc import ControlService
-from llmgw.server.grpcweb import GrpcWebApp
-from llmgw.server.plane import ControlPlane
-from llmgw.server.store import Store
+from llmgw.server.state.plane import ControlPlane
+from llmgw.server.state.store import Store
+from llmgw.server.wire.controlsvc import ControlService
+from llmgw.server.wire.grpcweb import GrpcWebApp
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 

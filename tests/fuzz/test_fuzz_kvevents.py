@@ -34,9 +34,9 @@ from llmgw.agent.engines.base import KvEventEndpoints
 from llmgw.agent.kvevents import (
     MAX_DATA_PARALLEL_RANK,
     EngineSubscriber,
-    KvEventHub,
     KvFollowConfig,
 )
+from llmgw.agent.kvhub import KvEventHub
 from llmgw.api.llmgw.v1 import KvDelta
 from llmgw.kvcache import (
     KvEventDecodeError,
@@ -47,9 +47,10 @@ from llmgw.kvcache import (
     encode_frames,
     encode_replay_message,
 )
-from llmgw.kvcache.mirror import BlockMirror, apply_delta, pack_hashes
-from llmgw.server.codec import decode_message
-from llmgw.server.kvblocks import decode_kv_delta
+from llmgw.kvcache.keys import pack_keys
+from llmgw.kvcache.mirror import BlockMirror, apply_delta
+from llmgw.server.state.kvblocks import decode_kv_delta
+from llmgw.server.wire.codec import decode_message
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 
@@ -177,7 +178,7 @@ def test_any_decodable_history_mirrors_exactly_and_the_server_accepts_every_delt
             delta = mirror.take_delta()
             apply_delta(index.setdefault(rank, {}), delta)
             assert index[rank] == mirror.blocks()
-            pack_hashes(list(mirror.blocks()) + list(mirror.blocks().values()))
+            pack_keys(list(mirror.blocks()) + list(mirror.blocks().values()))
             _server_accepts(hub._wire(sub, rank, mirror, delta))
     assert set(sub.mirrors) <= set(range(MAX_DATA_PARALLEL_RANK + 1))
     refused = 0

@@ -1,5 +1,5 @@
 """Fuzzing the text the gateway and the agent read from outside, past the JSON-document
-properties of tests/server/test_gateway_openai.py: OpenAI request bodies as *text* (mutated
+properties of tests/gateway/test_gateway_openai.py: OpenAI request bodies as *text* (mutated
 JSON, nesting, number and string edge cases), what the precise tier makes of them
 (``tokenize_input``), ``/tokenize`` answers (``parse_tokens``), and engines' ``/metrics``
 pages as the gateway's poller and the agent's drain probe read them.
@@ -26,19 +26,19 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from llmgw.agent.probe import IN_FLIGHT_GAUGES, parse_in_flight
-from llmgw.server.router.engines import (
+from llmgw.gateway.engines import (
     CACHE_INFO,
     HITS,
     QUERIES,
     ReuseWindow,
     parse_engine_metrics,
 )
-from llmgw.server.router.errors import BadRequest
-from llmgw.server.router.load import LoadTracker
-from llmgw.server.router.openai import CHAT_PATH, COMPLETIONS_PATH, parse_request
-from llmgw.server.router.policy import RouteRequest, make_policy
-from llmgw.server.router.table import Target
-from llmgw.server.router.tokenize import parse_tokens, tokenize_input
+from llmgw.gateway.errors import BadRequest
+from llmgw.gateway.openai import CHAT_PATH, COMPLETIONS_PATH, parse_request
+from llmgw.gateway.routing.load import LoadTracker
+from llmgw.gateway.routing.policy import RouteRequest, make_policy
+from llmgw.gateway.routing.table import Target
+from llmgw.gateway.tokenize import parse_tokens, tokenize_input
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 

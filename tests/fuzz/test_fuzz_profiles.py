@@ -1,4 +1,4 @@
-"""Fuzzing profile files and ApplyDeployment requests past what tests/server/test_profiles.py
+"""Fuzzing profile files and ApplyDeployment requests past what tests/server/core/test_profiles.py
 already throws at ``parse_document`` (any text, any TOML structure): byte-level mutations of
 real documents, and structured ``EngineProfile``/``Deployment`` messages of any content
 through ``check_apply`` (which renders them to TOML and parses that back) and the dry run.
@@ -25,15 +25,15 @@ from llmgw.api.llmgw.v1 import (
     EngineProfile,
     LoraAdapter,
 )
-from llmgw.server.desired import (
+from llmgw.server.core.profiles import Document, parse_document, render_document
+from llmgw.server.errors import ProfileError
+from llmgw.server.state.desired import (
     MESSAGE_LIMIT,
     check_apply,
     parse_with_profiles,
     plan_text,
     refusal,
 )
-from llmgw.server.errors import ProfileError
-from llmgw.server.profiles import Document, parse_document, render_document
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 

@@ -1,4 +1,4 @@
-"""Fuzzing the server's protobuf door (``llmgw.server.codec.decode_message``) for every
+"""Fuzzing the server's protobuf door (``llmgw.server.wire.codec.decode_message``) for every
 request type of ControlService, AgentService and RouterService, then the native gRPC port
 end to end with the real services, and the agent stream's handler with well-formed but
 arbitrary AgentMessages.
@@ -51,19 +51,19 @@ from llmgw.api.llmgw.v1 import (
     RouterServiceBase,
 )
 from llmgw.protocol import PROTOCOL_VERSION
-from llmgw.server.agentsvc import AgentService
-from llmgw.server.codec import (
+from llmgw.server.state.inventory import InventoryConfig
+from llmgw.server.state.plane import ControlPlane
+from llmgw.server.state.store import Store
+from llmgw.server.wire.agentsvc import AgentService
+from llmgw.server.wire.codec import (
     DEFAULT_MAX_FIELDS,
     CheckedProtoCodec,
     decode_message,
     install_message_limit,
     proto_name,
 )
-from llmgw.server.controlsvc import ControlService
-from llmgw.server.inventory import InventoryConfig
-from llmgw.server.plane import ControlPlane
-from llmgw.server.routersvc import RouterService
-from llmgw.server.store import Store
+from llmgw.server.wire.controlsvc import ControlService
+from llmgw.server.wire.routersvc import RouterService
 
 pytestmark = [pytest.mark.fuzz, pytest.mark.timeout(120)]
 

@@ -4,7 +4,7 @@ simulated DGX agent and ``llmgw sim-engine`` replicas publishing KV events over 
 What the tests read: the gateway's ``/metrics`` (`metrics`), each engine's own cache
 (``GET /debug/kv_cache``: llmgw block keys, `engine_keys`) and its KV event test hooks
 (``--sim-test-hooks``: ``/sim/kv_events``), and a second gateway's KV index built by the
-product's own feed client (`FeedIndex`: ``llmgw.server.router.feed.follow``, as ``llmgw
+product's own feed client (`FeedIndex`: ``llmgw.gateway.feed.follow``, as ``llmgw
 gateway`` runs it), whose per-replica keys the in-server gateway does not expose.
 """
 
@@ -20,9 +20,9 @@ from typing import Any
 import httpx
 from procs import Cluster
 
-from llmgw.server.router.feed import FollowConfig, feed_channel, follow
-from llmgw.server.router.kvindex import KvIndex
-from llmgw.server.router.table import RoutingTable
+from llmgw.gateway.feed import FollowConfig, feed_channel, follow
+from llmgw.gateway.routing.kvindex import KvIndex
+from llmgw.gateway.routing.table import RoutingTable
 
 SIM_BIN = f"sim={sys.executable} -m llmgw sim-engine"
 READY = "SHARD_STATE_READY"

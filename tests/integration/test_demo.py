@@ -33,8 +33,8 @@ from llmgw.cli.demo import (
     decisions_by_tier,
     render_summary,
 )
-from llmgw.server.profiles import parse_document
-from llmgw.server.router.engines import metric_samples
+from llmgw.promtext import metric_samples
+from llmgw.server.core.profiles import parse_document
 
 # --- the demo as a user runs it ------------------------------------------------------------
 

@@ -31,7 +31,7 @@ import pytest
 from procs import Cluster, wait_for
 
 from llmgw.cli.flags import GATEWAY_POLICIES
-from llmgw.server.router.policy import POLICIES
+from llmgw.gateway.routing.policy import POLICIES
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 from procs import Cluster
 
-from llmgw.server.router.httplimits import ServerLimits
+from llmgw.gateway.httplimits import ServerLimits
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 

@@ -48,7 +48,7 @@ from precisekit import (
 )
 from procs import Cluster, wait_for
 
-from llmgw.server.router.precise import PreciseConfig
+from llmgw.gateway.precise import PreciseConfig
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 log = logging.getLogger(__name__)

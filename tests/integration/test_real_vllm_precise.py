@@ -61,10 +61,10 @@ from test_real_vllm import (  # noqa: F401 (real_vllm is a fixture)
 
 from llmgw.api.llmgw.v1 import RouterStats, ShardState
 from llmgw.client import ControlClient, GrpcWebChannel
-from llmgw.server.router.openai import CHAT_PATH, COMPLETIONS_PATH
-from llmgw.server.router.precise import BlockKeyCache
-from llmgw.server.router.tokenize import TokenizeClient, TokenizeConfig, tokenize_input
-from llmgw.server.router.upstream import UpstreamPool
+from llmgw.gateway.openai import CHAT_PATH, COMPLETIONS_PATH
+from llmgw.gateway.precise import BlockKeyCache
+from llmgw.gateway.tokenize import TokenizeClient, TokenizeConfig, tokenize_input
+from llmgw.gateway.upstream import UpstreamPool
 
 pytestmark = [pytest.mark.real_vllm, pytest.mark.integration, pytest.mark.slow]
 

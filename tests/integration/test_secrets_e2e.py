@@ -44,7 +44,7 @@ from llmgw.api.llmgw.v1 import (
     WatchRequest,
 )
 from llmgw.client import GrpcWebChannel, RpcError
-from llmgw.server.auth import REVOKED
+from llmgw.server.wire.auth import REVOKED
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

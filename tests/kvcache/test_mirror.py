@@ -34,8 +34,6 @@ from llmgw.kvcache.mirror import (
     block_key,
     block_keys,
     normalize_hash,
-    pack_hashes,
-    unpack_hashes,
 )
 
 GOLDEN: dict[str, Any] = json.loads(
@@ -281,15 +279,6 @@ def test_hashes_normalize_to_the_events_uint64() -> None:
     assert normalize_hash(digest) == int.from_bytes(digest[-8:], "big")
     assert normalize_hash(-1) == (1 << 64) - 1  # a legacy signed Python hash()
     assert normalize_hash(12345) == 12345
-
-
-def test_packed_hashes_round_trip_big_endian() -> None:
-    values = (0, 1, (1 << 64) - 1, 0x0102030405060708)
-    packed = pack_hashes(values)
-    assert packed[-8:] == bytes(range(1, 9)) and len(packed) == 32
-    assert unpack_hashes(packed) == values and unpack_hashes(b"") == ()
-    with pytest.raises(ValueError, match="multiple of 8"):
-        unpack_hashes(b"\0" * 9)
 
 
 # -- net changes --------------------------------------------------------------------------

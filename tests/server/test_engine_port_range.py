@@ -34,10 +34,10 @@ from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server import app
 from llmgw.server.app import ServerConfig
-from llmgw.server.desired import check_apply
-from llmgw.server.plane import ControlPlane
 from llmgw.server.reconcile_loop import ReconcileLoop
-from llmgw.server.store import Store
+from llmgw.server.state.desired import check_apply
+from llmgw.server.state.plane import ControlPlane
+from llmgw.server.state.store import Store
 
 PROFILE = EngineProfile(
     name="one-gpu", engine="sim", gpu_class="H100", tp=1, model_path="/m/chat",

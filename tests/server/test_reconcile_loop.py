@@ -18,12 +18,12 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
 )
 from llmgw.protocol import PROTOCOL_VERSION
-from llmgw.server.desired import check_apply
-from llmgw.server.plan import ReplicaPlan, ShardPlan
-from llmgw.server.plane import ControlPlane
+from llmgw.server.core.plan import ReplicaPlan, ShardPlan
+from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord, crash_delay
 from llmgw.server.reconcile_loop import ReconcileLoop, api_key_for
-from llmgw.server.reconcile_state import Lifecycle, ReplicaRecord, crash_delay
-from llmgw.server.store import SCHEMA_VERSION, Store, decode_replica, encode_replica
+from llmgw.server.state.desired import check_apply
+from llmgw.server.state.plane import ControlPlane
+from llmgw.server.state.store import SCHEMA_VERSION, Store, decode_replica, encode_replica
 
 PROFILE = EngineProfile(
     name="chat-tp2", engine="sim", gpu_class="H100", tp=2, model_path="/m/chat",

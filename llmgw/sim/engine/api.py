@@ -19,12 +19,13 @@ import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from llmgw.promtext import CONTENT_TYPE
 from llmgw.sim.engine.completions import CHAT, COMPLETION, Flavor, GenerationEndpoint
 from llmgw.sim.engine.config import SimEngineConfig
 from llmgw.sim.engine.core import EngineCore
 from llmgw.sim.engine.errors import RequestError
 from llmgw.sim.engine.http import Handler, HttpRequest, Response, Router, StreamResponse
-from llmgw.sim.engine.metrics import CONTENT_TYPE, render_metrics
+from llmgw.sim.engine.metrics import render_metrics
 from llmgw.sim.engine.requests import (
     chat_prompt,
     chat_text,

@@ -12,8 +12,10 @@ import bisect
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
+from llmgw import promtext
+from llmgw.promtext import go_float, label_set
+
 FINISH_REASONS = ("stop", "length", "abort", "error", "repetition")
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 TTFT_BUCKETS = (
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5,
@@ -68,7 +70,7 @@ class Histogram:
         running = 0
         for bound, count in zip(self.bounds, self.counts, strict=True):
             running += count
-            yield format_value(bound), running
+            yield go_float(bound), running
         yield "+Inf", self.count
 
 
@@ -185,30 +187,8 @@ class EngineGauges:
     kv_usage: float
 
 
-def format_value(value: float) -> str:
-    """prometheus_client's ``floatToGoString``: ``79.0``, ``1.7959674973e+09``, ``+Inf``."""
-    value = float(value)
-    if value == float("inf"):
-        return "+Inf"
-    if value == float("-inf"):
-        return "-Inf"
-    if value != value:
-        return "NaN"
-    text = repr(value)
-    dot = text.find(".")
-    if value > 0 and dot > 6:
-        mantissa = f"{text[0]}.{text[1:dot]}{text[dot + 1 :]}".rstrip("0.")
-        return f"{mantissa}e+0{dot - 1}"
-    return text
-
-
 def _labels(labels: Mapping[str, str]) -> str:
-    inner = ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(labels.items()))
-    return "{" + inner + "}"
-
-
-def _escape(value: str) -> str:
-    return value.replace("\\", r"\\").replace("\n", r"\n").replace('"', r"\"")
+    return label_set(sorted(labels.items()))
 
 
 class MetricsText:
@@ -219,10 +199,10 @@ class MetricsText:
         self._lines: list[str] = []
 
     def family(self, name: str, kind: str, help_text: str) -> None:
-        self._lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+        promtext.family(self._lines, name, kind, help_text)
 
     def sample(self, name: str, value: float, **labels: str) -> None:
-        self._lines.append(f"{name}{_labels({**self._base, **labels})} {format_value(value)}")
+        self._lines.append(f"{name}{_labels({**self._base, **labels})} {go_float(value)}")
 
     def info(self, name: str, help_text: str, labels: Mapping[str, str]) -> None:
         """An info gauge: its own labels and ``engine`` (vLLM gives these no model_name)."""

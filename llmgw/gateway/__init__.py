@@ -1,0 +1,75 @@
+"""The OpenAI gateway: routes each request by ``model`` to a READY replica and proxies it.
+
+It runs alone (``llmgw gateway``, following a control server's router feed) or inside the
+control server (``llmgw server``, fed in process from the plane). Two parts:
+
+- ``llmgw.gateway.routing``: the pure routing core (table, load, policies, prefix tree, KV
+  index), no I/O;
+- the I/O edges, in this package: the HTTP server and its limits (``httpserver``,
+  ``httplimits``), the upstream client (``upstream``), the proxy (``proxy``), the tokenize
+  client (``tokenize``), the precise tier that uses it (``precise``), the engine poller
+  (``engines``), the router feed follower (``feed``), the reporter (``reporter``, with the
+  figures it sends: ``stats``), the OpenAI request reading (``openai``), client API keys
+  (``apikeys``), ``/metrics`` (``metrics``), errors (``errors``), and ``app``: the
+  :class:`Gateway` that puts them together.
+
+It imports the standard library, its dependencies, ``llmgw.api``, ``llmgw.protocol``,
+``llmgw.kvcache`` and the neutral top-level modules (``llmgw.httpguard``...), never
+``llmgw.server``, ``llmgw.agent``, ``llmgw.sim``, ``llmgw.tui`` nor ``llmgw.cli``
+(import-linter holds it). The control server embeds the gateway through the names below
+and only those.
+"""
+
+from llmgw.gateway.apikeys import ApiKeys
+from llmgw.gateway.app import TOKENIZE_TIMEOUT_S, Gateway, GatewayConfig
+from llmgw.gateway.feed import apply_feed_event, targets_from_snapshot
+from llmgw.gateway.httplimits import ServerLimits
+from llmgw.gateway.httpserver import HttpConnection, HttpServer, Request, status_line
+from llmgw.gateway.routing import (
+    POLICIES,
+    Decision,
+    KvIndex,
+    LeastLoadPolicy,
+    LoadTracker,
+    Policy,
+    PrefixConfig,
+    PrefixPolicy,
+    PrefixTree,
+    RoundRobinPolicy,
+    RouteRequest,
+    RoutingTable,
+    SessionPolicy,
+    Target,
+    make_policy,
+)
+from llmgw.gateway.stats import router_stats
+
+__all__ = [
+    "POLICIES",
+    "TOKENIZE_TIMEOUT_S",
+    "ApiKeys",
+    "Decision",
+    "Gateway",
+    "GatewayConfig",
+    "HttpConnection",
+    "HttpServer",
+    "KvIndex",
+    "LeastLoadPolicy",
+    "LoadTracker",
+    "Policy",
+    "PrefixConfig",
+    "PrefixPolicy",
+    "PrefixTree",
+    "Request",
+    "RoundRobinPolicy",
+    "RouteRequest",
+    "RoutingTable",
+    "ServerLimits",
+    "SessionPolicy",
+    "Target",
+    "apply_feed_event",
+    "make_policy",
+    "router_stats",
+    "status_line",
+    "targets_from_snapshot",
+]

@@ -1,0 +1,280 @@
+"""The gateway's routing table, kept in step with the control server's router feed.
+
+``RouterService.Feed`` (protos/llmgw/v1/router.proto) streams one snapshot of every replica
+a gateway may route to, then each change. :func:`apply_feed_event` folds one event into a
+:class:`RoutingTable` (and the KV blocks each replica holds into a
+:class:`~llmgw.gateway.routing.kvindex.KvIndex`, when given one); the in-server gateway calls
+it on the plane's events directly, and :func:`follow` does it over grpclib for a separate
+``llmgw gateway`` process::
+
+    stop = asyncio.Event()
+    await follow(lambda: feed_channel("10.0.0.1", 50051), table, stop=stop, index=index)
+
+A snapshot makes the index forget every replica but those in its ``kv_replicas``, whose
+full copies follow it, each replacing what the index had for that replica when it arrives.
+
+:func:`follow` never gives up: when the control server is away it reconnects with
+jittered, capped backoff and the gateway keeps routing with the last table it had (said
+once at WARNING per outage). A reconnection starts with a fresh snapshot, which replaces
+the table whole, so nothing missed while away lingers.
+
+This module imports only ``llmgw.api``, ``llmgw.protocol`` and the router's own modules:
+the separate gateway process runs without a control plane.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import ssl as _ssl
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+
+import grpclib.client
+import grpclib.config
+from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
+
+from llmgw.api.llmgw.v1 import (
+    KvBlocks,
+    RouterFeedEvent,
+    RouterFeedRequest,
+    RouterServiceStub,
+    RouterSnapshot,
+    RouteTarget,
+    ShardState,
+)
+from llmgw.gateway.routing.kvindex import KvIndex
+from llmgw.gateway.routing.table import RoutingTable, Target
+from llmgw.kvcache.keys import unpack_keys
+from llmgw.protocol import read_shard_state
+
+log = logging.getLogger(__name__)
+
+ChannelFactory = Callable[[], grpclib.client.Channel]
+
+_EXPECTED = (GRPCError, StreamTerminatedError, ProtocolError, OSError, EOFError)
+"""What a control server that is away, restarting or refusing looks like from here."""
+
+
+def target_from_route(route: RouteTarget) -> Target:
+    """The table's view of one feed target: routable only when READY (an unknown state
+    from a newer server reads as FAILED, never READY)."""
+    return Target(
+        replica_id=route.replica_id,
+        model=route.model,
+        url=route.endpoint.rstrip("/"),
+        api_key=route.api_key,
+        ready=read_shard_state(route.state) is ShardState.READY,
+        deployment=route.deployment,
+        kv_events=route.kv_events,
+        adapters=tuple(route.adapters),
+    )
+
+
+def targets_from_snapshot(snapshot: RouterSnapshot) -> tuple[Target, ...]:
+    """Every target of a feed snapshot."""
+    return tuple(target_from_route(route) for route in snapshot.targets)
+
+
+def apply_feed_event(
+    table: RoutingTable, event: RouterFeedEvent, index: KvIndex | None = None
+) -> None:
+    """Fold one feed event into ``table``: a snapshot replaces it, a target is upserted,
+    a removal drops its replica; KV blocks go to ``index`` (dropped without one). An
+    event with none of them (from a newer server) is ignored."""
+    if event.snapshot is not None:
+        table.replace_all(targets_from_snapshot(event.snapshot))
+        if index is not None:
+            index.retain(event.snapshot.kv_replicas)
+    elif event.target is not None:
+        table.upsert(target_from_route(event.target))
+    elif event.target_removed is not None:
+        table.remove(event.target_removed)
+        if index is not None:
+            index.forget(event.target_removed)
+    elif event.kv_blocks is not None and index is not None:
+        apply_kv_blocks(index, event.kv_blocks)
+
+
+def apply_kv_blocks(index: KvIndex, blocks: KvBlocks) -> None:
+    """Fold one replica's KV block change into ``index``. A malformed one (packed keys
+    that are not whole 8-byte words) is counted, logged and changes nothing."""
+    try:
+        stored = unpack_keys(blocks.stored_keys)
+        removed = unpack_keys(blocks.removed_keys)
+    except ValueError as exc:
+        index.note_refused()
+        log.warning("router feed: KV blocks of %s refused (%s)", blocks.replica_id, exc)
+        return
+    index.apply(blocks.replica_id, blocks.reset, stored, removed, block_size=blocks.block_size)
+    if blocks.oldest_event_ts > 0:
+        index.note_event_lag(max(0.0, time.time() - blocks.oldest_event_ts))
+
+
+# --- following the feed over grpclib ----------------------------------------------------
+
+
+@dataclass(frozen=True, slots=True)
+class FollowConfig:
+    """How :func:`follow` reconnects and notices a silent server.
+
+    ``base_s`` doubles per failure in a row up to ``cap_s`` (full jitter in the upper
+    half). The feed is quiet while nothing changes, so the channel pings the server every
+    ``keepalive_s`` and drops the connection when a ping is not answered within
+    ``keepalive_timeout_s``: a server that vanished without a reset is noticed too.
+    """
+
+    base_s: float = 0.5
+    cap_s: float = 10.0
+    factor: float = 2.0
+    keepalive_s: float = 10.0
+    keepalive_timeout_s: float = 10.0
+
+    def delay(self, failures: int, rng: random.Random) -> float:
+        """The sleep before the next attempt after ``failures`` consecutive failures."""
+        if failures <= 0:
+            return 0.0
+        ceiling = min(self.cap_s, self.base_s * self.factor ** (failures - 1))
+        return rng.uniform(ceiling / 2, ceiling)
+
+
+def feed_channel(
+    host: str,
+    port: int,
+    config: FollowConfig = FollowConfig(),
+    *,
+    ssl: _ssl.SSLContext | None = None,
+) -> grpclib.client.Channel:
+    """A grpclib channel to the control server's native gRPC port, with keepalive pings
+    so that a quiet feed on a dead connection is noticed; over TLS with ``ssl`` (a client
+    context, ``llmgw.tls.client_context``: the certificate is checked against ``host``)."""
+    options = grpclib.config.Configuration(
+        _keepalive_time=config.keepalive_s,
+        _keepalive_timeout=config.keepalive_timeout_s,
+        _keepalive_permit_without_calls=True,
+        _http2_max_pings_without_data=0,  # the feed is quiet for long stretches: keep pinging
+        _http2_min_sent_ping_interval_without_data=config.keepalive_s,
+    )
+    return grpclib.client.Channel(host, port, config=options, ssl=ssl)
+
+
+class _Outage:
+    """Says once per outage that the gateway serves from its last table, and when it ends."""
+
+    def __init__(self, table: RoutingTable) -> None:
+        self._table = table
+        self.failures = 0
+        self._since = 0.0
+
+    def failed(self, why: object) -> None:
+        self.failures += 1
+        if self.failures == 1:
+            self._since = time.monotonic()
+            log.warning(
+                "router feed lost (%s): routing with the last table (%d targets) "
+                "until the control server is back; reconnecting with backoff",
+                why,
+                len(self._table.targets()),
+            )
+        else:
+            log.debug("router feed: still away (%s; failure #%d)", why, self.failures)
+
+    def snapshot(self) -> None:
+        if self.failures:
+            log.info(
+                "router feed back after %.1f s (%d failures): table replaced by a snapshot "
+                "of %d targets",
+                time.monotonic() - self._since,
+                self.failures,
+                len(self._table.targets()),
+            )
+        self.failures = 0
+
+
+async def _attempts(
+    config: FollowConfig, outage: _Outage, rng: random.Random
+) -> AsyncIterator[int]:
+    attempt = 0
+    while True:
+        await asyncio.sleep(config.delay(outage.failures, rng))
+        attempt += 1
+        yield attempt
+
+
+async def _session(
+    channel_factory: ChannelFactory, table: RoutingTable, index: KvIndex | None, outage: _Outage
+) -> None:
+    """One feed stream, applied to ``table`` (and ``index``) until it ends."""
+    channel = channel_factory()
+    try:
+        async for event in RouterServiceStub(channel).feed(RouterFeedRequest()):
+            apply_feed_event(table, event, index)
+            if event.snapshot is not None:
+                outage.snapshot()
+    finally:
+        channel.close()
+
+
+async def _follow_forever(
+    channel_factory: ChannelFactory,
+    table: RoutingTable,
+    config: FollowConfig,
+    index: KvIndex | None,
+) -> None:
+    outage = _Outage(table)
+    async for _ in _attempts(config, outage, random.Random()):
+        try:
+            await _session(channel_factory, table, index, outage)
+        except asyncio.CancelledError:
+            raise
+        except _EXPECTED as exc:
+            outage.failed(f"{type(exc).__name__}: {exc}")
+        except Exception as exc:  # our bug or a surprise: log it, but never stop following
+            log.exception("router feed: unexpected error; reconnecting")
+            outage.failed(exc)
+        else:
+            outage.failed("the control server ended the stream")
+
+
+async def follow(
+    channel_factory: ChannelFactory,
+    table: RoutingTable,
+    *,
+    stop: asyncio.Event,
+    config: FollowConfig = FollowConfig(),
+    index: KvIndex | None = None,
+) -> None:
+    """Keep ``table`` (and ``index``: each replica's KV blocks) in step with the control
+    server's router feed until ``stop`` is set.
+
+    ``channel_factory`` makes a fresh channel per attempt (:func:`feed_channel`); each is
+    closed when its stream ends. While the server is away the table and the index are left
+    as they were.
+    """
+    follower = asyncio.create_task(
+        _follow_forever(channel_factory, table, config, index), name="feed"
+    )
+    stopped = asyncio.create_task(stop.wait(), name="feed-stop")
+    try:
+        await asyncio.wait({follower, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (follower, stopped):
+            task.cancel()
+        await asyncio.gather(follower, stopped, return_exceptions=True)
+    error = None if follower.cancelled() else follower.exception()
+    if error is not None:  # only a bug ends the follower by itself
+        raise error
+
+
+__all__ = [
+    "ChannelFactory",
+    "FollowConfig",
+    "apply_feed_event",
+    "apply_kv_blocks",
+    "feed_channel",
+    "follow",
+    "target_from_route",
+    "targets_from_snapshot",
+]

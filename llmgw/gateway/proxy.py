@@ -1,0 +1,226 @@
+"""One proxied attempt: a request written to one replica, its response to the client as it comes.
+
+The retry rule (``Gateway`` applies it, ``Exchange`` says which case happened):
+
+* An attempt is given up and the request retried on a replica not tried yet (at most
+  ``retries`` more attempts) when **no byte of the response has been sent to the client**
+  and either the replica could not be used (no connection, the connection closed or reset,
+  a response we cannot read) or the replica answered **502 or 503** and another candidate is
+  left. Such an attempt is ``RETRY``.
+* Anything else is forwarded as it is: other statuses, and a 502/503 when no other replica
+  is left, go to the client with their headers and body (``DONE``).
+* Once a byte has reached the client nothing is retried: if the replica then fails, the
+  client's connection is closed so it sees the response cut short (``BROKEN``).
+* A connection taken from the pool that turns out closed before any response byte is
+  retried once on a fresh connection to the same replica first (keep-alive races are not a
+  replica failure).
+
+Forwarding: the replica's status, headers and body go through as they arrive, except the
+hop-by-hop headers (``Connection`` and the names it lists, ``Keep-Alive``,
+``Transfer-Encoding``, ``TE``, ``Trailer``, ``Upgrade``, ``Proxy-*``). A body with a
+Content-Length keeps it; any other body is sent chunked (or close-delimited to an HTTP/1.0
+client), one chunk per piece read, so server-sent events are not held back. The gateway
+adds ``x-llmgw-replica``, the replica that answered, to every forwarded head (as Envoy adds
+its upstream host): operators and load tools can tell where a request went and where it
+broke.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+
+from llmgw.gateway.errors import UpstreamError, UpstreamRefused
+from llmgw.gateway.httpserver import HttpConnection, Request, status_line
+from llmgw.gateway.metrics import GatewayMetrics
+
+RETRY_STATUSES = frozenset({502, 503})
+
+_HOP_BY_HOP = frozenset(
+    {
+        b"connection",
+        b"keep-alive",
+        b"proxy-connection",
+        b"proxy-authenticate",
+        b"proxy-authorization",
+        b"te",
+        b"trailer",
+        b"transfer-encoding",
+        b"upgrade",
+    }
+)
+_NOT_FORWARDED_UP = _HOP_BY_HOP | {b"host", b"content-length", b"authorization", b"expect"}
+_NOT_FORWARDED_DOWN = _HOP_BY_HOP | {b"content-length", b"x-llmgw-replica"}  # ours alone
+
+
+class Outcome(enum.Enum):
+    """How an attempt ended."""
+
+    PENDING = "pending"  # still running
+    DONE = "done"  # the response reached the client whole
+    RETRY = "retry"  # given up before any byte reached the client: try another replica
+    BROKEN = "broken"  # the replica failed after bytes reached the client
+
+
+def encode_request(request: Request, host_header: bytes, api_key: str) -> bytes:
+    """The request as it goes to a replica: our Host and Authorization, a Content-Length."""
+    dropped = _NOT_FORWARDED_UP | _connection_tokens(request.headers)
+    parts = [request.method, b" ", request.target, b" HTTP/1.1\r\nhost: ", host_header, b"\r\n"]
+    for name, value in request.headers:
+        if name not in dropped:
+            parts += (name, b": ", value, b"\r\n")
+    if api_key:
+        parts += (b"authorization: Bearer ", api_key.encode("latin-1"), b"\r\n")
+    parts.append(b"content-length: %d\r\n\r\n" % len(request.body))
+    parts.append(request.body)
+    return b"".join(parts)
+
+
+def _connection_tokens(
+    headers: tuple[tuple[bytes, bytes], ...] | list[tuple[bytes, bytes]],
+) -> set[bytes]:
+    """The header names a ``Connection`` header lists (hop-by-hop by declaration)."""
+    tokens: set[bytes] = set()
+    for name, value in headers:
+        if name == b"connection":
+            tokens.update(token.strip().lower() for token in value.split(b","))
+    return tokens
+
+
+class Exchange:
+    """A ``ResponseSink`` that writes one replica's response to the client as it arrives."""
+
+    __slots__ = (
+        "_body_seen",
+        "_chunked",
+        "_client",
+        "_may_retry",
+        "_metrics",
+        "_model",
+        "_out",
+        "_replica_header",
+        "_sent_at",
+        "_stream",
+        "error",
+        "head_seen",
+        "outcome",
+        "result",
+        "reused",
+        "status",
+    )
+
+    def __init__(
+        self,
+        client: HttpConnection,
+        *,
+        may_retry: bool,
+        metrics: GatewayMetrics,
+        model: str,
+        stream: bool,
+        replica: str,
+    ) -> None:
+        self._client = client
+        self._replica_header = b"x-llmgw-replica: %s\r\n" % _header_value(replica)
+        self._may_retry = may_retry
+        self._metrics = metrics
+        self._model = model
+        self._stream = stream
+        self._out: list[bytes] = []
+        self._chunked = False
+        self._body_seen = False
+        self._sent_at = 0.0
+        self.outcome = Outcome.PENDING
+        self.status = 0
+        self.head_seen = False
+        self.reused = False  # sent on a connection that had served a request before
+        self.error: UpstreamError | None = None
+        self.result: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def sent(self) -> None:
+        """The request has been written to the replica: the clock starts."""
+        self._sent_at = time.perf_counter()
+
+    def upstream_head(
+        self, status: int, headers: list[tuple[bytes, bytes]], content_length: int | None
+    ) -> None:
+        if self.outcome is not Outcome.PENDING:
+            return
+        self.head_seen = True
+        if self._may_retry and status in RETRY_STATUSES:
+            self.error = UpstreamRefused(f"answered {status}")
+            self._end(Outcome.RETRY)
+            return
+        self.status = status
+        self._out.append(self._head(status, headers, content_length))
+
+    def upstream_body(self, data: bytes) -> None:
+        if self.outcome is not Outcome.PENDING or not data:
+            return
+        if not self._body_seen:
+            self._body_seen = True
+            if self._stream:
+                self._metrics.first_byte(self._model, time.perf_counter() - self._sent_at)
+        if self._chunked:
+            self._out += (b"%x\r\n" % len(data), data, b"\r\n")
+        else:
+            self._out.append(data)
+
+    def upstream_flush(self) -> None:
+        if self._out and self.outcome is Outcome.PENDING:
+            out = self._out
+            self._client.write(out[0] if len(out) == 1 else b"".join(out))
+            out.clear()
+
+    def upstream_done(self) -> None:
+        if self.outcome is not Outcome.PENDING:
+            return
+        if self._chunked:
+            self._out.append(b"0\r\n\r\n")
+        self.upstream_flush()
+        self._metrics.finished(self._model, time.perf_counter() - self._sent_at)
+        self._end(Outcome.DONE)
+
+    def upstream_failed(self, error: UpstreamError) -> None:
+        if self.outcome is not Outcome.PENDING:
+            return
+        self.error = error
+        self._end(Outcome.BROKEN if self._client.started else Outcome.RETRY)
+
+    def _end(self, outcome: Outcome) -> None:
+        self.outcome = outcome
+        self._out.clear()
+        if not self.result.done():
+            self.result.set_result(None)
+
+    def _head(
+        self, status: int, headers: list[tuple[bytes, bytes]], content_length: int | None
+    ) -> bytes:
+        client = self._client
+        dropped = (
+            _NOT_FORWARDED_DOWN | _connection_tokens(headers) if headers else _NOT_FORWARDED_DOWN
+        )
+        parts = [status_line(status)]
+        for name, value in headers:
+            if name not in dropped:
+                parts += (name, b": ", value, b"\r\n")
+        parts.append(self._replica_header)
+        if content_length is not None:
+            parts.append(b"content-length: %d\r\n" % content_length)
+        elif status not in (204, 304):
+            if client.chunked_ok:
+                self._chunked = True
+                parts.append(b"transfer-encoding: chunked\r\n")
+            else:
+                client.close_after_response()  # HTTP/1.0: the body ends when we close
+        parts.append(client.connection_header())
+        parts.append(b"\r\n")
+        return b"".join(parts)
+
+
+def _header_value(text: str) -> bytes:
+    """``text`` as a header value: printable ASCII kept, anything else (CR/LF) as ``?``."""
+    return bytes(c if 0x20 <= c < 0x7F else 0x3F for c in text.encode("utf-8"))
+
+
+__all__ = ["RETRY_STATUSES", "Exchange", "Outcome", "encode_request"]

@@ -1,0 +1,543 @@
+"""The reconciler: desired replicas against what agents report, as one pure function.
+
+:func:`reconcile` is level-based: it looks only at the state it is given and decides the
+commands that move the fleet toward the deployments; run again on the same state (with
+the decision applied) it sends nothing new, because a command already sent and not yet
+reflected is in ``pending`` and is only sent again after ``command_retry_s``.
+
+Rules, in the order a round applies them (every loop in sorted order):
+
+1. **Replace** an ACTIVE or SURGE replica one of whose nodes has been NOT_READY past
+   ``node_grace_s``, or one of whose shards is FAILED with ``restarts >= max_restarts``
+   or with ``gave_up`` (its agent will not restart it, e.g. it refused the command):
+   it goes RETIRED (its shards are fenced) and a new replica is placed avoiding that node.
+   Replicas that fail are counted (``Decision.failed``): the first failure is replaced at
+   once; after failures in a row (``streak``) the caller holds the deployment's next
+   placements back (``held``, delays doubling as ``crash_delay`` says), so a replica that
+   cannot run anywhere is not replaced in a tight loop.
+   Then a live replica named in ``retire`` (drained by an operator) goes RETIRING.
+2. **Deployments**: a deleted deployment retires all its replicas. Otherwise replicas are
+   placed until the deployment has its count, deployments with the largest shards first
+   (so small ones fill the gaps rather than break up whole nodes); extras are retired
+   (not-READY ones first, then out-of-date ones, then the newest). A replica whose
+   fingerprint differs from its deployment's profile is out of date and is replaced by a
+   rolling surge of one: a SURGE replica with the new profile is placed, becomes ACTIVE
+   once all its shards are READY, and only then is one out-of-date replica retired, so
+   READY never drops below the count.
+   A replica named in ``replace`` counts as out of date (a node drain moves it this way).
+   With no room for the surge the reprofile waits (``unplaceable`` says why).
+3. **Retiring** replicas: DrainShard every running shard (StopShard a FAILED one, lest its
+   agent restart it); RETIRED once none runs.
+4. **Start** every shard of an ACTIVE or SURGE replica that is not on its node (absent or
+   STOPPED), unless a copy of it runs elsewhere; multi-node ranks get the leader's address,
+   the plan's rendezvous port, their HCAs, the node count and their rank. Shards reported
+   on their planned node are adopted as they are.
+5. **Fence**: StopShard any shard reported running whose replica is unknown or RETIRED, or
+   that runs on a node its plan does not name.
+
+Nothing is sent to, or concluded from, a node that is not READY (its last reports are
+stale), except that its absence past the grace replaces its replicas; a retiring replica's
+shard there counts as stopped (fenced should the node return).
+
+A FAILED shard with restarts left and not given up is its agent's to restart: the
+reconciler waits.
+
+A profile that :func:`llmgw.engineinput.profile_problems` refuses (one stored by an older
+server, before the check existed) is started nowhere: its deployment places no replica and
+no shard of it is started, and ``unplaceable`` says which keys are refused. Shards of it that
+already run are left running; the stored profile and deployment are kept until an operator
+applies a good profile.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from llmgw import engineinput
+from llmgw.api.llmgw.v1 import (
+    ControlMessage,
+    Deployment,
+    DrainShard,
+    EngineProfile,
+    MultiNode,
+    Shard,
+    ShardState,
+    StartShard,
+    StopShard,
+)
+from llmgw.protocol import read_shard_state
+from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
+from llmgw.server.core.reconcile_state import (
+    CommandKind,
+    Decision,
+    Event,
+    Lifecycle,
+    PendingCommand,
+    ReconcileInput,
+    ReplicaRecord,
+    held_reason,
+)
+
+__all__ = ["reconcile", "replica_id_for", "start_message"]
+
+_LIVE = (Lifecycle.ACTIVE, Lifecycle.SURGE)
+_RUNNING = (ShardState.PENDING, ShardState.STARTING, ShardState.LOADING, ShardState.READY)
+
+
+def replica_id_for(deployment: str, serial: int) -> str:
+    """The id of a deployment's ``serial``-th replica: ``DEPLOYMENT-SERIAL``."""
+    return f"{deployment}-{serial}"
+
+
+def reconcile(state: ReconcileInput) -> Decision:
+    """Decide one round (see the module docstring for the rules)."""
+    round_ = _Round(state)
+    round_.replace_broken()
+    round_.retire_requested()
+    for name in sorted(round_.live_deployments() - state.deployments.keys()):
+        round_.retire_deleted(name)
+    for deployment in _largest_first(state):
+        round_.scale(deployment)
+    round_.retire_drained()
+    round_.start_missing()
+    round_.fence()
+    return round_.decision()
+
+
+def _largest_first(state: ReconcileInput) -> list[Deployment]:
+    """Deployments in the order their replicas are placed: the most devices per shard
+    first, then by name. Small shards placed first spread over every node and leave no
+    node whole for a TP=8 one; placed last they fill the gaps."""
+
+    def size(deployment: Deployment) -> int:
+        profile = state.profiles.get(deployment.profile)
+        if profile is None:
+            return 0
+        return max(1, profile.tp) * max(1, profile.pp) // max(1, profile.nodes)
+
+    named = sorted(state.deployments.items())
+    return [d for _, d in sorted(named, key=lambda item: -size(item[1]))]
+
+
+def _state(shard: Shard) -> ShardState:
+    return read_shard_state(shard.status.state) if shard.status else ShardState.FAILED
+
+
+def _restarts(shard: Shard) -> int:
+    return shard.status.restarts if shard.status else 0
+
+
+class _Round:
+    """The working state of one round: records as changed so far, commands, events."""
+
+    def __init__(self, state: ReconcileInput) -> None:
+        self.s = state
+        self.cfg = state.config
+        self.records: dict[str, ReplicaRecord] = dict(state.replicas)
+        self.changed: dict[str, ReplicaRecord] = {}
+        self.commands: list[tuple[str, ControlMessage]] = []
+        self.pending: dict[str, PendingCommand] = {}
+        self.events: list[Event] = []
+        self.unplaceable: dict[str, str] = {}
+        self.failed: dict[str, int] = {}  # deployment → replicas replaced for failing
+        self.avoid: dict[str, set[str]] = {}  # deployment → nodes its replacements avoid
+        self.replaced: dict[str, list[str]] = {}  # deployment → replica ids to replace
+        self.by_deployment: dict[str, dict[str, ReplicaRecord]] = {}
+        for record in self.records.values():
+            self.by_deployment.setdefault(record.plan.deployment, {})[record.replica_id] = record
+        nodes = state.nodes.values()
+        self.unusable = frozenset(n.node_id for n in nodes if not n.ready or n.cordoned)
+        self.taken = [  # plans holding devices: not RETIRED, or RETIRED and still running
+            r.plan
+            for r in self.sorted_records()
+            if r.lifecycle is not Lifecycle.RETIRED or self.still_running(r)
+        ]
+
+    # --- views ----------------------------------------------------------------------
+
+    def sorted_records(self, *lifecycles: Lifecycle) -> list[ReplicaRecord]:
+        return [
+            r
+            for _, r in sorted(self.records.items())
+            if not lifecycles or r.lifecycle in lifecycles
+        ]
+
+    def live_deployments(self) -> set[str]:
+        return {r.plan.deployment for r in self.sorted_records(*_LIVE, Lifecycle.RETIRING)}
+
+    def node_ready(self, node_id: str) -> bool:
+        node = self.s.nodes.get(node_id)
+        return node is not None and node.ready
+
+    def on_node(self, plan: ShardPlan) -> Shard | None:
+        """The shard as reported on its planned node, when that node is READY."""
+        shard = self.s.shards.get(plan.shard_id)
+        if shard is None or shard.node_id != plan.node_id or not self.node_ready(plan.node_id):
+            return None
+        return shard
+
+    def all_ready(self, record: ReplicaRecord) -> bool:
+        shards = [self.on_node(p) for p in record.plan.shards]
+        return all(s is not None and _state(s) is ShardState.READY for s in shards)
+
+    # --- changes ----------------------------------------------------------------------
+
+    def store(self, record: ReplicaRecord) -> None:
+        self.records[record.replica_id] = self.changed[record.replica_id] = record
+        self.by_deployment.setdefault(record.plan.deployment, {})[record.replica_id] = record
+
+    def set_lifecycle(self, record: ReplicaRecord, lifecycle: Lifecycle, why: str) -> None:
+        self.store(replace(record, lifecycle=lifecycle))
+        what = f"replica {record.replica_id} {record.lifecycle.value} → {lifecycle.value}"
+        self.events.append(Event(record.replica_id, what, why))
+
+    def send(self, node_id: str, kind: CommandKind, message: ControlMessage, event: Event) -> None:
+        """Send a command unless the same one is in flight and not yet due again."""
+        shard_id = event.subject
+        sent = self.s.pending.get(shard_id)
+        if (
+            sent is not None
+            and (sent.kind, sent.node_id) == (kind, node_id)
+            and self.s.now - sent.sent_at < self.cfg.command_retry_s
+        ):
+            self.pending[shard_id] = sent
+            return
+        self.commands.append((node_id, message))
+        self.pending[shard_id] = PendingCommand(kind, node_id, self.s.now)
+        self.events.append(event)
+
+    def stop(self, node_id: str, shard_id: str, why: str) -> None:
+        message = StopShard(shard_id=shard_id, grace_seconds=self.cfg.stop_grace_s, reason=why)
+        event = Event(shard_id, f"stop shard {shard_id} on {node_id}", why)
+        self.send(node_id, CommandKind.STOP, ControlMessage(stop_shard=message), event)
+
+    def drain(self, node_id: str, shard_id: str, why: str) -> None:
+        message = DrainShard(shard_id=shard_id, grace_seconds=self.cfg.drain_grace_s)
+        event = Event(shard_id, f"drain shard {shard_id} on {node_id}", why)
+        self.send(node_id, CommandKind.DRAIN, ControlMessage(drain_shard=message), event)
+
+    # --- rule 1: replace broken replicas ----------------------------------------------
+
+    def replace_broken(self) -> None:
+        for record in self.sorted_records(*_LIVE):
+            broken = self.broken(record)
+            if broken is None:
+                continue
+            node_id, why, failed = broken
+            self.set_lifecycle(record, Lifecycle.RETIRED, why)
+            name = record.plan.deployment
+            if node_id:
+                self.avoid.setdefault(name, set()).add(node_id)
+            self.replaced.setdefault(name, []).append(record.replica_id)
+            if failed:
+                self.failed[name] = self.failed.get(name, 0) + 1
+
+    def broken(self, record: ReplicaRecord) -> tuple[str, str, bool] | None:
+        """The node to avoid ("" for none), why, and whether a shard failed (rather than its
+        node went), when ``record`` must be replaced. A shard refused only because another
+        process holds its port avoids no node: its replacement gets another port."""
+        for plan in record.plan.shards:
+            if why := self.node_gone(plan.node_id):
+                return plan.node_id, why, False
+            if why := self.exhausted(plan):
+                shard = self.on_node(plan)
+                port_only = (
+                    shard is not None
+                    and shard.status is not None
+                    and bool(shard.status.port_in_use)
+                )
+                return ("" if port_only else plan.node_id), why, True
+        return None
+
+    def node_gone(self, node_id: str) -> str:
+        node = self.s.nodes.get(node_id)
+        if node is None:  # an operator deleted it (llmgw delete node --force)
+            return f"node {node_id} was deleted"
+        since = None if node is None or node.ready else node.not_ready_since
+        if since is None or self.s.now - since < self.cfg.node_grace_s:
+            return ""
+        grace = self.cfg.node_grace_s
+        return f"node {node_id} NOT_READY for {self.s.now - since:.0f}s (grace {grace:.0f}s)"
+
+    def exhausted(self, plan: ShardPlan) -> str:
+        shard = self.on_node(plan)
+        if shard is None or _state(shard) is not ShardState.FAILED:
+            return ""
+        gave_up = shard.status is not None and shard.status.gave_up
+        if not gave_up and _restarts(shard) < self.cfg.max_restarts:
+            return ""  # its agent restarts it
+        reason = shard.status.reason if shard.status else ""
+        if gave_up:
+            why = f"shard {plan.shard_id} FAILED and its agent gave up"
+        else:
+            why = f"shard {plan.shard_id} FAILED after {_restarts(shard)} restarts"
+        return f"{why}: {reason}" if reason else why
+
+    def retire_requested(self) -> None:
+        for record in self.sorted_records(*_LIVE):
+            if record.replica_id in self.s.retire:
+                self.set_lifecycle(record, Lifecycle.RETIRING, "drained by an operator")
+
+    # --- rule 2: deployments ------------------------------------------------------------
+
+    def retire_deleted(self, name: str) -> None:
+        for record in self.of(name, *_LIVE):
+            self.set_lifecycle(record, Lifecycle.RETIRING, f"deployment {name} was deleted")
+
+    def scale(self, deployment: Deployment) -> None:
+        profile = self.s.profiles.get(deployment.profile)
+        if profile is None:
+            self.unplaceable[deployment.name] = f"profile {deployment.profile!r} is not defined"
+            return
+        if why := self.refused(profile):
+            self.unplaceable[deployment.name] = why
+            return
+        fingerprint = self.s.fingerprint(profile)
+        current = _Current(deployment.profile, fingerprint, self.s.replace)
+        self.settle_surges(deployment.name, current)
+        active = self.of(deployment.name, Lifecycle.ACTIVE)
+        count = len(active) + len(self.of(deployment.name, Lifecycle.SURGE))
+        if count < deployment.replicas:
+            replaces = self.replaced.get(deployment.name, [])
+            self.place(deployment, profile, deployment.replicas - count, replaces)
+        elif len(active) > deployment.replicas:
+            for record in self.retire_order(active, current)[: len(active) - deployment.replicas]:
+                self.set_lifecycle(record, Lifecycle.RETIRING, "more replicas than desired")
+        self.surge(deployment, profile, current)
+
+    def surge(self, deployment: Deployment, profile: EngineProfile, current: _Current) -> None:
+        """Place one SURGE replica when the count is met and some replica is out of date."""
+        active = self.of(deployment.name, Lifecycle.ACTIVE)
+        if self.of(deployment.name, Lifecycle.SURGE) or len(active) < deployment.replicas:
+            return
+        outdated = [r for r in self.retire_order(active, current) if not current(r)]
+        if outdated:
+            self.place(deployment, profile, 1, [outdated[0].replica_id], Lifecycle.SURGE)
+
+    def of(self, deployment: str, *lifecycles: Lifecycle) -> list[ReplicaRecord]:
+        """The deployment's replicas in these lifecycles, oldest first."""
+        records = self.by_deployment.get(deployment, {}).values()
+        return sorted((r for r in records if r.lifecycle in lifecycles), key=_key)
+
+    def settle_surges(self, name: str, current: _Current) -> None:
+        """Promote READY surges, retire stale ones; keep at most one (the oldest)."""
+        outdated = [r for r in self.of(name, Lifecycle.ACTIVE) if not current(r)]
+        for surge in self.of(name, Lifecycle.SURGE):
+            if not current(surge):
+                self.set_lifecycle(surge, Lifecycle.RETIRING, "its profile is out of date")
+            elif not outdated:
+                self.set_lifecycle(surge, Lifecycle.ACTIVE, "no out-of-date replica left")
+            elif self.all_ready(surge):
+                self.set_lifecycle(surge, Lifecycle.ACTIVE, "all its shards are READY")
+        for extra in self.of(name, Lifecycle.SURGE)[1:]:
+            self.set_lifecycle(extra, Lifecycle.RETIRING, "one surge replica at a time")
+
+    def retire_order(self, active: list[ReplicaRecord], current: _Current) -> list[ReplicaRecord]:
+        """Not-READY replicas first, then out-of-date ones, then the newest."""
+        return sorted(active, key=lambda r: (self.all_ready(r), current(r), -r.serial))
+
+    def place(
+        self,
+        deployment: Deployment,
+        profile: EngineProfile,
+        count: int,
+        replaces: list[str],
+        lifecycle: Lifecycle = Lifecycle.ACTIVE,
+    ) -> None:
+        """Place ``count`` replicas; the first ones replace ``replaces`` (consumed) in order."""
+        name = deployment.name
+        if held := self.held(name):
+            self.unplaceable[name] = held
+            return
+        serials = self.new_serials(name, count)
+        ids = [replica_id_for(name, serial) for serial in serials]
+        placed = self.s.place(
+            deployment,
+            profile,
+            ids,
+            excluding=self.unusable | self.avoid.get(name, set()),
+            taken=tuple(self.taken),
+        )
+        for serial, result in zip(serials, placed, strict=True):
+            if isinstance(result, Unplaceable):
+                self.unplaceable[name] = result.reason
+                return
+            old = replaces.pop(0) if replaces else ""
+            self.add(result, profile, (lifecycle, serial), old)
+
+    def add(
+        self,
+        plan: ReplicaPlan,
+        profile: EngineProfile,
+        how: tuple[Lifecycle, int],
+        old: str,
+    ) -> None:
+        lifecycle, serial = how
+        api_key = self.s.api_key_for(plan.replica_id)
+        self.store(ReplicaRecord(plan, profile, lifecycle, serial, api_key, old))
+        self.taken.append(plan)
+        nodes = ", ".join(plan.nodes)
+        what = f"placed {lifecycle.value} replica {plan.replica_id} of {plan.deployment} on {nodes}"
+        why = _placement_why(lifecycle, old)
+        self.events.append(Event(plan.replica_id, what, why))
+
+    def held(self, name: str) -> str:
+        """Why ``name`` places nothing now: held by its caller, or a replica of it failed
+        this round after others had (the first failure is replaced at once)."""
+        held = self.s.held.get(name, "")
+        streak, failed = self.s.streak.get(name, 0), self.failed.get(name, 0)
+        if not held and streak and failed:
+            held = held_reason(name, streak + failed, self.cfg)
+        return held
+
+    def new_serials(self, name: str, count: int) -> list[int]:
+        """The next ``count`` serials of a deployment whose ids are not taken."""
+        used = [r.serial for r in self.by_deployment.get(name, {}).values()]
+        serial = max(used, default=0) + 1
+        serials: list[int] = []
+        while len(serials) < count:
+            if replica_id_for(name, serial) not in self.records:
+                serials.append(serial)
+            serial += 1
+        return serials
+
+    def still_running(self, record: ReplicaRecord) -> bool:
+        shards = (self.s.shards.get(p.shard_id) for p in record.plan.shards)
+        return any(s is not None and _state(s) is not ShardState.STOPPED for s in shards)
+
+    # --- rule 3: retiring ---------------------------------------------------------------
+
+    def retire_drained(self) -> None:
+        for record in self.sorted_records(Lifecycle.RETIRING):
+            running = False
+            for plan in record.plan.shards:
+                running = self.wind_down(record, plan) or running
+            if not running:
+                self.set_lifecycle(record, Lifecycle.RETIRED, "none of its shards runs")
+
+    def wind_down(self, record: ReplicaRecord, plan: ShardPlan) -> bool:
+        """Drain (or stop) one shard of a retiring replica; whether it still runs."""
+        shard = self.on_node(plan)
+        state = ShardState.STOPPED if shard is None else _state(shard)
+        why = f"replica {record.replica_id} is retiring"
+        if state in _RUNNING:
+            self.drain(plan.node_id, plan.shard_id, why)
+        elif state is ShardState.FAILED:
+            self.stop(plan.node_id, plan.shard_id, why)
+        return state is not ShardState.STOPPED
+
+    # --- rule 4: start ------------------------------------------------------------------
+
+    def start_missing(self) -> None:
+        for record in self.sorted_records(*_LIVE):
+            leader = self.s.nodes.get(record.plan.leader.node_id)
+            if leader is None or not leader.ready:
+                continue
+            for plan in record.plan.shards:
+                if self.node_ready(plan.node_id) and self.needs_start(plan):
+                    self.start(record, plan, leader.address)
+
+    def needs_start(self, plan: ShardPlan) -> bool:
+        """Absent or STOPPED; otherwise adopted on its node, or a copy elsewhere (rule 5)."""
+        shard = self.s.shards.get(plan.shard_id)
+        return shard is None or _state(shard) is ShardState.STOPPED
+
+    def refused(self, profile: EngineProfile) -> str:
+        """Why no engine may run ``profile`` (see the module docstring), or ""."""
+        problems = engineinput.profile_problems(profile)
+        if not problems:
+            return ""
+        return f"profile {profile.name!r} is refused: {engineinput.describe(problems)}"
+
+    def start(self, record: ReplicaRecord, plan: ShardPlan, leader_address: str) -> None:
+        if why := self.refused(record.profile):
+            self.unplaceable.setdefault(record.plan.deployment, why)
+            return
+        message = start_message(record, plan, leader_address)
+        what = f"start shard {plan.shard_id} on {plan.node_id}"
+        why = (
+            f"replica {record.replica_id} is {record.lifecycle.value} and its shard is not running"
+        )
+        event = Event(plan.shard_id, what, why)
+        self.send(plan.node_id, CommandKind.START, ControlMessage(start_shard=message), event)
+
+    # --- rule 5: fence ------------------------------------------------------------------
+
+    def fence(self) -> None:
+        for shard_id, shard in sorted(self.s.shards.items()):
+            if not self.node_ready(shard.node_id) or _state(shard) is ShardState.STOPPED:
+                continue
+            why = self.unwanted(shard)
+            if why:
+                self.stop(shard.node_id, shard_id, why)
+
+    def unwanted(self, shard: Shard) -> str:
+        """Why a reported shard must not run, or "" when it may."""
+        record = self.records.get(shard.replica_id)
+        if record is None:
+            return f"replica {shard.replica_id!r} is unknown"
+        if record.lifecycle is Lifecycle.RETIRED:
+            return f"replica {shard.replica_id} is retired"
+        planned = {p.shard_id: p.node_id for p in record.plan.shards}
+        if planned.get(shard.shard_id) != shard.node_id:
+            return f"shard {shard.shard_id} is not planned on node {shard.node_id}"
+        return ""
+
+    def decision(self) -> Decision:
+        return Decision(
+            replicas=self.changed,
+            commands=tuple(self.commands),
+            pending=self.pending,
+            events=tuple(self.events),
+            unplaceable=self.unplaceable,
+            failed=self.failed,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class _Current:
+    """Whether a replica runs its deployment's profile as it is now."""
+
+    profile: str
+    fingerprint: str
+    replace: frozenset[str] = frozenset()  # replica ids out of date whatever they run
+
+    def __call__(self, record: ReplicaRecord) -> bool:
+        if record.replica_id in self.replace:
+            return False
+        return (record.plan.profile, record.plan.fingerprint) == (self.profile, self.fingerprint)
+
+
+def _key(record: ReplicaRecord) -> tuple[int, str]:
+    return record.serial, record.replica_id
+
+
+def _placement_why(lifecycle: Lifecycle, old: str) -> str:
+    if lifecycle is Lifecycle.SURGE:
+        return f"rolling replacement of out-of-date replica {old} (surge of one)"
+    return f"replaces {old}" if old else "fewer replicas than desired"
+
+
+def start_message(record: ReplicaRecord, plan: ShardPlan, leader_address: str) -> StartShard:
+    """The StartShard of one shard of ``record``; multi-node ranks meet at the leader."""
+    replica = record.plan
+    multinode = None
+    if len(replica.shards) > 1:
+        multinode = MultiNode(
+            nnodes=len(replica.shards),
+            node_rank=plan.rank,
+            master_addr=leader_address,
+            master_port=replica.master_port,
+            hcas=list(plan.hcas),
+        )
+    return StartShard(
+        shard_id=plan.shard_id,
+        replica_id=replica.replica_id,
+        rank=plan.rank,
+        profile=record.profile,
+        profile_fingerprint=replica.fingerprint,
+        gpu_uuids=list(plan.gpu_uuids),
+        port=plan.port,
+        api_key=record.api_key,
+        multinode=multinode,
+    )

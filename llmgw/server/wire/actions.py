@@ -1,0 +1,162 @@
+"""Operator actions on replicas and nodes: start, drain, reprofile, drain a node.
+
+Each action changes desired state (through :class:`~llmgw.server.state.desired.DesiredState`,
+durably, before it answers) and leaves the replacing to the reconciler:
+
+- **start**: the deployment's count goes up by one (named by its deployment, or by a
+  replica of it that is no longer running; naming a running replica is refused);
+- **drain**: the count goes down by one and the reconciler retires *that* replica
+  (``DesiredState.retire``): its shards are drained, so in-flight requests finish;
+- **reprofile**: the deployment (named, or the deployment of a named replica) points at
+  another stored profile; the reconciler's rolling surge of one replaces its replicas, so
+  READY never drops below the count;
+- **drain a node**: the node is cordoned and each of its live replicas is marked for
+  replacement (``DesiredState.replace``): the same surge places a replacement elsewhere,
+  waits until it is READY, then retires the old replica.
+
+A refusal raises :class:`ActionRefused` and changes nothing; every action, refused or not,
+is audited by :class:`~llmgw.server.wire.controlsvc.ControlService`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from grpclib.const import Status
+
+from llmgw.api.llmgw.v1 import Deployment
+from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.server.errors import ActionRefused, UnknownNode, quoted
+from llmgw.server.state.plane import ControlPlane
+
+__all__ = [
+    "ActionRefused",
+    "delete_node",
+    "drain_node",
+    "drain_replica",
+    "reprofile",
+    "start_replica",
+]
+
+_LIVE = (Lifecycle.ACTIVE, Lifecycle.SURGE)
+
+
+def _deployment(plane: ControlPlane, name: str) -> Deployment:
+    deployment = plane.desired.deployments.get(name)
+    if deployment is None:
+        raise ActionRefused(Status.NOT_FOUND, f"no deployment named {quoted(name)}")
+    return Deployment.parse(bytes(deployment))  # a copy: the stored one changes on apply
+
+
+def _replica(plane: ControlPlane, replica_id: str) -> ReplicaRecord:
+    record = plane.replicas.get(replica_id)
+    if record is None:
+        raise ActionRefused(Status.NOT_FOUND, f"no replica named {quoted(replica_id)}")
+    return record
+
+
+def _named(plane: ControlPlane, deployment: str, replica_id: str) -> Deployment:
+    """The deployment a request names, directly or through one of its replicas."""
+    if not deployment and not replica_id:
+        raise ActionRefused(Status.INVALID_ARGUMENT, "name a deployment or a replica")
+    if replica_id:
+        deployment = _replica(plane, replica_id).plan.deployment
+    return _deployment(plane, deployment)
+
+
+def _scale(delta: int) -> Callable[[Deployment], None]:
+    def edit(deployment: Deployment) -> None:
+        deployment.replicas = max(0, deployment.replicas + delta)
+
+    return edit
+
+
+def _point_at(profile: str) -> Callable[[Deployment], None]:
+    def edit(deployment: Deployment) -> None:
+        deployment.profile = profile
+
+    return edit
+
+
+async def _edit(
+    plane: ControlPlane, deployment: Deployment, edit: Callable[[Deployment], None], **kw: str
+) -> Deployment:
+    """Edit a stored deployment, durably; NOT_FOUND when it was deleted meanwhile."""
+    edited = await plane.desired.update(deployment.name, edit, **kw)
+    if edited is None:
+        raise ActionRefused(Status.NOT_FOUND, f"no deployment named {quoted(deployment.name)}")
+    return edited
+
+
+def _count(n: int) -> str:
+    return f"{n} replica{'' if n == 1 else 's'}"
+
+
+async def start_replica(plane: ControlPlane, deployment: str, replica_id: str) -> str:
+    """Scale a deployment up by one; refused for a replica that is running."""
+    if replica_id and _replica(plane, replica_id).lifecycle in _LIVE:
+        raise ActionRefused(Status.FAILED_PRECONDITION, f"replica {replica_id} already running")
+    target = await _edit(plane, _named(plane, deployment, replica_id), _scale(+1))
+    plane.reconcile_soon()
+    return f"deployment {target.name} scaled up to {_count(target.replicas)}"
+
+
+async def drain_replica(plane: ControlPlane, replica_id: str) -> str:
+    """Drain one replica; its deployment's count drops by one."""
+    if not replica_id:
+        raise ActionRefused(Status.INVALID_ARGUMENT, "name the replica to drain")
+    record = _replica(plane, replica_id)
+    if replica_id in plane.desired.retire:
+        raise ActionRefused(Status.FAILED_PRECONDITION, f"replica {replica_id} already draining")
+    if record.lifecycle is not Lifecycle.ACTIVE:
+        why = f"replica {replica_id} is {record.lifecycle.value}, not active"
+        raise ActionRefused(Status.FAILED_PRECONDITION, why)
+    named = _deployment(plane, record.plan.deployment)
+    target = await _edit(plane, named, _scale(-1), retire=replica_id)
+    plane.reconcile_soon()
+    return (
+        f"replica {replica_id} draining; deployment {target.name} "
+        f"scaled down to {_count(target.replicas)}"
+    )
+
+
+async def reprofile(plane: ControlPlane, deployment: str, replica_id: str, profile: str) -> str:
+    """Point a deployment at another stored profile (a rolling replacement follows)."""
+    if profile not in plane.desired.profiles:
+        raise ActionRefused(Status.NOT_FOUND, f"no profile named {quoted(profile)}")
+    target = _named(plane, deployment, replica_id)
+    if target.profile == profile:
+        return f"deployment {target.name} already uses profile {profile}; nothing changed"
+    target = await _edit(plane, target, _point_at(profile))
+    plane.reconcile_soon()
+    fingerprint = plane.desired.fingerprint(profile)
+    return (
+        f"deployment {target.name} reprofiled to {profile} ({fingerprint}): "
+        f"rolling replacement of {_count(target.replicas)}, one at a time"
+    )
+
+
+async def drain_node(plane: ControlPlane, node_id: str, *, actor: str) -> str:
+    """Cordon a node and replace each replica on it elsewhere before it is retired."""
+    try:
+        await plane.set_cordoned(node_id, True, actor=actor)
+    except UnknownNode as exc:
+        raise ActionRefused(Status.NOT_FOUND, str(exc)) from exc
+    moving = sorted(
+        r.replica_id
+        for r in plane.replicas.values()
+        if r.lifecycle in _LIVE and node_id in r.plan.nodes
+    )
+    await plane.desired.request_replace(moving)
+    plane.reconcile_soon()
+    if not moving:
+        return f"node {node_id} cordoned; no replica runs there"
+    return f"node {node_id} cordoned; replacing {', '.join(moving)} elsewhere, one at a time"
+
+
+async def delete_node(plane: ControlPlane, node_id: str, *, force: bool) -> str:
+    """Forget a gone node (refused while connected, or running shards without ``force``)."""
+    try:
+        return await plane.delete_node(node_id, force=force)
+    except UnknownNode as exc:
+        raise ActionRefused(Status.NOT_FOUND, str(exc)) from exc

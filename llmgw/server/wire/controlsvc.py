@@ -1,0 +1,293 @@
+"""``ControlService``: the operator API, on the native gRPC port and over gRPC-web.
+
+Desired state: ``ApplyDeployment`` checks the request (``llmgw.server.state.desired``: the server
+never trusts a client's check), then either answers a dry run's placement plan (changing
+nothing: no store write, no event, no audit record) or stores the change durably before
+answering. Every apply and delete, refused or not, lands in the audit log with the actor,
+the action, the target and the result. A refused apply answers INVALID_ARGUMENT with its
+first problems by key path, cut short (grpcio refuses a trailer over 16 KiB).
+
+Operator actions on replicas and nodes (start, drain, reprofile, drain a node) are
+``llmgw.server.wire.actions``; each is audited with the result "ok: WHAT" or "refused: WHY",
+and a refusal answers the action's status and changes nothing. The audit actor is the
+caller's token (``llmgw.server.wire.auth.current_actor``), or ``operator`` with authentication off.
+
+``ListProfiles`` shows profiles' env values (where HF tokens go) to admins only: any other
+caller gets each value as ``<redacted>``, its name kept (``llmgw.server.wire.auth.sees_secrets``).
+Profiles reach clients through ListProfiles only (Watch and GetCluster carry none).
+
+``GetRouterStats`` answers the fleet's routing figures: the in-server gateway's counters,
+read through ``gateway`` (a provider set by ``llmgw.server.app``; None, or a provider
+answering None: the server runs no gateway), added to what separate gateways reported
+(``reports``, filled by ``RouterService.Report``; ``llmgw.server.wire.routerreports`` says how
+they add up). With no in-server gateway and no gateway ever reported, it answers
+FAILED_PRECONDITION saying so. Counters are cumulative and never go backwards while the
+server runs; clients compute windowed rates from deltas.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from dataclasses import replace
+from typing import Any
+
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from llmgw.api.llmgw.v1 import (
+    ActionResult,
+    ApplyDeploymentRequest,
+    Cluster,
+    ControlServiceBase,
+    DeleteDeploymentRequest,
+    DeleteNodeRequest,
+    EngineProfile,
+    GetClusterRequest,
+    GetRouterStatsRequest,
+    ListProfilesRequest,
+    ListProfilesResponse,
+    NodeRequest,
+    ReplicaRequest,
+    ReprofileReplicaRequest,
+    RouterStats,
+    WatchEvent,
+    WatchRequest,
+)
+from llmgw.gateway import Gateway, router_stats
+from llmgw.server.core.profiles import profile_fingerprint
+from llmgw.server.errors import ProfileError, UnknownNode, quoted
+from llmgw.server.state.desired import (
+    MESSAGE_LIMIT,
+    Change,
+    check_apply,
+    check_document,
+    plan_text,
+    refusal,
+)
+from llmgw.server.state.plane import ControlPlane
+from llmgw.server.state.store import AuditRecord
+from llmgw.server.wire import actions
+from llmgw.server.wire.auth import ANONYMOUS_ACTOR, REDACTED, current_actor, sees_secrets
+from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
+
+log = logging.getLogger(__name__)
+_PLANNED = 50  # deployments of one document a dry run plans (each walks the cluster)
+
+OPERATOR = ANONYMOUS_ACTOR
+"""The actor recorded in the audit log when authentication is off."""
+
+
+GatewayProvider = Callable[[], Gateway | None]
+"""The in-server gateway while it serves, else None (``GetRouterStats`` reads it)."""
+
+NO_GATEWAY = "the server runs no gateway (--gateway-listen off) and no llmgw gateway has reported"
+
+
+class ControlService(ControlServiceBase):
+    """Operator RPCs over the control plane."""
+
+    def __init__(
+        self,
+        plane: ControlPlane,
+        gateway: GatewayProvider | None = None,
+        reports: RouterReports | None = None,
+    ) -> None:
+        self.plane = plane
+        self.gateway: GatewayProvider = gateway if gateway is not None else lambda: None
+        self.reports = reports if reports is not None else RouterReports()
+        self._applying = asyncio.Lock()  # one apply at a time: each checks what the last stored
+
+    async def get_cluster(self, message: GetClusterRequest) -> Cluster:
+        return self.plane.snapshot()
+
+    async def watch(self, message: WatchRequest) -> AsyncIterator[WatchEvent]:
+        async for event in self.plane.hub.subscribe():
+            yield event
+
+    async def cordon_node(self, message: NodeRequest) -> ActionResult:
+        return await self._cordon(message.node_id, True)
+
+    async def uncordon_node(self, message: NodeRequest) -> ActionResult:
+        return await self._cordon(message.node_id, False)
+
+    async def _cordon(self, node_id: str, cordoned: bool) -> ActionResult:
+        verb = "cordoned" if cordoned else "uncordoned"
+        try:
+            await self.plane.set_cordoned(node_id, cordoned, actor=current_actor())
+        except UnknownNode as exc:
+            raise GRPCError(Status.NOT_FOUND, str(exc)) from exc
+        return ActionResult(ok=True, message=f"node {node_id} {verb}")
+
+    async def apply_deployment(self, message: ApplyDeploymentRequest) -> ActionResult:
+        async with self._applying:
+            return await self._apply_deployment(message)
+
+    async def _apply_deployment(self, message: ApplyDeploymentRequest) -> ActionResult:
+        if message.document and message.deployment is None and not message.profiles:
+            return await self._apply_document(message)
+        # Parsing a request's document costs ~0.1 ms per deployment in it (a 60,000-
+        # deployment file: 6 s): off the event loop, so every port keeps answering.
+        stored = dict(self.plane.desired.profiles)
+        try:
+            change = await asyncio.to_thread(check_apply, message, stored)
+        except ProfileError as exc:
+            text = refusal(exc)
+            target = _requested_target(message)
+            if not message.dry_run:
+                await self.plane.audit(current_actor(), "apply", target, f"refused: {text}")
+            raise GRPCError(Status.INVALID_ARGUMENT, text) from exc
+        if message.dry_run:
+            return ActionResult(ok=True, message=self._dry_run(change))
+        await self.plane.desired.apply(change)
+        text = _applied(change)
+        await self.plane.audit(current_actor(), "apply", change.target, f"ok: {text}")
+        self.plane.reconcile_soon()
+        return ActionResult(ok=True, message=text)
+
+    async def _apply_document(self, message: ApplyDeploymentRequest) -> ActionResult:
+        """A whole document: parsed once, off the event loop, stored in one transaction;
+        audited per change as one request each would be; the answer has a line per change."""
+        stored = dict(self.plane.desired.profiles)
+        try:
+            changes = await asyncio.to_thread(check_document, message.document, stored)
+        except ProfileError as exc:
+            text = refusal(exc)
+            if not message.dry_run:
+                await self.plane.audit(current_actor(), "apply", "document", f"refused: {text}")
+            raise GRPCError(Status.INVALID_ARGUMENT, text) from exc
+        if message.dry_run:
+            planned = [self._dry_run(change) for change in changes[:_PLANNED]]
+            more = len(changes) - len(planned)
+            tail = [f"and {more} more deployments, not planned"] if more > 0 else []
+            return ActionResult(ok=True, message=_lines(planned + tail))
+        await self.plane.desired.apply_all(changes)
+        lines = [_applied(change) for change in changes]
+        actor, at = current_actor(), int(time.time() * 1000)
+        await self.plane.audit_all(
+            [
+                AuditRecord(at, actor, "apply", c.target, f"ok: {text}")
+                for c, text in zip(changes, lines, strict=True)
+            ]
+        )
+        self.plane.reconcile_soon()
+        return ActionResult(ok=True, message=_lines(lines))
+
+    def _dry_run(self, change: Change) -> str:
+        if change.deployment is None or change.profile is None:
+            names = ", ".join(p.name for p in change.profiles)
+            return f"dry run: would store profiles {names}; nothing was changed"
+        return plan_text(change.deployment, change.profile, self.plane.snapshot())
+
+    async def delete_deployment(self, message: DeleteDeploymentRequest) -> ActionResult:
+        target = f"deployment/{message.name}"
+        if not await self.plane.desired.delete(message.name):
+            text = f"no deployment named {quoted(message.name)}"
+            await self.plane.audit(current_actor(), "delete", target, f"refused: {text}")
+            raise GRPCError(Status.NOT_FOUND, text)
+        await self.plane.audit(current_actor(), "delete", target, "ok")
+        self.plane.reconcile_soon()
+        return ActionResult(ok=True, message=f"deployment {message.name} deleted")
+
+    async def start_replica(self, message: ReplicaRequest) -> ActionResult:
+        target = _replica_target(message.deployment, message.replica_id)
+        return await self._act(
+            "start",
+            target,
+            actions.start_replica(self.plane, message.deployment, message.replica_id),
+        )
+
+    async def drain_replica(self, message: ReplicaRequest) -> ActionResult:
+        target = f"replica/{message.replica_id[:64]}"
+        return await self._act(
+            "drain", target, actions.drain_replica(self.plane, message.replica_id)
+        )
+
+    async def reprofile_replica(self, message: ReprofileReplicaRequest) -> ActionResult:
+        target = _replica_target(message.deployment, message.replica_id)
+        work = actions.reprofile(
+            self.plane, message.deployment, message.replica_id, message.profile
+        )
+        return await self._act("reprofile", target, work)
+
+    async def drain_node(self, message: NodeRequest) -> ActionResult:
+        work = actions.drain_node(self.plane, message.node_id, actor=current_actor())
+        return await self._act("drain-node", f"node/{message.node_id[:64]}", work)
+
+    async def delete_node(self, message: DeleteNodeRequest) -> ActionResult:
+        work = actions.delete_node(self.plane, message.node_id, force=message.force)
+        target = f"node/{message.node_id[:64]}"
+        return await self._act("delete-node", target, work)
+
+    async def _act(self, action: str, target: str, work: Coroutine[Any, Any, str]) -> ActionResult:
+        """Run an operator action and audit it: "ok: WHAT" or "refused: WHY"."""
+        try:
+            text = await work
+        except actions.ActionRefused as exc:
+            await self.plane.audit(current_actor(), action, target, f"refused: {exc.why}")
+            raise GRPCError(exc.status, exc.why) from exc
+        await self.plane.audit(current_actor(), action, target, f"ok: {text}")
+        return ActionResult(ok=True, message=text)
+
+    async def list_profiles(self, message: ListProfilesRequest) -> ListProfilesResponse:
+        profiles = self.plane.desired.profiles
+        shown = [profiles[name] for name in sorted(profiles)]
+        if not sees_secrets():
+            shown = [_redacted(p) for p in shown]
+        return ListProfilesResponse(profiles=shown)
+
+    async def get_router_stats(self, message: GetRouterStatsRequest) -> RouterStats:
+        gateway = self.gateway()
+        if gateway is None and not self.reports.ever_reported:
+            raise GRPCError(Status.FAILED_PRECONDITION, NO_GATEWAY)
+        now_ms = int(time.time() * 1000)
+        parts = self.reports.parts()
+        if gateway is not None:  # read now: the freshest figures there are
+            parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
+        return combine(parts, now_ms)
+
+
+def _redacted(profile: EngineProfile) -> EngineProfile:
+    """``profile`` with every env value replaced by ``REDACTED`` (a copy: the plane's stays)."""
+    if not profile.env:
+        return profile
+    return replace(profile, env=dict.fromkeys(profile.env, REDACTED))
+
+
+def _replica_target(deployment: str, replica_id: str) -> str:
+    return f"replica/{replica_id[:64]}" if replica_id else f"deployment/{deployment[:64]}"
+
+
+def _requested_target(message: ApplyDeploymentRequest) -> str:
+    """The audit target of a refused request, its names cut short (they are the client's)."""
+    if message.deployment is not None:
+        return f"deployment/{message.deployment.name[:64]}"
+    return "profile/" + ",".join(p.name[:64] for p in message.profiles[:10])
+
+
+def _lines(lines: Sequence[str]) -> str:
+    """One line each, within MESSAGE_LIMIT: as many whole lines as fit, then how many not."""
+    shown: list[str] = []
+    size = 0
+    for i, line in enumerate(lines):
+        size += len(line) + 1
+        if size > MESSAGE_LIMIT - 60:
+            shown.append(f"… and {len(lines) - i} more")
+            break
+        shown.append(line)
+    return "\n".join(shown)
+
+
+def _applied(change: Change) -> str:
+    brought = ", ".join(p.name for p in change.profiles)
+    if change.deployment is None or change.profile is None:
+        return f"profiles {brought} stored"
+    d, fingerprint = change.deployment, profile_fingerprint(change.profile)
+    return (
+        f"deployment {d.name} applied: profile {d.profile} ({fingerprint}), "
+        f"{d.replicas} replica{'' if d.replicas == 1 else 's'}"
+        + (f"; profiles stored: {brought}" if brought else "")
+    )

@@ -1,0 +1,317 @@
+"""``RouterService``: the router feed that gateways follow, and the in-server gateway.
+
+SECRETS: every ``RouteTarget`` carries its replica's API key (the key only gateways may
+know). So this service is served on the native gRPC port only, never over gRPC-web, and
+once tokens with roles exist (issue #8) ``Feed`` must be refused to every caller but the
+gateway role. Do not add it to ``GrpcWebApp`` or log its messages.
+
+The feed is the plane's watch stream (``plane.hub``) seen through a gateway's eyes: one
+snapshot of every replica that is not RETIRED, then a target for each one that changed
+and a removal for each one that went away. Each subscriber remembers what it last sent,
+so a shard report that does not change what a gateway routes on sends nothing. A
+subscriber that falls behind gets a fresh snapshot (the hub's resync).
+
+KV blocks (issue #6) come from the plane's block store (``plane.kv_blocks``) through a
+watcher per subscriber: after each snapshot, a full copy of the blocks of every replica
+the store holds any of (the snapshot's ``kv_replicas``), then each replica's net changes,
+coalesced while the subscriber is busy; one that falls far behind on a replica gets a full
+copy of it again (``llmgw.server.state.kvblocks``). Target events always go first: between two
+chunks of blocks the feed looks at the watch hub again.
+
+What a target says: the endpoint and state are the operator API's view of the replica
+(``ControlPlane.replica_view``: READY only when every shard is READY, DRAINING once it
+retires); the API key, whether it publishes KV events and its LoRA adapters come from the
+replica's record and the profile it was placed with.
+
+``Report`` (issue #7 follow-up) goes the other way: a separate ``llmgw gateway`` sends its
+routing figures every few seconds (the gateway role), kept in ``reports``
+(``llmgw.server.wire.routerreports``, shared with ``ControlService``, whose ``GetRouterStats``
+adds them up). A malformed report answers INVALID_ARGUMENT naming the field, one gateway
+too many RESOURCE_EXHAUSTED naming the limit; either way nothing kept changes.
+
+:func:`serve_gateway` runs the OpenAI gateway inside the server, fed from the same events
+without a gRPC hop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncGenerator, AsyncIterator
+from dataclasses import dataclass
+from typing import Any, cast
+
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from llmgw.api.llmgw.v1 import (
+    RouterFeedEvent,
+    RouterFeedRequest,
+    RouterReport,
+    RouterReportAck,
+    RouterServiceBase,
+    RouterSnapshot,
+    RouteTarget,
+    WatchEvent,
+)
+from llmgw.gateway import (
+    Gateway,
+    GatewayConfig,
+    KvIndex,
+    RoutingTable,
+    apply_feed_event,
+    targets_from_snapshot,
+)
+from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.server.state.kvblocks import KvWatcher
+from llmgw.server.state.plane import ControlPlane
+from llmgw.server.wire.routerreports import ReportRefused, RouterReports
+
+log = logging.getLogger(__name__)
+
+KV_KEYS_PER_TURN = 65_536
+"""About how many block keys the feed sends before it looks at the watch hub again."""
+
+
+def route_target(plane: ControlPlane, record: ReplicaRecord) -> RouteTarget:
+    """One replica as a gateway routes to it (with its API key: a secret)."""
+    view = plane.replica_view(record)
+    return RouteTarget(
+        replica_id=view.replica_id,
+        deployment=view.deployment,
+        model=view.model,
+        endpoint=view.endpoint,
+        api_key=record.api_key,
+        state=view.state,
+        kv_events=record.profile.kv_events,
+        adapters=[adapter.name for adapter in record.profile.adapters],
+    )
+
+
+def route_targets(plane: ControlPlane) -> dict[str, RouteTarget]:
+    """Every replica that is not RETIRED, by replica id."""
+    return {
+        replica_id: route_target(plane, record)
+        for replica_id, record in sorted(plane.replicas.items())
+        if record.lifecycle is not Lifecycle.RETIRED
+    }
+
+
+class _FeedView:
+    """What one subscriber was last told, and the feed events that bring it up to date."""
+
+    def __init__(self, plane: ControlPlane) -> None:
+        self._plane = plane
+        self._sent: dict[str, RouteTarget] = {}
+
+    def events(self, event: WatchEvent) -> list[RouterFeedEvent]:
+        """The feed events one watch event calls for (often none)."""
+        if event.snapshot is not None:
+            return [self._snapshot(event.revision)]
+        if event.replica is not None:
+            return self._changes(event.revision, {event.replica.replica_id})
+        if event.replica_removed is not None:
+            return self._changes(event.revision, {event.replica_removed})
+        if event.node is not None or event.node_removed is not None:
+            # a node's address may have changed, and with it the endpoints of its replicas
+            # (a replica that becomes live always has its own event)
+            return self._changes(event.revision, set(self._sent))
+        return []  # telemetry, shards (their replica's event follows), desired state, audit
+
+    def _snapshot(self, revision: int) -> RouterFeedEvent:
+        self._sent = route_targets(self._plane)
+        snapshot = RouterSnapshot(
+            targets=list(self._sent.values()),
+            revision=revision,
+            kv_replicas=self._plane.kv_blocks.replica_ids(),
+        )
+        return RouterFeedEvent(revision=revision, snapshot=snapshot)
+
+    def _changes(self, revision: int, replica_ids: set[str]) -> list[RouterFeedEvent]:
+        out: list[RouterFeedEvent] = []
+        for replica_id in sorted(replica_ids):
+            record = self._plane.replicas.get(replica_id)
+            target = None
+            if record is not None and record.lifecycle is not Lifecycle.RETIRED:
+                target = route_target(self._plane, record)
+            before = self._sent.get(replica_id)
+            if target is None and before is not None:
+                del self._sent[replica_id]
+                out.append(RouterFeedEvent(revision=revision, target_removed=replica_id))
+            elif target is not None and target != before:
+                self._sent[replica_id] = target
+                out.append(RouterFeedEvent(revision=revision, target=target))
+        return out
+
+
+class _Sources:
+    """The watch hub's next event, or word that KV blocks are owed, whichever comes first."""
+
+    def __init__(self, events: AsyncGenerator[WatchEvent, None], kv: KvWatcher) -> None:
+        self._events = events
+        self._kv = kv
+        self._hub: asyncio.Future[WatchEvent] | None = None
+        self.synced = False  # a snapshot went out: KV blocks may follow
+
+    async def next(self) -> WatchEvent | None:
+        """The hub's next event; None when KV blocks are owed and no hub event is ready."""
+        if self._hub is None:
+            self._hub = asyncio.ensure_future(anext(self._events))
+            await asyncio.sleep(0)  # it takes an event the hub already holds at once
+        while not self._hub.done() and not (self.synced and self._kv.pending):
+            waiting: set[asyncio.Future[Any]] = {self._hub}
+            if self.synced:
+                # nothing is owed (the loop's condition): a wakeup still set is stale, and
+                # waiting on it would return at once, forever (a busy loop at 100 % CPU)
+                self._kv.wakeup.clear()
+                waiting.add(asyncio.ensure_future(self._kv.wakeup.wait()))
+            try:
+                await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+            finally:
+                for waiter in waiting - {self._hub}:
+                    waiter.cancel()
+        if not self._hub.done():
+            return None
+        hub, self._hub = self._hub, None
+        return hub.result()
+
+    async def aclose(self) -> None:
+        if self._hub is not None:
+            self._hub.cancel()
+            await asyncio.gather(self._hub, return_exceptions=True)
+
+
+async def route_events(plane: ControlPlane) -> AsyncGenerator[RouterFeedEvent, None]:
+    """A snapshot of every route target and a full copy of every replica's KV blocks,
+    then each change, forever (a fresh snapshot after falling behind). Right after the
+    server starts, the snapshot waits for the agents it remembers (`ControlPlane.agents_back`):
+    a gateway keeps routing with what it had rather than learn that their replicas are down."""
+    await plane.agents_back()
+    view = _FeedView(plane)
+    # WatchHub.subscribe is an async generator (typed as an iterator): close it with us,
+    # so the hub forgets this watcher as soon as the feed ends
+    subscription = cast(AsyncGenerator[WatchEvent, None], plane.hub.subscribe())
+    with plane.kv_blocks.watch() as kv:
+        async with contextlib.aclosing(subscription) as events:
+            sources = _Sources(events, kv)
+            try:
+                while True:
+                    event = await sources.next()
+                    if event is None:
+                        for blocks in kv.take(KV_KEYS_PER_TURN):
+                            yield RouterFeedEvent(revision=plane.hub.revision, kv_blocks=blocks)
+                        await asyncio.sleep(0)  # a big copy must not hold the event loop
+                        continue
+                    for out in view.events(event):
+                        if out.snapshot is not None:  # the full copies it announces follow
+                            sources.synced = True
+                            kv.mark_full(out.snapshot.kv_replicas)
+                        yield out
+            finally:
+                await sources.aclose()
+
+
+class RouterService(RouterServiceBase):
+    """The router feed over gRPC, and the reports of separate gateways. Carries API keys:
+    native gRPC only, the gateway role only (``llmgw.server.wire.auth``)."""
+
+    def __init__(self, plane: ControlPlane, reports: RouterReports | None = None) -> None:
+        self.plane = plane
+        self.reports = reports if reports is not None else RouterReports()
+        self._feeds: set[asyncio.Task[Any]] = set()
+        self._closing = ""
+
+    async def feed(self, message: RouterFeedRequest) -> AsyncIterator[RouterFeedEvent]:
+        task = asyncio.current_task()
+        assert task is not None
+        self._feeds.add(task)
+        log.info("a gateway follows the router feed (%d now)", len(self._feeds))
+        try:
+            async with contextlib.aclosing(route_events(self.plane)) as events:
+                async for event in events:
+                    yield event
+        except asyncio.CancelledError:
+            if not self._closing:
+                raise
+            raise GRPCError(Status.UNAVAILABLE, self._closing) from None
+        finally:
+            self._feeds.discard(task)
+            log.info("a gateway stopped following the router feed")
+
+    async def report(self, message: RouterReport) -> RouterReportAck:
+        """Keep a separate gateway's figures for ``GetRouterStats``."""
+        try:
+            self.reports.take(message)
+        except ReportRefused as exc:
+            raise GRPCError(exc.status, exc.why) from exc
+        return RouterReportAck(at_unix_ms=int(time.time() * 1000))
+
+    def shutdown(self) -> None:
+        """End every feed with UNAVAILABLE, so gateways know at once (and keep routing
+        with what they have) instead of waiting for the connection to drop."""
+        self._closing = "the control server is shutting down"
+        for task in list(self._feeds):
+            task.cancel()
+
+
+RESUBSCRIBE_S = 1.0
+"""How long the in-server gateway's feed waits before subscribing again after a failure."""
+
+
+async def feed_table(
+    plane: ControlPlane, table: RoutingTable, index: KvIndex | None = None
+) -> None:
+    """Keep ``table`` (and ``index``: each replica's KV blocks) in step with the plane, in
+    process (the in-server gateway), until cancelled. A failure (our bug) is logged and the
+    feed starts again from a snapshot: the gateway never silently stops following."""
+    while True:
+        try:
+            async with contextlib.aclosing(route_events(plane)) as events:
+                async for event in events:
+                    apply_feed_event(table, event, index)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("the in-server gateway's feed failed; subscribing again")
+        await asyncio.sleep(RESUBSCRIBE_S)
+
+
+@dataclass(frozen=True, slots=True)
+class ServedGateway:
+    """The in-server gateway and the address it listens on."""
+
+    gateway: Gateway
+    host: str
+    port: int
+
+
+@contextlib.asynccontextmanager
+async def serve_gateway(plane: ControlPlane, config: GatewayConfig) -> AsyncIterator[ServedGateway]:
+    """The OpenAI gateway on ``config``'s address, routing to the plane's replicas; its
+    table holds every target before the first request is accepted."""
+    snapshot = RouterSnapshot(targets=list(route_targets(plane).values()))
+    table = RoutingTable(targets_from_snapshot(snapshot))
+    gateway = Gateway(table, config)
+    feed = asyncio.create_task(feed_table(plane, table, gateway.kv_index), name="gateway-feed")
+    try:
+        host, port = await gateway.start()
+        yield ServedGateway(gateway, host, port)
+    finally:
+        feed.cancel()
+        await asyncio.gather(feed, return_exceptions=True)
+        await gateway.stop()
+
+
+__all__ = [
+    "KV_KEYS_PER_TURN",
+    "RESUBSCRIBE_S",
+    "RouterService",
+    "ServedGateway",
+    "feed_table",
+    "route_events",
+    "route_target",
+    "route_targets",
+    "serve_gateway",
+]

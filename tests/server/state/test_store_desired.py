@@ -1,0 +1,84 @@
+"""The store keeps profiles, deployments and replica requests across reopens, and migrates
+schema 1 files."""
+
+from __future__ import annotations
+
+import sqlite3
+from pathlib import Path
+
+import pytest
+
+from llmgw.server.state.store import (
+    SCHEMA_VERSION,
+    AuditRecord,
+    Store,
+    StoredDeployment,
+    StoredNode,
+    StoredProfile,
+)
+
+# The schema of version 1 as it shipped, to build an old file with.
+_V1 = """
+CREATE TABLE nodes (node_id TEXT PRIMARY KEY, info BLOB NOT NULL,
+    cordoned INTEGER NOT NULL DEFAULT 0, first_seen INTEGER NOT NULL, last_seen INTEGER NOT NULL);
+CREATE TABLE audit (id INTEGER PRIMARY KEY AUTOINCREMENT, at INTEGER NOT NULL,
+    actor TEXT NOT NULL, action TEXT NOT NULL, target TEXT NOT NULL, result TEXT NOT NULL);
+INSERT INTO nodes VALUES ('n1', x'0a026e31', 1, 10, 20);
+INSERT INTO audit (at, actor, action, target, result) VALUES (5, 'op', 'cordon', 'n1', 'ok');
+PRAGMA user_version=1;
+"""
+
+
+async def test_profiles_and_deployments_survive_reopen(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    p = StoredProfile("chat", b"\x0a\x04chat", "fp-1", 10)
+    d = StoredDeployment("web", b"\x0a\x03web", 11)
+    async with Store(db) as store:
+        await store.save_desired([p], [d])
+        await store.save_desired([StoredProfile("chat", b"\x0a\x04chat", "fp-2", 12)], [])
+        await store.save_desired([], [StoredDeployment("gone", b"", 13)])
+        assert await store.delete_deployment("gone")
+        assert not await store.delete_deployment("gone")
+    async with Store(db) as store:
+        assert await store.load_profiles() == [StoredProfile("chat", b"\x0a\x04chat", "fp-2", 12)]
+        assert await store.load_deployments() == [d]
+
+
+async def test_schema_1_file_migrates_and_keeps_its_nodes(tmp_path: Path) -> None:
+    db = tmp_path / "old.db"
+    with sqlite3.connect(db) as conn:
+        conn.executescript(_V1)
+    conn.close()
+    async with Store(db) as store:
+        assert await store.load_nodes() == [StoredNode("n1", b"\x0a\x02n1", True, 10, 20)]
+        assert await store.recent_audit() == [AuditRecord(5, "op", "cordon", "n1", "ok")]
+        await store.save_desired([StoredProfile("p", b"", "fp", 1)], [])
+        assert [p.name for p in await store.load_profiles()] == ["p"]
+    with sqlite3.connect(db) as conn:
+        (version,) = conn.execute("PRAGMA user_version").fetchone()
+    conn.close()
+    assert version == SCHEMA_VERSION == 6
+
+
+async def test_replica_requests_survive_reopen_until_forgotten(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    async with Store(db) as store:
+        d = StoredDeployment("chat", b"\x0a\x04chat", 11)
+        await store.save_desired([], [d], [("chat-1", "retire")])
+        await store.save_requests([("chat-2", "replace"), ("chat-3", "replace")])
+    async with Store(db) as store:
+        assert await store.load_requests() == [
+            ("chat-1", "retire"), ("chat-2", "replace"), ("chat-3", "replace"),
+        ]  # fmt: skip
+        await store.forget_requests(["chat-1", "chat-3"])
+        with pytest.raises(ValueError, match="unknown replica request kind 'evict'"):
+            await store.save_requests([("chat-4", "evict")])
+    async with Store(db) as store:
+        assert await store.load_requests() == [("chat-2", "replace")]
+
+
+async def test_a_refused_request_rolls_back_the_deployment_saved_with_it(tmp_path: Path) -> None:
+    async with Store(tmp_path / "s.db") as store:
+        with pytest.raises(ValueError):
+            await store.save_desired([], [StoredDeployment("chat", b"", 1)], [("c-1", "bad")])
+        assert await store.load_deployments() == []
