@@ -29,7 +29,7 @@ them back, as the real stream does on the same event loop, and reports that pars
 Baseline for the apply figure, in the same run: clearing the view's table and adding every
 row again (``clear`` + ``add_row``, what a keyed diff avoids).
 
-    .venv/bin/python -m bench.console              # the issue's fleet, all views
+    .venv/bin/python -m bench.console              # the default fleet, all views
     .venv/bin/python -m bench.console --quick      # fewer ticks
     .venv/bin/python -m bench.console --markdown   # also a BENCHMARKS.md section
 """

@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Benchmark: KV blocks from an engine's ZMQ frames to the gateway's index; lookups; memory.
 
-Four figures (issue #6), each beside a baseline measured in the same run:
+Four figures, each beside a baseline measured in the same run:
 
 * **Blocks per second, frame to index.** An engine's event stream in vLLM's own format
   (``encode_batch`` map encoding + ``encode_frames``; steps of several ``BlockStored``
@@ -25,7 +25,7 @@ Four figures (issue #6), each beside a baseline measured in the same run:
 * **Block keys.** ``block_keys`` (one blake2b pass per block, as the agent's mirror and the
   gateway compute our keys) over a 6k-token prompt in 16- and 128-token blocks. Baseline:
   the previous definition's code (three blake2b calls per block and an int round trip per
-  parent, before issue #6's rework), which gives the same keys (checked).
+  parent, before the precise tier's rework), which gives the same keys (checked).
 * **Bytes per indexed block** at ``--replicas`` × ``--blocks`` (100 × 100,000), measured
   with ``tracemalloc`` while the index is built: every replica holding its own blocks (the
   worst case: no sharing), and the control server's store (``KvBlocks``: one ``KeySet`` per
@@ -338,7 +338,7 @@ def lookups(index: KvIndex, keys: list[list[int]], seed: int) -> list[dict[str, 
 
 
 def _previous_block_keys(tokens: Sequence[int], block_size: int) -> list[int]:
-    """Baseline: `block_keys` as llmgw computed them before issue #6's rework (same values):
+    """Baseline: `block_keys` as llmgw computed them before the precise tier's rework (same values):
     per block, blake2b constructed with the parent's key, then two updates, an int back."""
     full = len(tokens) // block_size * block_size
     packed = array("Q", tokens[:full])

@@ -21,7 +21,7 @@ policy's own ``prefix_decision``), with in-flight load counted at decision time:
   tokens, steps shared with other requests);
 * load imbalance: max / mean requests per engine, and their coefficient of variation;
 * ratios: default hit rate / oracle hit rate (target >= 0.8) and round-robin TTFT p90 /
-  default TTFT p90 (target >= 2); with the precise tier (issue #6): its hit rate / the
+  default TTFT p90 (target >= 2); with the precise tier: its hit rate / the
   oracle's (>= 0.95), its TTFT p90 / the oracle's (<= 1.2), and ahead of the approximate
   (default) tier: its hit rate / the default's (>= 1) and its TTFT p90 / the default's
   (<= 1); the exit status is 1 when a measured ratio misses;
@@ -35,7 +35,7 @@ is told, and ``--kv-hint 0`` tells it nothing (its tree then holds up to
 ``PrefixConfig.max_chars_per_replica`` per engine, sized for real GPUs, not these engines).
 
 Besides, the reuse ceiling: the share of prompt tokens one unbounded cache could serve in
-any arrival order, a bound on every policy's cached share. The oracle is the issue's upper
+any arrival order, a bound on every policy's cached share. The oracle is an upper
 bound but no strict one: it trades cache for load like the prefix policy, and sees only
 what engines hold, not requests still queued for them, where the tree records a choice at
 once. The JSON also says, per policy, the share the decisions claimed
@@ -88,11 +88,11 @@ QUICK: dict[str, Any] = {
     "question_tokens": 250, "rate": 6.0, "think_s": 2.0,
 }  # fmt: skip
 HIT_RATIO, TTFT_RATIO = "default_hit_rate_over_oracle", "rr_ttft_p90_over_default"
-TARGETS = {HIT_RATIO: 0.8, TTFT_RATIO: 2.0}  # issue #5: lower bounds, both needed
+TARGETS = {HIT_RATIO: 0.8, TTFT_RATIO: 2.0}  # the prefix policy's: lower bounds, both needed
 PRECISE_HIT, PRECISE_TTFT = "precise_hit_rate_over_oracle", "precise_ttft_p90_over_oracle"
 AHEAD_HIT, AHEAD_TTFT = "precise_hit_rate_over_default", "precise_ttft_p90_over_default"
-PRECISE_TARGETS = {PRECISE_HIT: 0.95, AHEAD_HIT: 1.0}  # issue #6: lower bounds, when run
-CEILINGS = {PRECISE_TTFT: 1.2, AHEAD_TTFT: 1.0}  # issue #6: upper bounds, when run
+PRECISE_TARGETS = {PRECISE_HIT: 0.95, AHEAD_HIT: 1.0}  # the precise tier's: lower bounds, when run
+CEILINGS = {PRECISE_TTFT: 1.2, AHEAD_TTFT: 1.0}  # the precise tier's: upper bounds, when run
 TARGET_LABELS = {
     HIT_RATIO: "default hit rate / oracle hit rate",
     TTFT_RATIO: "round-robin TTFT p90 / default TTFT p90",
@@ -102,7 +102,7 @@ TARGET_LABELS = {
     AHEAD_TTFT: "precise TTFT p90 / default TTFT p90",
 }
 ALL_POLICIES = (DEFAULT_POLICY, PRECISE, *POLICY_ORDER[1:], ORACLE)  # the command's default
-PRECISE_COST_US = 300  # issue #6: the precise tier's own work per request
+PRECISE_COST_US = 300  # the precise tier's own work per request: its target
 MICRO_BLOCK_SIZES = (16, 128)  # vLLM's GPU default and its CPU build's
 
 
@@ -302,7 +302,7 @@ class Report:
         return ratios
 
     def targets_met(self) -> bool | None:
-        """Every measured target met; None when a ratio of issue #5's was not measured."""
+        """Every measured target met; None when a ratio of ``TARGETS`` was not measured."""
         ratios = self.ratios()
         if any(key not in ratios for key in TARGETS):
             return None

@@ -69,8 +69,8 @@ async def _apply(server: str, text: str, source: str, *, dry_run: bool, output: 
             answers.append((name, (await client.apply_deployment(request)).message))
         return answers
 
-    # A whole file is checked and stored in one call: ~1 s per 100 kB on a quiet server, and
-    # CI's machine once took longer than that for 10,000 deployments: 1 s per 20 kB.
+    # A whole file is checked and stored in one call, which takes longer the larger the file:
+    # the timeout grows by a second per 20 kB, enough for a slow, loaded machine.
     answers = await call(server, apply, Timeouts(call=30.0 + len(text) / 20_000))
     if output == "json":
         rows = [{"target": target, "message": message} for target, message in answers]

@@ -107,7 +107,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "--debug-kv-index",
         action="store_true",
         help="serve GET /debug/kv_index: every replica's indexed KV block keys, for tests "
-        "and scripts/chaos.py; unauthenticated, never on a reachable address",
+        "and bench/chaos.py; unauthenticated, never on a reachable address",
     )
     add_key_file_flag(p, "--api-key-file")
     add_http_limit_flags(p, "the OpenAI port")

@@ -3,7 +3,7 @@
 Routes: ``GET /v1/models`` (the models of READY replicas, OpenAI list shape),
 ``POST /v1/completions`` and ``POST /v1/chat/completions`` (proxied; server-sent events go
 through as they arrive), ``GET /metrics`` (Prometheus text), ``GET /healthz``; with
-``debug_kv_index`` (``llmgw gateway --debug-kv-index``, for tests and scripts/chaos.py) also
+``debug_kv_index`` (``llmgw gateway --debug-kv-index``, for tests and bench/chaos.py) also
 ``GET /debug/kv_index``: every replica's indexed block keys, ``{"replicas": {ID:
 {"block_size": N, "keys": ["<16 hex>", …]}}}``, ascending (unauthenticated: a key tells
 whether a guessed prompt is cached, so it is off by default).
@@ -24,26 +24,12 @@ as soon as its head has arrived, none of its body read; ``/healthz`` and ``/metr
 open, as vLLM leaves ``/health`` and ``/metrics``. What clients may send and hold (head
 size, timeouts, connections per peer, bodies buffered) is ``GatewayConfig.limits``.
 
-Cost, measured with a quick harness while choosing the design (not kept: the benchmark of
-record is scripts/bench_gateway.py) on a 2-core AMD EPYC shared with other work, Python
-3.11.7, uvloop 0.23, httptools 0.9: a fixed-JSON asyncio upstream (its own process), the
-gateway (its own process, one replica), a keep-alive load generator (a third process, 8
-connections, 3 s per run after a 1 s warm-up); CPU of the gateway process per request from
-``/proc/PID/stat`` utime+stime over the run, ranges over runs:
+The HTTP server and the upstream client are llmgw's own (httpserver.py, upstream.py): in a
+bare proxy they spent less CPU per request than an ASGI server under uvicorn or an aiohttp
+client did. What the whole gateway costs per request, beside vllm-router and sglang-router,
+is ``python -m bench.gateway`` (BENCHMARKS.md).
 
-- this gateway, ``round_robin``, 64-byte prompt: 65–88 µs/request (the upstream alone, the
-  direct path of the same harness: 8–9 µs/request); ``prefix``: 81–95 µs;
-- with a 23 KB prompt (about 5.8k tokens): ``round_robin`` 101–115 µs, ``prefix`` 120–147 µs;
-- bare proxies in the same harness, no routing, no JSON: httpserver.py + upstream.py
-  35–48 µs; uvicorn (httptools, uvloop) ASGI + upstream.py 60–66 µs; httpserver.py + an
-  aiohttp 3.14 ``ClientSession`` 110–147 µs. Hence our own server and client.
-- first streamed byte (1 connection, the upstream sends its head at once and the first event
-  2 ms later): the first event arrives 230–280 µs (p50) later than direct.
-
-The issue's anchors on this machine: vllm-router round_robin about 150 µs, cache_aware about
-360 µs.
-
-The precise tier (issue #6, precise.py): with the ``prefix`` policy and ``precise`` on, a
+The precise tier (precise.py): with the ``prefix`` policy and ``precise`` on, a
 request whose candidates publish KV events is tokenized by one of them (``/tokenize``,
 bounded by ``tokenize_timeout_s``) before the policy runs, and decided on the replicas' KV
 blocks (``kv_index``); otherwise, or when that fails, the approximate tree decides as

@@ -20,7 +20,7 @@ Families::
                                                       (connect, closed, status, protocol)
     llmgw_replica_in_flight{replica}                  requests in flight per replica
 
-The precise tier (issue #6; precise.py, tokenize.py, engines.py)::
+The precise tier (precise.py, tokenize.py, engines.py)::
 
     llmgw_precise_fallbacks_total{reason}             requests the approximate tier decided
                                                       instead, by why (precise.py docstring)

@@ -1,6 +1,6 @@
 """The precise routing tier: the request's own KV blocks, looked up in the replicas' index.
 
-Per request (issue #6; DESIGN.md → KV events and routing, tier 1):
+Per request (ARCHITECTURE.md → One OpenAI request through the gateway, step 4):
 
 1. **Tokens.** `tokenize_input` (tokenize.py) reads what the engine would tokenize; a
    replica of the model tokenizes it (``/tokenize``, the least loaded candidate, bounded by
@@ -34,15 +34,11 @@ Reuse, counted per precise decision (tokens): *available* = the best candidate's
 cached tokens, *captured* = the chosen one's, out of the prompt's tokens; *delivered* comes
 from the engines' own counters (engines.py).
 
-Cost of steps 2 and 3 (``llmgw_precise_seconds``; scripts/bench_routing.py measures it on
-its replay and on 6 k-token chats continuing a 5 k-token turn, 8 replicas): on this 2-core
-machine, shared with other work, p50 190-290 µs at block size 16 (the 62 new blocks hashed
-by ``block_keys`` at ~1.5-2.5 µs each then, ~0.75 µs since; the 313 known ones found in the
-memo in ~30 µs, 375 looked up in the index in ~40 µs, claims ~10 µs, scoring ~20 µs) and
-80-140 µs at block
-size 128. ``/tokenize`` aside: reading the request body again and writing the tokenize body
-costs ~0.1 ms for such a chat, and parsing the answer's 6 k ids ~0.3 ms (``json.loads``),
-which the answer cache saves for repeated prompts only.
+Steps 2 and 3 are timed in ``llmgw_precise_seconds``; ``python -m bench.routing`` measures
+them on long multi-turn chats (BENCHMARKS.md → The precise tier): hashing the new blocks,
+the key cache, the index match, the claims and the scoring. ``/tokenize`` aside, the tier
+pays for reading the request body again, writing the tokenize body and parsing the answer's
+token ids (``json.loads``); the answer cache saves the last for repeated prompts only.
 """
 
 from __future__ import annotations
@@ -95,13 +91,11 @@ KeysFn = Callable[..., list[int]]  # block_keys' signature (tests pass a countin
 class PreciseConfig:
     """The precise tier's knobs (the tokenize client has its own, ``TokenizeConfig``).
 
-    ``claim_ttl_s`` (`Claims`), measured with scripts/bench_routing.py: on its default
-    workload 0.5 s changes nothing (79.0 % hits, TTFT p90 494 ms, as with no claims) and
-    1 s costs 0.8 points of hits and 70 ms of p90 (claims outliving their use); on its
-    ``--quick`` workload, over 8 seeds, 0.5 s raises the mean hit rate from 58.9 % to
-    60.1 % (TTFT p90 707 against 678 ms, within the seeds' spread). What claims are for is
-    a burst sharing a new prefix, which without them is prefilled on every replica
-    (tests/gateway/test_precise.py). They cost about 10 µs a decision.
+    ``claim_ttl_s`` (`Claims`): what claims are for is a burst sharing a new prefix, which
+    without them is prefilled on every replica (tests/gateway/test_precise.py). A claim
+    that outlives its use steers later requests to a replica for blocks it may not hold, so
+    the TTL is short: long enough for the chosen replica's events to arrive, and 0.5 s did
+    no harm on ``python -m bench.routing``'s workloads where 1 s cost hits and TTFT.
     """
 
     key_cache_groups: int = 8_192  # per block size; ~1.4 KB each: ~12 MB, 1 M tokens

@@ -10,9 +10,9 @@ than ``idle_timeout_s`` (4 s: vLLM's uvicorn drops idle keep-alive connections a
 A connection is returned to the pool only after a whole response that allows keep-alive;
 anything else (a cancelled request, an error, a partial body) closes it.
 
-Why not aiohttp: in the same bare proxy (httpserver.py in front, a fixed-JSON upstream),
-an aiohttp 3.14 ``ClientSession`` took 110–147 µs of CPU per request, this client 35–48 µs
-(gateway.py has the harness and the whole gateway's figures).
+Why not aiohttp: in the same bare proxy (httpserver.py in front, a fixed-JSON upstream), an
+aiohttp ``ClientSession`` spent several times the CPU per request that this client does
+(``python -m bench.gateway`` measures the whole gateway).
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ __all__ = [
 R = TypeVar("R")
 
 PREFIX_TIERS: Final = ("precise", "approximate")
-"""Router tiers whose decision used a cached prefix (DESIGN.md → KV events and routing)."""
+"""Router tiers whose decision used a cached prefix (``llmgw.gateway.precise``, ``prefix_tree``)."""
 DECISIONS: Final = "decisions"
 _TIER = "tier:"
 _HIT = "hit:"  # decisions of a tier whose outcome was "hit"

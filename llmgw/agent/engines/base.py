@@ -29,7 +29,7 @@ from llmgw.agent.errors import SocketFolderError
 from llmgw.agent.ipcdir import short_ipc_dir
 from llmgw.api.llmgw.v1 import EngineProfile, MultiNode, StartShard
 
-LOOPBACK = "127.0.0.1"  # engines listen on loopback only (DESIGN.md → State, security)
+LOOPBACK = "127.0.0.1"  # engines listen on loopback only (SECURITY.md)
 CPU_CLASS = "cpu"  # EngineProfile.gpu_class asking for no GPU
 _SHARD_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 

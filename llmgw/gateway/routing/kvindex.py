@@ -12,10 +12,9 @@ tells :class:`KvIndex` what each replica stores and removes; the precise routing
 key, shared by every replica holding it: beside each key (a parallel ``array('I')``) the
 id of an interned *holder mask*, one bit per replica; 13.1 bytes per distinct key at 100
 replicas × 100,000 blocks, less per (replica, block) when replicas share prefixes.
-``match`` therefore costs one lookup per request block whatever the number of candidates
-(~0.5 µs here). The
-masks of keys it found lately are kept in a small dict (``_HOT_LIMIT`` keys, ~0.1 µs a
-lookup), so the next turn of a conversation, or a popular system prompt, costs less; every
+``match`` therefore costs one lookup per request block whatever the number of candidates.
+The masks of keys it found lately are kept in a small dict (``_HOT_LIMIT`` keys, one dict
+lookup each), so the next turn of a conversation, or a popular system prompt, costs less; every
 store or removal of a key drops it from there, and the whole dict goes when a sweep ends
 (a mask it holds may carry dead bits, harmless until they are reused).
 
@@ -26,7 +25,7 @@ without holders. A dead bit is reused only after a sweep that began after its de
 passed every bucket, so a stale entry can never be read as a new replica's block.
 
 Everything runs on one event loop: no locks. Standard library and ``llmgw.kvcache`` only
-(part of the routing core: no I/O). Figures: scripts/bench_kvindex.py.
+(part of the routing core: no I/O). Figures: ``python -m bench.kvindex`` (BENCHMARKS.md).
 """
 
 from __future__ import annotations

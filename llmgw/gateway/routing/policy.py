@@ -49,13 +49,11 @@ request sharing the prefix hits. Requests without text route by load and are not
 
 What the tree may claim per replica (`max_chars_per_replica`, prefix_tree.py) should be
 what the replica's KV cache holds, in characters: its KV tokens × the traffic's characters
-per token. scripts/bench_routing.py measured both ways of getting it wrong (8 engines,
-shared 6 k-token prompts, 8-16 requests/s; share of the oracle's hit rate): sized to the
-KV, the tree claims what the engines hold and reaches 0.97-1.0; at 1.5× or 2× the KV it
-claims 77-86 % cached where the chosen engines hold 59-82 %, and reaches 0.93-0.99 and
-0.82-0.96; at 0.75× or 0.5× it forgets prefixes the engines still hold, misses, and
-spreads them over engines that must prefill them again: 0.82-0.95 and 0.60-0.65. Too
-small is the worse error, so the default errs large: 2 M characters, llm-d's per-server
+per token. ``python -m bench.routing`` tries both ways of getting it wrong (BENCHMARKS.md →
+Routing policies): sized larger than the KV, the tree claims more cached than the chosen
+engines hold; sized smaller, it forgets prefixes the engines still hold, misses, and
+spreads them over engines that must prefill them again, which loses more. Too small is the
+worse error, so the default errs large: 2 M characters, llm-d's per-server
 sizing (~500 k tokens: an 8 B model on an 80 GB H100) at ~4 characters per token.
 `PrefixConfig(max_chars_per_replica=...)` sets it per gateway, and
 `PrefixPolicy.set_replica_capacity(replica_id, chars)` per replica once the engine's KV
@@ -102,7 +100,7 @@ class RouteRequest:
 @dataclass(frozen=True, slots=True)
 class Decision:
     target: Target
-    tier: str  # "approximate" | "load" | "affinity" | "round_robin" ("precise": issue #6)
+    tier: str  # "approximate" | "load" | "affinity" | "round_robin" ("precise": precise.py)
     outcome: str  # "hit" | "miss" | "guarded" (best match refused by the hot-replica guard)
     matched: float  # share of the request's text matched at the chosen target, 0..1
 

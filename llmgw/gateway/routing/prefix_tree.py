@@ -1,6 +1,6 @@
 """An approximate prefix tree: which replica recently served which request text.
 
-The gateway cannot see a replica's KV cache without KV events (issue #6), so it guesses:
+The gateway cannot see a replica's KV cache without KV events, so it guesses:
 a replica that served a request whose text starts with P probably still holds P's KV
 blocks. One `PrefixTree` per model is a radix tree over request texts (the prompt, or the
 rendered chat messages); every node holds an edge label and, per replica, the last time a

@@ -348,7 +348,7 @@ class DesiredState:
         """`apply` for several changes (a whole document): one transaction, visible at once."""
         async with self._lock:
             at = now_ms()
-            if len(changes) > _INLINE_CHANGES:  # ~0.4 ms each: off the event loop
+            if len(changes) > _INLINE_CHANGES:  # many rows to encode: off the event loop
                 rows = await asyncio.to_thread(_rows, changes, at)
             else:
                 rows = _rows(changes, at)

@@ -1,7 +1,7 @@
 """Node registrations that encode to wire bytes computed once.
 
 betterproto2 spends milliseconds encoding one registered node (a DGX H100's ``NodeInfo``
-is ~8 KB of nested GPUs, NVLinks and NIC paths: ~7 ms here), and every ``GetCluster``, Watch
+is ~8 KB of nested GPUs, NVLinks and NIC paths), and every ``GetCluster``, Watch
 snapshot and node delta carries whole nodes, so encoding them anew each time would cost
 seconds per snapshot of a thousand-node fleet. A registration does not change until the
 agent registers again (live values travel apart, in ``Node.telemetry``), so its bytes are

@@ -12,7 +12,7 @@ that time sit unread in its sockets, they are not missing.
 After a start, :meth:`ControlPlane.agents_back` waits (at most ``WARMUP_S``) until every
 node the store remembers has registered again: until then the replicas on the others look
 not READY although their engines serve, and a router feed's first snapshot waits for it
-(scripts/chaos.py saw gateways answer 503 for a model whose agents were not back yet).
+(bench/chaos.py saw gateways answer 503 for a model whose agents were not back yet).
 
 It also holds the replica records the reconciler decided on (``llmgw.server.reconcile_loop``
 writes them through :meth:`ControlPlane.save_replicas`) and shows each one that is not
@@ -27,7 +27,7 @@ or cordoned, an apply or delete) calls :attr:`ControlPlane.reconcile_soon`.
 its leader stops, fails or starts afresh, and when its node's stream ends or it registers
 again. A node that only missed heartbeats keeps them: its stream, once it speaks again,
 carries every change since, in order, while nothing would ever send back blocks dropped
-then (scripts/chaos.py found such replicas missing blocks for good).
+then (bench/chaos.py found such replicas missing blocks for good).
 
 Every agent is told the cluster id of the store (``Registered.cluster_id``). A registration
 whose ``cluster_id`` names another cluster and that reports shards is not adopted: its

@@ -11,7 +11,7 @@ drained by an operator; ``replace``: moved off a drained node); and the tokens o
 
 Schema versions (``PRAGMA user_version``): 1 holds nodes and the audit log; 2 adds the
 profiles and deployments tables; 3 adds the replicas table; 4 the replica requests; 5 the tokens;
-6 the node ids a token is bound to and whether a node was ever READY (issue 13).
+6 the node ids a token is bound to and whether a node was ever READY.
 Opening an older file migrates it forward step by step in one transaction; a newer one is
 refused. Beside the versioned schema, the ``llmgw_meta`` table holds the database's
 identity (its cluster id: ``llmgw.server.state.statefile``, which also says which files are

@@ -13,10 +13,11 @@ answers other malformations with ``KeyError`` or ``EOFError``. So the bytes are 
 against the message class's field metadata (``_check_message``), and only then parsed.
 
 The walk also counts fields (nested ones and packed elements included) against
-``max_fields``: betterproto2 spends ~5 µs of the one event loop on each, so a 4 MiB message
-of two-byte fields (two million empty sub-messages) would hold the loop for ~20 s and take
-~1 GB. A DGX H100 registration holds ~1,400 fields; the default allows 65,536 (well under
-a second). More is refused with ``RESOURCE_EXHAUSTED`` before anything is parsed.
+``max_fields``: betterproto2 builds each field on the one event loop, so a 4 MiB message of
+two-byte fields (two million empty sub-messages) would hold the loop for many seconds and
+take far more memory than its bytes. A DGX H100 registration holds ~1,400 fields; the
+default allows 65,536, some forty times as many. More is refused with ``RESOURCE_EXHAUSTED``
+before anything is parsed.
 
 The monkeypatch
 ---------------
@@ -284,7 +285,7 @@ def wire_of(message: object) -> bytes | None:
     """The bytes a message received through ``CheckedProtoCodec`` was decoded from.
 
     A registration is re-sent to watchers and the store as it arrived, and encoding a
-    large ``NodeInfo`` again costs milliseconds (a DGX H100's: ~7 ms); this lets the
+    large ``NodeInfo`` again costs milliseconds (``llmgw.server.state.encoded``); this lets the
     receiver reuse the bytes instead. None for messages that did not come through it.
     """
     wire = getattr(message, "_llmgw_wire", None)

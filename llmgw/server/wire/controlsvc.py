@@ -129,8 +129,8 @@ class ControlService(ControlServiceBase):
     async def _apply_deployment(self, message: ApplyDeploymentRequest) -> ActionResult:
         if message.document and message.deployment is None and not message.profiles:
             return await self._apply_document(message)
-        # Parsing a request's document costs ~0.1 ms per deployment in it (a 60,000-
-        # deployment file: 6 s): off the event loop, so every port keeps answering.
+        # Parsing a request's document takes time in proportion to its deployments (seconds
+        # for a large file): off the event loop, so every port keeps answering.
         stored = dict(self.plane.desired.profiles)
         try:
             change = await asyncio.to_thread(check_apply, message, stored)

@@ -2,8 +2,8 @@
 
 SECRETS: every ``RouteTarget`` carries its replica's API key (the key only gateways may
 know). So this service is served on the native gRPC port only, never over gRPC-web, and
-once tokens with roles exist (issue #8) ``Feed`` must be refused to every caller but the
-gateway role. Do not add it to ``GrpcWebApp`` or log its messages.
+while authentication is on ``Feed`` is refused to every caller but the gateway role
+(``llmgw.server.wire.auth``). Do not add it to ``GrpcWebApp`` or log its messages.
 
 The feed is the plane's watch stream (``plane.hub``) seen through a gateway's eyes: one
 snapshot of every replica that is not RETIRED, then a target for each one that changed
@@ -11,7 +11,7 @@ and a removal for each one that went away. Each subscriber remembers what it las
 so a shard report that does not change what a gateway routes on sends nothing. A
 subscriber that falls behind gets a fresh snapshot (the hub's resync).
 
-KV blocks (issue #6) come from the plane's block store (``plane.kv_blocks``) through a
+KV blocks come from the plane's block store (``plane.kv_blocks``) through a
 watcher per subscriber: after each snapshot, a full copy of the blocks of every replica
 the store holds any of (the snapshot's ``kv_replicas``), then each replica's net changes,
 coalesced while the subscriber is busy; one that falls far behind on a replica gets a full
@@ -23,7 +23,7 @@ What a target says: the endpoint and state are the operator API's view of the re
 retires); the API key, whether it publishes KV events and its LoRA adapters come from the
 replica's record and the profile it was placed with.
 
-``Report`` (issue #7 follow-up) goes the other way: a separate ``llmgw gateway`` sends its
+``Report`` goes the other way: a separate ``llmgw gateway`` sends its
 routing figures every few seconds (the gateway role), kept in ``reports``
 (``llmgw.server.wire.routerreports``, shared with ``ControlService``, whose ``GetRouterStats``
 adds them up). A malformed report answers INVALID_ARGUMENT naming the field, one gateway

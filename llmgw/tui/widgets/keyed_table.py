@@ -58,9 +58,9 @@ class KeyedTable(DataTable[RenderableType]):
     def append_rows(self, rows: Sequence[tuple[str, Sequence[RenderableType]]]) -> int:
         """Add many rows, ``(row id, cells)``, at the bottom; how many.
 
-        ``add_row`` re-validates the cursor and recomputes the column order for each row
-        (about 40 µs a row here), and queues the row to have every cell measured for
-        column widths (rendering it: about 0.2 ms a row). This adds them as ``add_row``
+        ``add_row`` re-validates the cursor and recomputes the column order for each row,
+        and queues the row to have every cell measured for column widths (rendering it,
+        the costlier part). This adds them as ``add_row``
         does (textual 8.2.8, pinned) and does the rest once; rows are one line without a
         label and every column has a fixed width (``add_column(width=…)``: the only way
         this table is used), so nothing needs measuring. A duplicate id raises
@@ -121,10 +121,10 @@ class KeyedTable(DataTable[RenderableType]):
     def update_cells(self, cells: Iterable[tuple[str, str, RenderableType]]) -> int:
         """Set many cells, ``(row id, column key, value)``, with one repaint; how many.
 
-        ``update_cell`` repaints the widget for each cell (about 20 µs each here), which
-        for a heartbeat of a 1,600-GPU fleet (4,800 cells) is most of an update. This
-        writes each cell as ``update_cell`` does (textual 8.2.8, pinned; column widths stay
-        as they are) and repaints once; unknown rows or columns raise ``CellDoesNotExist``
+        ``update_cell`` repaints the widget for each cell, which for a heartbeat of a
+        1,600-GPU fleet (4,800 cells) is most of an update. This writes each cell as
+        ``update_cell`` does (textual 8.2.8, pinned; column widths stay as they are) and
+        repaints once; unknown rows or columns raise ``CellDoesNotExist``
         as ``update_cell`` does.
         """
         count = 0
