@@ -1,6 +1,7 @@
 """Operator clients' access to the control server over gRPC-web (CLI and console).
 
-Imports only ``llmgw.api`` of llmgw: the client talks to the server over the wire.
+Imports only ``llmgw.api`` and ``llmgw.tls`` of llmgw: the client talks to the server over the
+wire.
 """
 
 from llmgw.client.channel import GrpcWebChannel, Timeouts

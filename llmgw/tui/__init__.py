@@ -1,4 +1,4 @@
-"""The Textual console (``llmgw console``). Imports only llmgw.api and llmgw.client.
+"""The Textual console (``llmgw console``): of llmgw it imports only api, client and printable.
 
 Pure core (no Textual, no I/O): ``rows`` (frozen rows built from wire messages),
 ``model`` (``ClusterModel``: Watch events → ``ConsoleSnapshot``; ``diff_rows``), ``rates``
