@@ -19,6 +19,7 @@ def pki(tmp_path: Path) -> Pki:
     return make_pki(tmp_path / "pki")
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist reads the groups (its hook suffixes node ids)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """Run the real-vLLM tests on one xdist worker, one after another.
 

@@ -7,7 +7,7 @@ and a random free window otherwise (``llmgw.engineports.default_or_window``: a c
 started with the defaults may be running beside the demo);
 an ``llmgw agent --simulate FIXTURE`` per node of ``DEMO_NODES``, running the simulated
 vLLM as its ``sim`` engine; ``DEMO_DOCUMENT``'s deployments (KV events on), applied through
-the API; a light ``Workload`` of chat completions through the gateway sharing long system
+the API; a light ``Workload`` (``llmgw.cli.demo_traffic``) of chat completions through the gateway sharing long system
 prompts, so routing decisions and the engines' prefix caches move; and ``llmgw console`` on
 this terminal. Quitting the console stops everything and prints a summary: replicas READY,
 requests sent/ok/failed, the gateway's decisions by tier (its ``/metrics``) and the READY
@@ -25,7 +25,6 @@ import asyncio
 import contextlib
 import logging
 import os
-import random
 import shlex
 import shutil
 import signal
@@ -37,7 +36,7 @@ from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
-from typing import Any, Final, TypeVar
+from typing import Final, TypeVar
 
 import httpx
 
@@ -45,6 +44,15 @@ from llmgw.addresses import free_port
 from llmgw.agent.process import is_running
 from llmgw.agent.records import RecordStore
 from llmgw.api.llmgw.v1 import ApplyDeploymentRequest, NodeState, ShardState
+from llmgw.cli.demo_traffic import (
+    MODELS,
+    DemoSummary,
+    Workload,
+    WorkloadConfig,
+    decisions_by_tier,
+    metric_sum,
+    render_summary,
+)
 from llmgw.cli.errors import CliError
 from llmgw.cli.get import run_get
 from llmgw.cli.rpc import DEFAULT_WEB_URL
@@ -52,23 +60,11 @@ from llmgw.cli.screenlog import logging_to  # the console's own: records off the
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
 from llmgw.command import LLMGW_COMMAND
 from llmgw.engineports import NoFreeWindow, PortRange, default_or_window, format_port_range
-from llmgw.promtext import metric_samples
 from llmgw.server.core.profiles import parse_document
 from llmgw.server.errors import ProfileError
 from llmgw.signals import stop_on_signals
-from llmgw.sim.workload import DEMO_PROMPTS, Arrivals, chat_body
 
-__all__ = [
-    "DEMO_DOCUMENT",
-    "DemoOptions",
-    "DemoSummary",
-    "Workload",
-    "WorkloadConfig",
-    "WorkloadCounts",
-    "decisions_by_tier",
-    "render_summary",
-    "run_demo",
-]
+__all__ = ["DEMO_DOCUMENT", "DemoOptions", "run_demo", "state_dir"]
 
 log = logging.getLogger(__name__)
 
@@ -89,8 +85,6 @@ DEMO_DOCUMENT: Final = "".join(
     for name, profile, gpu, tp, replicas in DEMO_DEPLOYMENTS
 )
 """The demo's deployments as ``llmgw apply -f`` reads them: simulated vLLM, KV events on."""
-MODELS: Final = ("chat", "small", "tiny")
-MODEL_WEIGHTS: Final = (0.6, 0.25, 0.15)  # the workload's share of requests per model
 
 HEADLESS_DURATION_S: Final = 30.0
 NODES_READY_S: Final = 60.0
@@ -236,156 +230,6 @@ def state_dir(given: Path | None, prefix: str = "llmgw-demo-") -> Iterator[Path]
             sys.stderr.write(f"llmgw: the state and logs are kept in {tmp}\n")
         raise
     shutil.rmtree(tmp, ignore_errors=True)
-
-
-# --- the workload --------------------------------------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class WorkloadConfig:
-    """The background traffic; seconds and requests per second, all explicit."""
-
-    rate: float = 3.0  # mean requests per second (Poisson arrivals)
-    max_in_flight: int = 16  # beyond this, arrivals are skipped, not queued
-    max_tokens: int = 16
-    connect_timeout_s: float = 5.0
-    request_timeout_s: float = 30.0
-
-
-@dataclass(frozen=True, slots=True)
-class WorkloadCounts:
-    """Requests sent; answered 200, failed (an error status or no answer), or cut at stop."""
-
-    sent: int = 0
-    ok: int = 0
-    failed: int = 0
-    unfinished: int = 0
-
-
-class Workload:
-    """Chat completions through the gateway until ``stop`` is set; reproducible from a seed."""
-
-    def __init__(
-        self,
-        gateway: str,
-        config: WorkloadConfig | None = None,
-        *,
-        seed: int = 0,
-        transport: httpx.AsyncBaseTransport | None = None,
-    ) -> None:
-        self._gateway = gateway
-        self._config = config or WorkloadConfig()
-        self._rng = random.Random(seed)
-        self._transport = transport
-        self._counts = {"sent": 0, "ok": 0, "failed": 0, "unfinished": 0}
-        self.first_error = ""
-
-    def counts(self) -> WorkloadCounts:
-        return WorkloadCounts(**self._counts)
-
-    def body(self) -> dict[str, Any]:
-        """The next request: a model by weight, a shared system prompt, a short question."""
-        body = chat_body(self._rng, DEMO_PROMPTS, MODELS, MODEL_WEIGHTS)
-        return {**body, "max_tokens": self._config.max_tokens}
-
-    async def run(self, stop: asyncio.Event) -> None:
-        """Send until ``stop`` is set; requests still in flight then are cancelled."""
-        config = self._config
-        timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
-        client = httpx.AsyncClient(
-            base_url=self._gateway, timeout=timeout, transport=self._transport
-        )
-        arrivals = Arrivals(config.rate, config.max_in_flight, self._rng)
-        async with client, asyncio.TaskGroup() as tasks:
-            await arrivals.run(stop, lambda: tasks.create_task(self._one(client, self.body())))
-            for task in arrivals.pending:
-                task.cancel()
-
-    async def _one(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:
-        self._counts["sent"] += 1
-        try:
-            response = await client.post("/v1/chat/completions", json=body)
-        except asyncio.CancelledError:
-            self._counts["unfinished"] += 1
-            raise
-        except httpx.HTTPError as exc:
-            self._failed(f"{type(exc).__name__}: {exc}")
-            return
-        if response.status_code == 200:
-            self._counts["ok"] += 1
-        else:
-            self._failed(f"HTTP {response.status_code}: {response.text[:200]}")
-
-    def _failed(self, why: str) -> None:
-        self._counts["failed"] += 1
-        if not self.first_error:
-            self.first_error = why
-        log.debug("demo workload: a request failed: %s", why)
-
-
-# --- the summary (pure) --------------------------------------------------------------------
-
-
-def decisions_by_tier(gateway_metrics: str) -> tuple[tuple[str, int, int], ...]:
-    """(tier, decisions, of which hits) from ``llmgw_prefix_decisions_total``, by tier."""
-    totals: dict[str, list[int]] = {}
-    for labels, value in metric_samples(gateway_metrics, "llmgw_prefix_decisions_total"):
-        tier = totals.setdefault(labels.get("tier", "?"), [0, 0])
-        tier[0] += int(value)
-        if labels.get("outcome") == "hit":
-            tier[1] += int(value)
-    return tuple((t, n, hits) for t, (n, hits) in sorted(totals.items()))
-
-
-def _metric_sum(text: str, name: str) -> float:
-    return sum(value for _, value in metric_samples(text, name))
-
-
-@dataclass(frozen=True, slots=True)
-class DemoSummary:
-    """What the demo did, for the lines printed at its end."""
-
-    seconds: float
-    replicas_ready: int
-    replicas_total: int
-    requests: WorkloadCounts
-    first_error: str = ""
-    decisions: tuple[tuple[str, int, int], ...] = ()  # (tier, decisions, hits)
-    prefix_hit_tokens: float = 0.0
-    prefix_query_tokens: float = 0.0
-    unavailable: tuple[str, ...] = ()  # what could not be read, in words
-
-
-def render_summary(summary: DemoSummary) -> str:
-    r = summary.requests
-    rows = [
-        ("replicas READY", f"{summary.replicas_ready}/{summary.replicas_total}"),
-        (
-            "requests",
-            f"{r.sent} sent in {summary.seconds:.0f}s: {r.ok} ok, {r.failed} failed"
-            + (f", {r.unfinished} cut at stop" if r.unfinished else ""),
-        ),  # fmt: skip
-        (
-            "decisions by tier",
-            ", ".join(f"{t} {n} ({h} hits)" for t, n, h in summary.decisions) or "none reported",
-        ),  # fmt: skip
-        ("prefix cache", _hit_rate(summary)),
-    ]
-    if summary.first_error:
-        rows.append(("first failure", summary.first_error))
-    rows.extend(("not read", what) for what in summary.unavailable)
-    width = max(len(name) for name, _ in rows)
-    return "\n".join(f"  {name:<{width}}  {value}" for name, value in rows)
-
-
-def _hit_rate(summary: DemoSummary) -> str:
-    if summary.prefix_query_tokens <= 0:
-        return "no prompt tokens queried yet"
-    rate = summary.prefix_hit_tokens / summary.prefix_query_tokens
-    return (
-        f"hit rate {rate:.0%} ({summary.prefix_hit_tokens:.0f} of "
-        f"{summary.prefix_query_tokens:.0f} prompt tokens from cache, READY engines)"
-    )
 
 
 # --- the run -------------------------------------------------------------------------------
@@ -601,8 +445,8 @@ async def _summarize(
         requests=workload.counts(),
         first_error=workload.first_error,
         decisions=decisions_by_tier(gateway),
-        prefix_hit_tokens=sum(_metric_sum(t, "vllm:prefix_cache_hits_total") for t in engines),
-        prefix_query_tokens=sum(_metric_sum(t, "vllm:prefix_cache_queries_total") for t in engines),
+        prefix_hit_tokens=sum(metric_sum(t, "vllm:prefix_cache_hits_total") for t in engines),
+        prefix_query_tokens=sum(metric_sum(t, "vllm:prefix_cache_queries_total") for t in engines),
         unavailable=tuple(unavailable),
     )
 

@@ -24,8 +24,8 @@ import pytest
 
 from llmgw.agent.process import is_running
 from llmgw.agent.records import RecordStore
-from llmgw.cli.demo import (
-    DEMO_DOCUMENT,
+from llmgw.cli.demo import DEMO_DOCUMENT
+from llmgw.cli.demo_traffic import (
     DemoSummary,
     Workload,
     WorkloadConfig,
