@@ -4,14 +4,15 @@ Real processes, logs under ``STATE_DIR/logs``: ``llmgw server`` with its gateway
 loopback ports (50051, 8080 and 8000 when free, so ``llmgw get …`` needs no ``--server``),
 its engines on ``--engine-ports`` or else 20000-29999 when the bottom of that range is free
 and a random free window otherwise (``llmgw.engineports.default_or_window``: a cluster
-started with the defaults may be running beside the demo);
-an ``llmgw agent --simulate FIXTURE`` per node of ``DEMO_NODES``, running the simulated
-vLLM as its ``sim`` engine; ``DEMO_DOCUMENT``'s deployments (KV events on), applied through
-the API; a light ``Workload`` (``llmgw.cli.demo_traffic``) of chat completions through the gateway sharing long system
-prompts, so routing decisions and the engines' prefix caches move; and ``llmgw console`` on
-this terminal. Quitting the console stops everything and prints a summary: replicas READY,
-requests sent/ok/failed, the gateway's decisions by tier (its ``/metrics``) and the READY
-engines' prefix-cache hit rate (Σ ``vllm:prefix_cache_hits_total`` / Σ ``…queries_total``).
+started with the defaults may be running beside the demo); an ``llmgw agent --simulate
+FIXTURE`` per node of ``DEMO_NODES``, running the simulated vLLM as its ``sim`` engine;
+``DEMO_DOCUMENT``'s deployments (KV events on), applied through the API; a light
+``Workload`` (``llmgw.cli.demo_traffic``) of chat completions through the gateway sharing
+long system prompts, so routing decisions and the engines' prefix caches move; and ``llmgw
+console`` on this terminal. Quitting the console stops everything and prints a summary:
+replicas READY, requests sent/ok/failed, the gateway's decisions by tier (its ``/metrics``)
+and the READY engines' prefix-cache hit rate (Σ ``vllm:prefix_cache_hits_total`` / Σ
+``…queries_total``).
 ``--headless`` (or no terminal) runs the same without the console for ``--duration``
 seconds. Ctrl-C or SIGTERM stop it cleanly at any point: the children have sessions of
 their own, so the demo stops them in order, then the engines the agents leave for adoption.
