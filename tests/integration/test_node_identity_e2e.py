@@ -126,8 +126,9 @@ def test_a_duplicate_agent_is_refused_naming_the_holder_and_takes_over_when_it_d
 
     fleet.kill("n1")  # the holder dies: the newcomer takes over within about the grace
     killed = time.monotonic()
-    wait_for(lambda: _registrations(fleet, "n1") == 2, 12, "the second agent registered")
-    assert time.monotonic() - killed < 5 + 5 * 1.25  # grace 5 s, then one retry hint at most
+    wait_for(lambda: _registrations(fleet, "n1") == 2, 15, "the second agent registered")
+    # grace 5 s, then one retry hint at most (+2 s for a loaded machine's scheduling)
+    assert time.monotonic() - killed < 5 + 5 * 1.25 + 2
     wait_for(lambda: fleet.node_states() == {"n1": READY}, 10, "n1 READY again")
     assert (
         wait_for(lambda: _ready_replica(fleet), 30, "the replica READY")["replicaId"]

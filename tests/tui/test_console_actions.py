@@ -539,7 +539,7 @@ async def test_p_reprofiles_the_deployment_to_a_profile_chosen_from_the_list(
             "deployment chat reprofiled to chat-b"
         )
         assert [d.get("profile") for d in await in_thread(fleet.get, "deployments")] == ["chat-b"]
-        await until(pilot, lambda: "↻old" in screen_text(app), 10, "old replicas marked")
+        await until(pilot, lambda: "↻old" in screen_text(app), 30, "old replicas marked")
 
         def rolled() -> bool:
             rows = table(app).snapshot.replicas.values()
