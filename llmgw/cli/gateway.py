@@ -2,7 +2,8 @@
 
 It serves what the in-server gateway serves (``llmgw.gateway.app``) and learns
 the replicas from the control server's router feed (``llmgw.gateway.feed``), so
-gateways scale out beside one control server. While the control server is away it keeps
+gateways scale out beside one control server; ``llmgw.gateway.standalone`` runs it, this
+module reads and checks the flags. While the control server is away it keeps
 routing with the last replicas it knew and reconnects by itself. SIGINT and SIGTERM stop
 it: the listener closes, requests in flight are cancelled, the feed's channel is closed.
 With ``--token-file`` the feed presents a gateway-role token; with ``--ca-file`` the feed
@@ -22,11 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import logging
-import socket
-import time
-from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -43,17 +39,11 @@ from llmgw.cli.flags import (
 )
 from llmgw.cli.httplimits import add_http_limit_flags, http_limits
 from llmgw.cli.tls import add_ca_flag, add_listen_flags, connect_context, listen_files
-from llmgw.signals import stop_on_signals
 
 if TYPE_CHECKING:
     import ssl
 
-    import grpclib.client
-    import grpclib.events
-
-    from llmgw.gateway.app import Gateway, GatewayConfig
-
-log = logging.getLogger(__name__)
+    from llmgw.gateway.app import GatewayConfig
 
 DEFAULT_SERVER = "127.0.0.1:50051"
 DEFAULT_LISTEN = "127.0.0.1:8000"
@@ -212,6 +202,7 @@ def _run_on_uvloop(
     import uvloop
 
     from llmgw.fdlimit import within_fd_limits
+    from llmgw.gateway.standalone import run_gateway
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         main = run_gateway(
@@ -229,91 +220,3 @@ def _run_on_uvloop(
 class _Reporting:
     gateway_id: str | None  # --gateway-id; None: HOST:PORT
     interval_s: float  # 0: off
-
-
-def with_bearer(channel: grpclib.client.Channel, token: str | None) -> grpclib.client.Channel:
-    """``channel``, sending ``authorization: Bearer TOKEN`` on every call when given one."""
-    import grpclib.events
-
-    if token:
-        value = f"Bearer {token}"
-
-        async def _authorize(event: grpclib.events.SendRequest) -> None:
-            event.metadata["authorization"] = value
-
-        grpclib.events.listen(channel, grpclib.events.SendRequest, _authorize)
-    return channel
-
-
-async def run_gateway(
-    server: tuple[str, int],
-    config: GatewayConfig,
-    stop: asyncio.Event | None = None,
-    *,
-    token: str | None = None,
-    feed_tls: ssl.SSLContext | None = None,
-    gateway_id: str | None = None,
-    report_interval_s: float = DEFAULT_REPORT_INTERVAL_S,
-) -> None:
-    """Serve until SIGINT/SIGTERM (or ``stop`` is set), following ``server``'s feed (over
-    TLS with ``feed_tls``, a client context) and reporting its figures there every
-    ``report_interval_s`` (0: never) as ``gateway_id`` (None: this host's name and port)."""
-    from llmgw.gateway.app import Gateway
-    from llmgw.gateway.feed import feed_channel, follow
-    from llmgw.gateway.routing.table import RoutingTable
-
-    stop = stop or asyncio.Event()
-    started_ms = int(time.time() * 1000)
-    table = RoutingTable()
-    gateway = Gateway(table, config)
-    host, port = await gateway.start()
-    channel = lambda: with_bearer(feed_channel(*server, ssl=feed_tls), token)  # noqa: E731
-    try:
-        log.info(
-            "llmgw gateway: OpenAI API on %s://%s:%d (policy %s), following %s:%d over %s",
-            "http" if config.tls is None else "https",
-            host,
-            port,
-            config.policy,
-            *server,
-            "plaintext" if feed_tls is None else "TLS",
-        )
-        name = gateway_id or f"{socket.gethostname()}:{port}"
-        reporting = _reporting(channel, gateway, name, started_ms, report_interval_s)
-        async with reporting:
-            with stop_on_signals(stop):
-                await follow(channel, table, stop=stop, index=gateway.kv_index)
-    finally:
-        await gateway.stop()
-    log.info("llmgw gateway stopped")
-
-
-@contextlib.asynccontextmanager
-async def _reporting(
-    channel_factory: Callable[[], grpclib.client.Channel],
-    gateway: Gateway,
-    name: str,
-    started_ms: int,
-    interval_s: float,
-) -> AsyncIterator[None]:
-    """Report ``gateway``'s figures while the block runs (nothing with ``interval_s`` 0)."""
-    if interval_s <= 0:
-        log.info("llmgw gateway: reporting routing figures is off (--report-interval 0)")
-        yield
-        return
-    from llmgw.gateway.reporter import ReportConfig, instance_id, report_forever
-
-    report = ReportConfig(
-        gateway_id=instance_id(name),
-        started_at_unix_ms=started_ms,
-        interval_s=interval_s,
-        timeout_s=min(5.0, max(1.0, interval_s)),
-    )
-    channel = channel_factory()
-    task = asyncio.create_task(report_forever(channel, gateway, report), name="router-report")
-    try:
-        yield
-    finally:
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        channel.close()

@@ -11,7 +11,9 @@ control server (``llmgw server``, fed in process from the plane). Two parts:
   (``engines``), the router feed follower (``feed``), the reporter (``reporter``, with the
   figures it sends: ``stats``), the OpenAI request reading (``openai``), client API keys
   (``apikeys``), ``/metrics`` (``metrics``), errors (``errors``), and ``app``: the
-  :class:`Gateway` that puts them together.
+  :class:`Gateway` that puts them together;
+- ``standalone``: ``run_gateway``, the gateway as a process of its own (``llmgw gateway``):
+  a `Gateway` following a server's feed and reporting to it.
 
 It imports the standard library, its dependencies, ``llmgw.api``, ``llmgw.protocol``,
 ``llmgw.kvcache`` and the neutral top-level modules (``llmgw.httpguard``...), never
