@@ -37,7 +37,8 @@ from llmgw.cli.rpc import call
 from llmgw.cli.tables import render_table
 from llmgw.client import ControlClient, RpcError, Timeouts
 from llmgw.printable import escape
-from llmgw.server.core.profiles import CPU_CLASS, Document, parse_document, profile_fingerprint
+from llmgw.server.core.fingerprint import profile_fingerprint
+from llmgw.server.core.profiles import CPU_CLASS, Document, parse_document
 from llmgw.server.errors import ProfileError
 
 # The desired-state helpers live with the server; this reads the document the same way.

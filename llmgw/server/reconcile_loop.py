@@ -53,9 +53,9 @@ from collections.abc import Awaitable, Callable, Mapping, Sequence
 from llmgw.api.llmgw.v1 import ControlMessage, Deployment, EngineProfile, NodeState
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange, format_port_range
 from llmgw.server.core.capacity import node_capacity
+from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.core.placement import FleetPlacer
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
-from llmgw.server.core.profiles import profile_fingerprint
 from llmgw.server.core.reconcile_state import (
     Decision,
     Lifecycle,
@@ -70,7 +70,8 @@ from llmgw.server.core.reconcile_state import (
 from llmgw.server.core.reconciler import reconcile
 from llmgw.server.errors import StoreUnwritable
 from llmgw.server.state.plane import ControlPlane, node_address
-from llmgw.server.state.store import AuditRecord, now_ms
+from llmgw.server.state.store import now_ms
+from llmgw.server.state.storeschema import AuditRecord
 
 __all__ = ["ACTOR", "ReconcileLoop", "SendFn", "api_key_for"]
 

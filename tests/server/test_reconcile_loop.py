@@ -23,7 +23,9 @@ from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord, crash_de
 from llmgw.server.reconcile_loop import ReconcileLoop, api_key_for
 from llmgw.server.state.desired import check_apply
 from llmgw.server.state.plane import ControlPlane
-from llmgw.server.state.store import SCHEMA_VERSION, Store, decode_replica, encode_replica
+from llmgw.server.state.replicajson import decode_replica, encode_replica
+from llmgw.server.state.store import Store
+from llmgw.server.state.storeschema import SCHEMA_VERSION
 
 PROFILE = EngineProfile(
     name="chat-tp2", engine="sim", gpu_class="H100", tp=2, model_path="/m/chat",

@@ -39,13 +39,12 @@ model name.
 path (:class:`~llmgw.server.errors.ProfileError`); nothing partial is returned. Each
 profile comes back with every default filled in, so equal documents give equal messages.
 :func:`render_document` writes a document back as TOML that parses to the same document.
-:func:`profile_fingerprint` hashes what changes the running engine process.
+``llmgw.server.core.fingerprint`` hashes what of a profile changes the running engine process.
 """
 
 from __future__ import annotations
 
 import difflib
-import hashlib
 import json
 import re
 import tomllib
@@ -61,8 +60,7 @@ from llmgw.api.llmgw.v1 import Deployment, EngineProfile, LoraAdapter
 from llmgw.server.errors import ProfileError
 
 __all__ = [
-    "CPU_CLASS", "ENGINES", "MAX_REPLICAS", "Document", "parse_document",
-    "profile_fingerprint", "render_document",
+    "CPU_CLASS", "ENGINES", "MAX_REPLICAS", "Document", "parse_document", "render_document",
 ]  # fmt: skip
 
 ENGINES = frozenset({"vllm", "sglang", "llamacpp", "sim"})
@@ -561,41 +559,3 @@ def _toml_value(value: object) -> str:
 def _toml_string(text: str) -> str:
     """A TOML basic string: JSON's escapes are TOML's, and TOML escapes DEL too."""
     return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
-
-
-# -- fingerprint ---------------------------------------------------------------------------
-
-
-def profile_fingerprint(profile: EngineProfile) -> str:
-    """``fp-`` and 16 hex digits of SHA-256 over what changes the running engine process.
-
-    Included: engine, gpu_class, tp, pp, gpus_per_node, nodes, args (in order: a later flag
-    overrides an earlier one), env (as a set: order means nothing to a process), model_path,
-    served_model_name, adapters (as a set: vLLM's ``--lora-modules`` order changes nothing),
-    kv_events and cpu_threads. Left out: the name (renaming a profile must not restart its
-    engines) and min_gpu_memory_bytes (it only steers placement). Unset sizes hash as their
-    defaults (tp 0 as 1, an empty served_model_name as model_path's last component), so a
-    profile from the API that left them out matches the same profile from a file. A field
-    added later must be hashed only when set, so existing fingerprints stay the same.
-    """
-    tp, pp, nodes = profile.tp or 1, profile.pp or 1, profile.nodes or 1
-    per_node = profile.gpus_per_node
-    if not per_node and profile.gpu_class != CPU_CLASS:
-        per_node = tp * pp // nodes
-    canonical = {
-        "engine": profile.engine,
-        "gpu_class": profile.gpu_class,
-        "tp": tp,
-        "pp": pp,
-        "gpus_per_node": per_node,
-        "nodes": nodes,
-        "args": list(profile.args),
-        "env": dict(sorted(profile.env.items())),
-        "model_path": profile.model_path,
-        "served_model_name": profile.served_model_name or PurePosixPath(profile.model_path).name,
-        "adapters": sorted([a.name, a.path] for a in profile.adapters),
-        "kv_events": profile.kv_events,
-        "cpu_threads": profile.cpu_threads,
-    }
-    blob = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
-    return "fp-" + hashlib.sha256(blob.encode("ascii")).hexdigest()[:16]

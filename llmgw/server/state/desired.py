@@ -44,13 +44,15 @@ from llmgw.api.llmgw.v1 import (
     WatchEvent,
 )
 from llmgw.server.core.capacity import NodeCapacity, node_capacity
+from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.core.placement import Taken, place_deployment
 from llmgw.server.core.plan import ReplicaPlan, Unplaceable
-from llmgw.server.core.profiles import CPU_CLASS, Document, parse_document, profile_fingerprint
+from llmgw.server.core.profiles import CPU_CLASS, Document, parse_document
 from llmgw.server.core.profiles import render_document as _render
 from llmgw.server.errors import ProfileError
 from llmgw.server.state.statefile import unreadable_row
-from llmgw.server.state.store import Store, StoredDeployment, StoredProfile, now_ms
+from llmgw.server.state.store import Store, now_ms
+from llmgw.server.state.storeschema import StoredDeployment, StoredProfile
 from llmgw.server.state.watch import WatchHub
 
 __all__ = [

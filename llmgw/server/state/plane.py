@@ -81,8 +81,9 @@ from llmgw.server.state.inventory import Inventory, InventoryConfig, NodeRecord
 from llmgw.server.state.kvblocks import DecodedKvDelta, KvBlocks, leader_replica
 from llmgw.server.state.kvfollow import KvFollowBoard
 from llmgw.server.state.statefile import unreadable_row
-from llmgw.server.state.store import AuditRecord, Store, StoredNode, now_ms
+from llmgw.server.state.store import Store, now_ms
 from llmgw.server.state.storehealth import WriteRetry
+from llmgw.server.state.storeschema import AuditRecord, StoredNode
 from llmgw.server.state.watch import WatchHub
 
 log = logging.getLogger(__name__)

@@ -3,15 +3,13 @@
 What is kept: every node ever seen (its last registration, whether it is cordoned, when it
 was first and last seen), the audit log of operator actions, and the desired state: engine
 profiles and deployments, each as its serialized message; and the replicas the reconciler
-decided on (``ReplicaRecord``, as JSON: its plan, the profile it was placed with, its
-lifecycle, serial, API key and the replica it replaces; RETIRED ones are kept, so their
-shards stay fenced); and the operator requests still to carry out on replicas (``retire``:
-drained by an operator; ``replace``: moved off a drained node); and the tokens of
-``llmgw.server.wire.auth`` (their SHA-256 only, never the tokens).
+decided on (``ReplicaRecord``, as JSON: ``llmgw.server.state.replicajson``; RETIRED ones
+are kept, so their shards stay fenced); and the operator requests still to carry out on
+replicas (``retire``: drained by an operator; ``replace``: moved off a drained node); and
+the tokens of ``llmgw.server.wire.auth`` (their SHA-256 only, never the tokens).
 
-Schema versions (``PRAGMA user_version``): 1 holds nodes and the audit log; 2 adds the
-profiles and deployments tables; 3 adds the replicas table; 4 the replica requests; 5 the tokens;
-6 the node ids a token is bound to and whether a node was ever READY.
+Schema versions (``PRAGMA user_version``): the tables of each, the migrations between
+them and the rows read from them are in ``llmgw.server.state.storeschema``.
 Opening an older file migrates it forward step by step in one transaction; a newer one is
 refused. Beside the versioned schema, the ``llmgw_meta`` table holds the database's
 identity (its cluster id: ``llmgw.server.state.statefile``, which also says which files are
@@ -36,25 +34,21 @@ raises StoreUnwritable, and ``health`` says so until a write commits again.
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import functools
-import json
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Iterable
-from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 import aiosqlite
 
-from llmgw.api.llmgw.v1 import EngineProfile
-from llmgw.server.core.plan import ReplicaPlan, ShardPlan
-from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.server.core.reconcile_state import ReplicaRecord
 from llmgw.server.errors import StoreError
+from llmgw.server.state.replicajson import decode_replica, encode_replica
 from llmgw.server.state.statefile import (
     check_llmgw_tables,
     ensure_cluster_id,
@@ -63,133 +57,21 @@ from llmgw.server.state.statefile import (
     unreadable_row,
 )
 from llmgw.server.state.storehealth import WriteHealth
+from llmgw.server.state.storeschema import (
+    COLUMNS_6,
+    MIGRATIONS,
+    REQUEST_KINDS,
+    SCHEMA_VERSION,
+    AuditRecord,
+    StoredDeployment,
+    StoredNode,
+    StoredProfile,
+    add_columns,
+)
 from llmgw.server.state.tokens import Role, StoredToken
 from llmgw.statefiles import owner_only_umask, private_dir, private_files, sidecars
 
 log = logging.getLogger(__name__)
-
-SCHEMA_VERSION = 6
-
-_SCHEMA_1 = """
-CREATE TABLE IF NOT EXISTS nodes (
-    node_id     TEXT PRIMARY KEY,
-    info        BLOB NOT NULL,          -- llmgw.v1.NodeInfo, serialized
-    cordoned    INTEGER NOT NULL DEFAULT 0,
-    first_seen  INTEGER NOT NULL,       -- Unix ms
-    last_seen   INTEGER NOT NULL        -- Unix ms
-);
-CREATE TABLE IF NOT EXISTS audit (
-    id      INTEGER PRIMARY KEY AUTOINCREMENT,
-    at      INTEGER NOT NULL,           -- Unix ms
-    actor   TEXT NOT NULL,
-    action  TEXT NOT NULL,
-    target  TEXT NOT NULL,
-    result  TEXT NOT NULL
-);
-"""
-
-_SCHEMA_2 = """
-CREATE TABLE IF NOT EXISTS profiles (
-    name        TEXT PRIMARY KEY,
-    profile     BLOB NOT NULL,          -- llmgw.v1.EngineProfile, serialized
-    fingerprint TEXT NOT NULL,          -- profile_fingerprint of it
-    updated     INTEGER NOT NULL        -- Unix ms
-);
-CREATE TABLE IF NOT EXISTS deployments (
-    name        TEXT PRIMARY KEY,
-    deployment  BLOB NOT NULL,          -- llmgw.v1.Deployment, serialized
-    updated     INTEGER NOT NULL        -- Unix ms
-);
-"""
-
-_SCHEMA_3 = """
-CREATE TABLE IF NOT EXISTS replicas (
-    replica_id  TEXT PRIMARY KEY,
-    record      TEXT NOT NULL,          -- ReplicaRecord as JSON (encode_replica)
-    updated     INTEGER NOT NULL        -- Unix ms
-);
-"""
-
-_SCHEMA_4 = """
-CREATE TABLE IF NOT EXISTS replica_requests (
-    replica_id  TEXT PRIMARY KEY,
-    kind        TEXT NOT NULL,          -- 'retire' or 'replace'
-    at          INTEGER NOT NULL        -- Unix ms
-);
-"""
-
-_SCHEMA_5 = """
-CREATE TABLE IF NOT EXISTS tokens (
-    id          INTEGER PRIMARY KEY AUTOINCREMENT,
-    role        TEXT NOT NULL,          -- llmgw.server.state.tokens.Role value
-    hash        TEXT NOT NULL UNIQUE,   -- SHA-256 of the token, hex; never the token
-    created     INTEGER NOT NULL,       -- Unix ms
-    note        TEXT NOT NULL DEFAULT ''
-);
-"""
-
-_COLUMNS_6 = (
-    ("tokens", "nodes", "TEXT NOT NULL DEFAULT ''"),  # bound node ids, comma-separated
-    ("nodes", "ever_ready", "INTEGER NOT NULL DEFAULT 1"),  # a heartbeat ever came
-)
-"""Version 6 adds columns; SQLite has no ADD COLUMN IF NOT EXISTS, so the script adds the
-ones a file lacks (`_add_columns`)."""
-_SCHEMA_6 = ""
-
-# The script that brings a file from version N-1 to N, by N.
-_MIGRATIONS = {
-    1: _SCHEMA_1,
-    2: _SCHEMA_2,
-    3: _SCHEMA_3,
-    4: _SCHEMA_4,
-    5: _SCHEMA_5,
-    6: _SCHEMA_6,
-}
-
-REQUEST_KINDS = ("retire", "replace")
-"""What an operator asked of a replica: retire it (a drain), or replace it (a node drain)."""
-
-
-@dataclass(frozen=True, slots=True)
-class StoredNode:
-    """A node as the store remembers it."""
-
-    node_id: str
-    info: bytes
-    cordoned: bool
-    first_seen_ms: int
-    last_seen_ms: int
-    ever_ready: bool = True  # a heartbeat came on one of its streams (never-READY ones are pruned)
-
-
-@dataclass(frozen=True, slots=True)
-class StoredProfile:
-    """An engine profile as the store keeps it."""
-
-    name: str
-    profile: bytes  # llmgw.v1.EngineProfile, serialized
-    fingerprint: str
-    updated_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class StoredDeployment:
-    """A deployment as the store keeps it."""
-
-    name: str
-    deployment: bytes  # llmgw.v1.Deployment, serialized
-    updated_ms: int
-
-
-@dataclass(frozen=True, slots=True)
-class AuditRecord:
-    """One operator action: who did what to which target, when, and how it ended."""
-
-    at_ms: int
-    actor: str
-    action: str
-    target: str
-    result: str
 
 
 def now_ms() -> int:
@@ -316,8 +198,8 @@ class Store:
             )
         if version == SCHEMA_VERSION:
             return
-        script = "".join(_MIGRATIONS[v] for v in range(version + 1, SCHEMA_VERSION + 1))
-        script += await _add_columns(db, _COLUMNS_6)
+        script = "".join(MIGRATIONS[v] for v in range(version + 1, SCHEMA_VERSION + 1))
+        script += await add_columns(db, COLUMNS_6)
         # One transaction: a migration cut short leaves the file at its old version.
         await db.executescript(f"BEGIN;\n{script}\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;")
         if version:
@@ -622,86 +504,3 @@ def _sync_directory(folder: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
-
-
-# --- replica records as JSON ----------------------------------------------------------------
-
-
-async def _add_columns(db: aiosqlite.Connection, columns: Iterable[tuple[str, str, str]]) -> str:
-    """``ALTER TABLE … ADD COLUMN`` for each (table, column, type) the file lacks; a table
-    the same migration creates has them already."""
-    script = ""
-    for table, column, kind in columns:
-        async with db.execute(f"PRAGMA table_info({table})") as cursor:
-            present = {str(row[1]) for row in await cursor.fetchall()}
-        if column not in present:  # an absent table is created earlier in the script
-            script += f"ALTER TABLE {table} ADD COLUMN {column} {kind};\n"
-    return script
-
-
-def encode_replica(record: ReplicaRecord) -> str:
-    """``record`` as JSON text: the plan's fields, the profile's bytes in base64."""
-    plan = record.plan
-    return json.dumps(
-        {
-            "replica_id": plan.replica_id,
-            "deployment": plan.deployment,
-            "profile_name": plan.profile,
-            "fingerprint": plan.fingerprint,
-            "master_port": plan.master_port,
-            "shards": [_shard_json(s) for s in plan.shards],
-            "profile": base64.b64encode(bytes(record.profile)).decode(),
-            "lifecycle": record.lifecycle.value,
-            "serial": record.serial,
-            "api_key": record.api_key,
-            "replaces": record.replaces,
-        },
-        sort_keys=True,
-    )
-
-
-def _shard_json(shard: ShardPlan) -> dict[str, Any]:
-    return {
-        "shard_id": shard.shard_id,
-        "node_id": shard.node_id,
-        "rank": shard.rank,
-        "gpu_uuids": list(shard.gpu_uuids),
-        "port": shard.port,
-        "hcas": list(shard.hcas),
-        "cpu_threads": shard.cpu_threads,
-    }
-
-
-def decode_replica(text: str) -> ReplicaRecord:
-    """The record :func:`encode_replica` wrote; ValueError, KeyError or TypeError if not one."""
-    data = json.loads(text)
-    plan = ReplicaPlan(
-        replica_id=str(data["replica_id"]),
-        deployment=str(data["deployment"]),
-        profile=str(data["profile_name"]),
-        fingerprint=str(data["fingerprint"]),
-        shards=tuple(_shard_plan(s) for s in data["shards"]),
-        master_port=int(data["master_port"]),
-    )
-    if not plan.shards:
-        raise ValueError("a replica record without shards")
-    return ReplicaRecord(
-        plan=plan,
-        profile=EngineProfile.parse(base64.b64decode(data["profile"], validate=True)),
-        lifecycle=Lifecycle(data["lifecycle"]),
-        serial=int(data["serial"]),
-        api_key=str(data["api_key"]),
-        replaces=str(data["replaces"]),
-    )
-
-
-def _shard_plan(data: dict[str, Any]) -> ShardPlan:
-    return ShardPlan(
-        shard_id=str(data["shard_id"]),
-        node_id=str(data["node_id"]),
-        rank=int(data["rank"]),
-        gpu_uuids=tuple(str(u) for u in data["gpu_uuids"]),
-        port=int(data["port"]),
-        hcas=tuple(str(h) for h in data["hcas"]),
-        cpu_threads=int(data["cpu_threads"]),
-    )

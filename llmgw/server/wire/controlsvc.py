@@ -58,7 +58,7 @@ from llmgw.api.llmgw.v1 import (
     WatchRequest,
 )
 from llmgw.gateway import Gateway, router_stats
-from llmgw.server.core.profiles import profile_fingerprint
+from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.errors import ProfileError, UnknownNode, quoted
 from llmgw.server.state.desired import (
     MESSAGE_LIMIT,
@@ -69,7 +69,7 @@ from llmgw.server.state.desired import (
     refusal,
 )
 from llmgw.server.state.plane import ControlPlane
-from llmgw.server.state.store import AuditRecord
+from llmgw.server.state.storeschema import AuditRecord
 from llmgw.server.wire import actions
 from llmgw.server.wire.auth import ANONYMOUS_ACTOR, REDACTED, current_actor, sees_secrets
 from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine

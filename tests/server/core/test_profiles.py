@@ -14,12 +14,12 @@ from hypothesis import strategies as st
 
 from llmgw import engineinput
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile, LoraAdapter
+from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.core.profiles import (
     ENGINES,
     MAX_REPLICAS,
     Document,
     parse_document,
-    profile_fingerprint,
     render_document,
 )
 from llmgw.server.errors import ProfileError, ServerError

@@ -22,7 +22,8 @@ from llmgw.api.llmgw.v1 import (
 )
 from llmgw.cli.apply import _requests
 from llmgw.cli.main import main
-from llmgw.server.core.profiles import parse_document, profile_fingerprint
+from llmgw.server.core.fingerprint import profile_fingerprint
+from llmgw.server.core.profiles import parse_document
 from llmgw.server.errors import ProfileError
 from llmgw.server.state.desired import MESSAGE_LIMIT, check_apply, parse_with_profiles
 from llmgw.server.state.plane import ControlPlane

@@ -11,7 +11,8 @@ import pytest
 
 from llmgw.server.errors import StoreError
 from llmgw.server.state.statefile import valid_cluster_id
-from llmgw.server.state.store import _SCHEMA_1, _SCHEMA_2, Store
+from llmgw.server.state.store import Store
+from llmgw.server.state.storeschema import _SCHEMA_1, _SCHEMA_2
 
 
 async def test_a_new_database_has_a_cluster_id_that_stays(tmp_path: Path) -> None:

@@ -9,7 +9,8 @@ from pathlib import Path
 import pytest
 
 from llmgw.server.errors import StoreError
-from llmgw.server.state.store import AuditRecord, Store, StoredNode
+from llmgw.server.state.store import Store
+from llmgw.server.state.storeschema import AuditRecord, StoredNode
 
 
 async def test_nodes_and_audit_survive_reopen(tmp_path: Path) -> None:

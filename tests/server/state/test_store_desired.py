@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from llmgw.server.state.store import (
+from llmgw.server.state.store import Store
+from llmgw.server.state.storeschema import (
     SCHEMA_VERSION,
     AuditRecord,
-    Store,
     StoredDeployment,
     StoredNode,
     StoredProfile,

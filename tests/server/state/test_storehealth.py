@@ -31,13 +31,14 @@ from llmgw.client import ControlClient, GrpcWebChannel, RpcError
 from llmgw.server.core.profiles import parse_document
 from llmgw.server.errors import StoreUnwritable
 from llmgw.server.state.plane import ControlPlane
-from llmgw.server.state.store import AuditRecord, Store
+from llmgw.server.state.store import Store
 from llmgw.server.state.storehealth import (
     WriteRetry,
     install,
     unavailable_when_unwritable,
     unwritable,
 )
+from llmgw.server.state.storeschema import AuditRecord
 from llmgw.server.wire.controlsvc import ControlService
 from llmgw.server.wire.grpcweb import GrpcWebApp
 

@@ -26,7 +26,8 @@ from llmgw.api.llmgw.v1 import (
 from llmgw.cli.main import main
 from llmgw.client import GrpcWebChannel, RpcError
 from llmgw.client.channel import bearer_token
-from llmgw.server.state.store import SCHEMA_VERSION, Store
+from llmgw.server.state.store import Store
+from llmgw.server.state.storeschema import SCHEMA_VERSION
 from llmgw.server.state.tokens import Role
 from llmgw.server.wire.auth import (
     METHOD_ROLES,

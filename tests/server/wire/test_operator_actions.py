@@ -25,11 +25,12 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
 )
 from llmgw.protocol import PROTOCOL_VERSION
-from llmgw.server.core.profiles import profile_fingerprint
+from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.core.reconcile_state import Lifecycle
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.state.plane import ControlPlane
-from llmgw.server.state.store import AuditRecord, Store
+from llmgw.server.state.store import Store
+from llmgw.server.state.storeschema import AuditRecord
 from llmgw.server.wire.controlsvc import ControlService
 
 OLD = EngineProfile(

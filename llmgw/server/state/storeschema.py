@@ -1,0 +1,160 @@
+"""The store's schema, version by version, and the rows it hands out.
+
+Schema versions (``PRAGMA user_version``): 1 holds nodes and the audit log; 2 adds the
+profiles and deployments tables; 3 adds the replicas table (each ``ReplicaRecord`` as JSON:
+``llmgw.server.state.replicajson``); 4 the replica requests; 5 the tokens; 6 the node ids a
+token is bound to and whether a node was ever READY. ``MIGRATIONS`` holds the script that
+brings a file from each version to the next, and ``add_columns`` the columns of version 6 a
+file lacks; ``llmgw.server.state.store`` runs them when it opens a file.
+
+The rows: ``StoredNode``, ``StoredProfile``, ``StoredDeployment`` and ``AuditRecord``, and
+the kinds of replica request (``REQUEST_KINDS``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import aiosqlite
+
+# --- schema, by version ---------------------------------------------------------------------
+
+SCHEMA_VERSION = 6
+
+_SCHEMA_1 = """
+CREATE TABLE IF NOT EXISTS nodes (
+    node_id     TEXT PRIMARY KEY,
+    info        BLOB NOT NULL,          -- llmgw.v1.NodeInfo, serialized
+    cordoned    INTEGER NOT NULL DEFAULT 0,
+    first_seen  INTEGER NOT NULL,       -- Unix ms
+    last_seen   INTEGER NOT NULL        -- Unix ms
+);
+CREATE TABLE IF NOT EXISTS audit (
+    id      INTEGER PRIMARY KEY AUTOINCREMENT,
+    at      INTEGER NOT NULL,           -- Unix ms
+    actor   TEXT NOT NULL,
+    action  TEXT NOT NULL,
+    target  TEXT NOT NULL,
+    result  TEXT NOT NULL
+);
+"""
+
+_SCHEMA_2 = """
+CREATE TABLE IF NOT EXISTS profiles (
+    name        TEXT PRIMARY KEY,
+    profile     BLOB NOT NULL,          -- llmgw.v1.EngineProfile, serialized
+    fingerprint TEXT NOT NULL,          -- profile_fingerprint of it
+    updated     INTEGER NOT NULL        -- Unix ms
+);
+CREATE TABLE IF NOT EXISTS deployments (
+    name        TEXT PRIMARY KEY,
+    deployment  BLOB NOT NULL,          -- llmgw.v1.Deployment, serialized
+    updated     INTEGER NOT NULL        -- Unix ms
+);
+"""
+
+_SCHEMA_3 = """
+CREATE TABLE IF NOT EXISTS replicas (
+    replica_id  TEXT PRIMARY KEY,
+    record      TEXT NOT NULL,          -- ReplicaRecord as JSON (encode_replica)
+    updated     INTEGER NOT NULL        -- Unix ms
+);
+"""
+
+_SCHEMA_4 = """
+CREATE TABLE IF NOT EXISTS replica_requests (
+    replica_id  TEXT PRIMARY KEY,
+    kind        TEXT NOT NULL,          -- 'retire' or 'replace'
+    at          INTEGER NOT NULL        -- Unix ms
+);
+"""
+
+_SCHEMA_5 = """
+CREATE TABLE IF NOT EXISTS tokens (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    role        TEXT NOT NULL,          -- llmgw.server.state.tokens.Role value
+    hash        TEXT NOT NULL UNIQUE,   -- SHA-256 of the token, hex; never the token
+    created     INTEGER NOT NULL,       -- Unix ms
+    note        TEXT NOT NULL DEFAULT ''
+);
+"""
+
+COLUMNS_6 = (
+    ("tokens", "nodes", "TEXT NOT NULL DEFAULT ''"),  # bound node ids, comma-separated
+    ("nodes", "ever_ready", "INTEGER NOT NULL DEFAULT 1"),  # a heartbeat ever came
+)
+"""Version 6 adds columns; SQLite has no ADD COLUMN IF NOT EXISTS, so the script adds the
+ones a file lacks (`add_columns`)."""
+_SCHEMA_6 = ""
+
+# The script that brings a file from version N-1 to N, by N.
+MIGRATIONS = {
+    1: _SCHEMA_1,
+    2: _SCHEMA_2,
+    3: _SCHEMA_3,
+    4: _SCHEMA_4,
+    5: _SCHEMA_5,
+    6: _SCHEMA_6,
+}
+
+
+async def add_columns(db: aiosqlite.Connection, columns: Iterable[tuple[str, str, str]]) -> str:
+    """``ALTER TABLE … ADD COLUMN`` for each (table, column, type) the file lacks; a table
+    the same migration creates has them already."""
+    script = ""
+    for table, column, kind in columns:
+        async with db.execute(f"PRAGMA table_info({table})") as cursor:
+            present = {str(row[1]) for row in await cursor.fetchall()}
+        if column not in present:  # an absent table is created earlier in the script
+            script += f"ALTER TABLE {table} ADD COLUMN {column} {kind};\n"
+    return script
+
+
+# --- rows -----------------------------------------------------------------------------------
+
+
+REQUEST_KINDS = ("retire", "replace")
+"""What an operator asked of a replica: retire it (a drain), or replace it (a node drain)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredNode:
+    """A node as the store remembers it."""
+
+    node_id: str
+    info: bytes
+    cordoned: bool
+    first_seen_ms: int
+    last_seen_ms: int
+    ever_ready: bool = True  # a heartbeat came on one of its streams (never-READY ones are pruned)
+
+
+@dataclass(frozen=True, slots=True)
+class StoredProfile:
+    """An engine profile as the store keeps it."""
+
+    name: str
+    profile: bytes  # llmgw.v1.EngineProfile, serialized
+    fingerprint: str
+    updated_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class StoredDeployment:
+    """A deployment as the store keeps it."""
+
+    name: str
+    deployment: bytes  # llmgw.v1.Deployment, serialized
+    updated_ms: int
+
+
+@dataclass(frozen=True, slots=True)
+class AuditRecord:
+    """One operator action: who did what to which target, when, and how it ended."""
+
+    at_ms: int
+    actor: str
+    action: str
+    target: str
+    result: str
