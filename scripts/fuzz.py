@@ -174,7 +174,9 @@ def _metrics() -> Target:
 
 
 def _http() -> Target:
-    from llmgw.gateway.httpserver import HttpConnection, HttpServer, ServerLimits
+    from llmgw.gateway.httpconnection import HttpConnection
+    from llmgw.gateway.httplimits import ServerLimits
+    from llmgw.gateway.httpserver import HttpServer
 
     loop = asyncio.new_event_loop()
     written: list[bytes] = []

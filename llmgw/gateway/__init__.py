@@ -5,11 +5,12 @@ control server (``llmgw server``, fed in process from the plane). Two parts:
 
 - ``llmgw.gateway.routing``: the pure routing core (table, load, policies, prefix tree, KV
   index), no I/O;
-- the I/O edges, in this package: the HTTP server and its limits (``httpserver``,
-  ``httplimits``), the upstream client (``upstream``), the proxy (``proxy``), the tokenize
-  client (``tokenize``), the precise tier that uses it (``precise``), the engine poller
-  (``engines``), the router feed follower (``feed``), the reporter (``reporter``, with the
-  figures it sends: ``stats``), the OpenAI request reading (``openai``), client API keys
+- the I/O edges, in this package: the HTTP server (``httpserver``: listening;
+  ``httpconnection``: each connection; ``httprequest``: what handlers get and give) and its
+  limits (``httplimits``), the upstream client (``upstream``), the proxy (``proxy``), the
+  tokenize client (``tokenize``), the precise tier that uses it (``precise``), the engine
+  poller (``engines``), the router feed follower (``feed``), the reporter (``reporter``, with
+  the figures it sends: ``stats``), the OpenAI request reading (``openai``), client API keys
   (``apikeys``), ``/metrics`` (``metrics``), errors (``errors``), and ``app``: the
   :class:`Gateway` that puts them together;
 - ``standalone``: ``run_gateway``, the gateway as a process of its own (``llmgw gateway``):
@@ -25,8 +26,10 @@ and only those.
 from llmgw.gateway.apikeys import ApiKeys
 from llmgw.gateway.app import TOKENIZE_TIMEOUT_S, Gateway, GatewayConfig
 from llmgw.gateway.feed import apply_feed_event, targets_from_snapshot
+from llmgw.gateway.httpconnection import HttpConnection
 from llmgw.gateway.httplimits import ServerLimits
-from llmgw.gateway.httpserver import HttpConnection, HttpServer, Request, status_line
+from llmgw.gateway.httprequest import Request, status_line
+from llmgw.gateway.httpserver import HttpServer
 from llmgw.gateway.routing import (
     POLICIES,
     Decision,

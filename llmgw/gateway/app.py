@@ -59,13 +59,10 @@ from llmgw.gateway.errors import (
     UpstreamProtocolError,
     UpstreamRefused,
 )
-from llmgw.gateway.httpserver import (
-    HttpConnection,
-    HttpServer,
-    Refusal,
-    Request,
-    ServerLimits,
-)
+from llmgw.gateway.httpconnection import HttpConnection
+from llmgw.gateway.httplimits import ServerLimits
+from llmgw.gateway.httprequest import Refusal, Request
+from llmgw.gateway.httpserver import HttpServer
 from llmgw.gateway.metrics import CONTENT_TYPE, GatewayMetrics, kv_index_lines
 from llmgw.gateway.openai import (
     CHAT_PATH,

@@ -32,7 +32,8 @@ import enum
 import time
 
 from llmgw.gateway.errors import UpstreamError, UpstreamRefused
-from llmgw.gateway.httpserver import HttpConnection, Request, status_line
+from llmgw.gateway.httpconnection import HttpConnection
+from llmgw.gateway.httprequest import Request, status_line
 from llmgw.gateway.metrics import GatewayMetrics
 
 RETRY_STATUSES = frozenset({502, 503})

@@ -3,9 +3,10 @@
 The gRPC services (``agentsvc``: agents; ``controlsvc``: operators; ``routersvc``: the router
 feed and gateway reports, kept in ``routerreports``), the operator actions behind them
 (``actions``), authentication (``auth``) and admission (``admission``), the protobuf codec
-(``codec``), the gRPC-web bridge (``grpcweb``) on the gateway's HTTP server through an ASGI
-bridge (``asgihttp``), the native port's connection limits (``grpcport``), the server's
-``/metrics`` (``metrics``) and the test hooks (``testhooks``).
+(``codec``), the gRPC-web bridge (``grpcweb``, a call's stream, reply and run in
+``grpcwebcall``) on the gateway's HTTP server through an ASGI bridge (``asgihttp``), the
+native port's connection limits (``grpcport``), the server's ``/metrics`` (``metrics``) and
+the test hooks (``testhooks``).
 
 May import: the standard library, grpclib and its kin, ``llmgw.api``, ``llmgw.protocol``,
 the neutral top-level modules, ``llmgw.gateway``'s public names, ``llmgw.server.state``,

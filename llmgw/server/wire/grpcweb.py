@@ -2,8 +2,13 @@
 
 The console, browsers and ``buf curl --protocol grpcweb`` reach the very service objects
 that the native gRPC port serves: ``GrpcWebApp`` takes their ``__mapping__()`` and runs the
-generated ``__rpc_*`` handlers with a small stream object (``_WebStream``) in place of
-grpclib's HTTP/2 stream.
+generated ``__rpc_*`` handlers with a small stream object (``grpcwebcall.WebStream``) in
+place of grpclib's HTTP/2 stream.
+
+Here: ``GrpcWebApp`` (browser checks, CORS, health and ``/metrics``, then the call),
+``BrowserGate``, reading a call's request (its headers, metadata, deadline and body, the
+base64 and the frame) and the plain HTTP answers. A call's stream, its reply and the run of
+its handler are in ``grpcwebcall``.
 
 Wire format (https://github.com/grpc/grpc/blob/master/doc/PROTOCOL-WEB.md): a POST whose
 body is frames ``[flag:1][length:4 big-endian][payload]``; the reply is HTTP 200 with data
@@ -45,28 +50,33 @@ from collections.abc import (
     Coroutine,
     Iterable,
     Mapping,
-    MutableMapping,
 )
-from dataclasses import dataclass
 from typing import Any, Final, Protocol
 
 from grpclib.const import Cardinality, Handler, Status
 from grpclib.exceptions import GRPCError
-from grpclib.metadata import Deadline, decode_metadata, encode_grpc_message
+from grpclib.metadata import Deadline, decode_metadata
 from multidict import MultiDict
 
 from llmgw.httpguard import LOOPBACK_ONLY, HttpGuard, Refusal
-from llmgw.server.wire.codec import DEFAULT_MAX_MESSAGE_BYTES, decode_message
+from llmgw.server.wire.codec import DEFAULT_MAX_MESSAGE_BYTES
+from llmgw.server.wire.grpcwebcall import (
+    DATA_FLAG,
+    Headers,
+    Peer,
+    Receive,
+    Reply,
+    Scope,
+    Send,
+    WebStream,
+    invoke,
+    run_until_disconnect,
+)
 
 __all__ = ["BrowserGate", "GrpcWebApp", "most_body_bytes"]
 
 logger = logging.getLogger(__name__)
 
-Scope = MutableMapping[str, Any]
-AsgiMessage = MutableMapping[str, Any]
-Receive = Callable[[], Awaitable[AsgiMessage]]
-Send = Callable[[AsgiMessage], Awaitable[None]]
-Headers = list[tuple[bytes, bytes]]
 Authorize = Callable[[str, str | None], Awaitable[object]]
 """Checks a call (method path, ``authorization`` header); raises GRPCError to refuse it."""
 HandlerFunc = Callable[[Any], Coroutine[Any, Any, None]]
@@ -89,9 +99,7 @@ _HOP_HEADERS: Final = frozenset(
         "content-length",
     }
 )
-_DATA_FLAG: Final = 0x00
 _COMPRESSED_FLAG: Final = 0x01
-_TRAILER_FLAG: Final = 0x80
 _PREFIX_BYTES: Final = 5
 # Runs of base64 characters, each but the last ended by one or two "=": unambiguous, so
 # matching takes linear time ("(?:[...]+={0,2})*" backtracked exponentially on "AAAA…A!").
@@ -213,7 +221,7 @@ class GrpcWebApp:
         if content_type not in _BINARY_TYPES | _TEXT_TYPES:
             await _plain(send, 415, f"unsupported content-type {content_type!r}", cors)
             return
-        reply = _Reply(send, text=content_type in _TEXT_TYPES, content_type=content_type, cors=cors)
+        reply = Reply(send, text=content_type in _TEXT_TYPES, content_type=content_type, cors=cors)
         try:
             stream, handler = await self._prepare(scope, receive, headers, reply)
         except _ClientGone:
@@ -221,13 +229,13 @@ class GrpcWebApp:
         except GRPCError as exc:
             await reply.finish(exc.status, exc.message)
             return
-        outcome = await _run_until_disconnect(_invoke(handler, stream, scope["path"]), receive)
+        outcome = await run_until_disconnect(invoke(handler, stream, scope["path"]), receive)
         if outcome is not None:
             await reply.finish(*outcome)
 
     async def _prepare(
-        self, scope: Scope, receive: Receive, headers: dict[str, str], reply: _Reply
-    ) -> tuple[_WebStream, Handler]:
+        self, scope: Scope, receive: Receive, headers: dict[str, str], reply: Reply
+    ) -> tuple[WebStream, Handler]:
         """Resolve the method, read and unframe the body; GRPCError for the client's faults."""
         if self._authorize is not None:
             await self._authorize(scope["path"], headers.get("authorization"))
@@ -238,12 +246,12 @@ class GrpcWebApp:
         raw = await _read_body(receive, headers, reply.text, self._max_message_bytes)
         body = _decode_base64(raw) if reply.text else raw
         payload = _unframe_request(body, self._max_message_bytes)
-        stream = _WebStream(
+        stream = WebStream(
             payload=payload,
             handler=handler,
             reply=reply,
             metadata=_metadata(scope),
-            peer=_Peer(_client_address(scope)),
+            peer=Peer(_client_address(scope)),
             deadline=deadline,
             user_agent=headers.get("x-user-agent") or headers.get("user-agent"),
         )
@@ -292,163 +300,6 @@ def browser_refusal(browsers: HttpGuard, scope: Scope) -> Refusal | None:
 
 async def _refuse(send: Send, refusal: Refusal) -> None:
     await _plain(send, refusal.status, refusal.message, [(b"vary", b"origin")])
-
-
-# --- the stream handed to generated handlers ---------------------------------------------
-
-
-@dataclass(frozen=True, slots=True)
-class _Peer:
-    """The client's address, like ``grpclib.protocol.Peer``."""
-
-    address: tuple[str, int] | None
-
-    def addr(self) -> tuple[str, int] | None:
-        return self.address
-
-    def cert(self) -> None:
-        return None
-
-
-class _WebStream:
-    """What generated handlers and our services use of ``grpclib.server.Stream``."""
-
-    def __init__(
-        self,
-        *,
-        payload: bytes,
-        handler: Handler,
-        reply: _Reply,
-        metadata: MultiDict[str | bytes],
-        peer: _Peer,
-        deadline: Deadline | None,
-        user_agent: str | None,
-    ) -> None:
-        self.metadata = metadata
-        self.peer = peer
-        self.deadline = deadline
-        self.user_agent = user_agent
-        self.messages_sent = 0
-        self.trailing: tuple[Status, str | None] | None = None
-        self._payload: bytes | None = payload
-        self._handler = handler
-        self._reply = reply
-
-    async def recv_message(self) -> Any:
-        """The request, decoded on the first call; None afterwards."""
-        payload, self._payload = self._payload, None
-        if payload is None:
-            return None
-        return decode_message(payload, self._handler.request_type)
-
-    async def send_initial_metadata(self, *, metadata: object = None) -> None:
-        await self._reply.start()
-
-    async def send_message(self, message: Any) -> None:
-        if not self._handler.cardinality.server_streaming and self.messages_sent:
-            raise RuntimeError("a unary method sent a second reply")
-        await self._reply.frame(_DATA_FLAG, bytes(message))
-        self.messages_sent += 1
-
-    async def send_trailing_metadata(
-        self,
-        *,
-        status: Status = Status.OK,
-        status_message: str | None = None,
-        status_details: object = None,
-        metadata: object = None,
-    ) -> None:
-        """Remember the status: the trailer frame is written when the handler returns."""
-        self.trailing = (status, status_message)
-
-    def outcome(self) -> tuple[Status, str | None]:
-        """The status of a handler that returned normally."""
-        if self.trailing is not None:
-            return self.trailing
-        if not self._handler.cardinality.server_streaming and not self.messages_sent:
-            logger.error("handler %s returned without a reply", self._handler.func)
-            return Status.INTERNAL, "internal error"
-        return Status.OK, None
-
-
-class _Reply:
-    """The HTTP response of one call: headers on the first frame, the trailer frame last."""
-
-    def __init__(self, send: Send, *, text: bool, content_type: str, cors: Headers) -> None:
-        self.text = text
-        self._send = send
-        self._headers = [(b"content-type", content_type.encode("latin-1")), *cors]
-        self._started = False
-
-    async def start(self) -> None:
-        if not self._started:
-            self._started = True
-            await self._send(
-                {"type": "http.response.start", "status": 200, "headers": self._headers}
-            )
-
-    async def frame(self, flag: int, payload: bytes) -> None:
-        await self.start()
-        await self._send(
-            {"type": "http.response.body", "body": self._encode(flag, payload), "more_body": True}
-        )
-
-    async def finish(self, status: Status, message: str | None) -> None:
-        trailer = f"grpc-status:{status.value}\r\n"
-        if message:
-            trailer += f"grpc-message:{encode_grpc_message(message)}\r\n"
-        await self.start()
-        body = self._encode(_TRAILER_FLAG, trailer.encode("ascii"))
-        await self._send({"type": "http.response.body", "body": body, "more_body": False})
-
-    def _encode(self, flag: int, payload: bytes) -> bytes:
-        frame = bytes([flag]) + len(payload).to_bytes(4, "big") + payload
-        return base64.b64encode(frame) if self.text else frame
-
-
-# --- running a handler -------------------------------------------------------------------
-
-
-async def _invoke(handler: Handler, stream: _WebStream, path: str) -> tuple[Status, str | None]:
-    """Run one handler to its status; never raises except for cancellation."""
-    remaining = None if stream.deadline is None else stream.deadline.time_remaining()
-    timeout = asyncio.timeout(remaining)
-    try:
-        async with timeout:
-            await handler.func(stream)
-    except asyncio.CancelledError:
-        raise
-    except TimeoutError:
-        if timeout.expired():
-            return Status.DEADLINE_EXCEEDED, "deadline exceeded"
-        logger.exception("handler of %s failed", path)
-        return Status.INTERNAL, "internal error"
-    except GRPCError as exc:
-        return exc.status, exc.message
-    except Exception:
-        logger.exception("handler of %s failed", path)
-        return Status.INTERNAL, "internal error"
-    return stream.outcome()
-
-
-async def _run_until_disconnect(
-    work: Coroutine[Any, Any, tuple[Status, str | None]], receive: Receive
-) -> tuple[Status, str | None] | None:
-    """Await ``work``, cancelling it when the client disconnects (then None)."""
-    async with asyncio.TaskGroup() as group:
-        call = group.create_task(work)
-        gone = group.create_task(_wait_for_disconnect(receive))
-        await asyncio.wait((call, gone), return_when=asyncio.FIRST_COMPLETED)
-        (call if gone.done() else gone).cancel()
-    if call.cancelled():
-        logger.debug("client went away; call cancelled")
-        return None
-    return call.result()
-
-
-async def _wait_for_disconnect(receive: Receive) -> None:
-    while (await receive())["type"] != "http.disconnect":
-        pass
 
 
 # --- request parsing ---------------------------------------------------------------------
@@ -559,7 +410,7 @@ def _unframe_request(body: bytes, limit: int) -> bytes:
     flag, length = body[0], int.from_bytes(body[1:5], "big")
     if flag & _COMPRESSED_FLAG:
         raise GRPCError(Status.UNIMPLEMENTED, "compressed messages are not supported")
-    if flag != _DATA_FLAG:
+    if flag != DATA_FLAG:
         raise GRPCError(Status.INVALID_ARGUMENT, f"unexpected frame flag 0x{flag:02x}")
     if length > limit:
         raise _too_big(f"message of {length} bytes", limit)
