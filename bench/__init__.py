@@ -4,7 +4,10 @@ simulation in ``bench.routing_sim``), ``bench.reconcile``, ``bench.control``, ``
 and ``bench.chaos``; ``--help`` says how, BENCHMARKS.md holds their results.
 
 What the benchmarks share is in ``bench.kit``; the gateway benchmark's parts are in
-``bench.gwbench``, the chaos run's in ``bench.chaoskit``. These modules may import anything of
-``llmgw`` (they measure it from outside and inside) and each other as ``bench.x``; nothing in
-``llmgw`` imports them. Tests find the package through pytest's ``pythonpath`` setting.
+``bench.gwbench``, the control benchmark's in ``bench.controlkit``, the HTTP benchmark's in
+``bench.httpkit``, the routing simulation's fleet (engines and choosers) in
+``bench.routing_fleet``, the chaos run's in ``bench.chaoskit``. These modules may import
+anything of ``llmgw`` (they measure it from outside and inside) and each other as ``bench.x``;
+nothing in ``llmgw`` imports them. Tests find the package through pytest's ``pythonpath``
+setting.
 """

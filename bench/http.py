@@ -39,40 +39,38 @@ process is stopped on exit (Ctrl-C included) and also dies with this process.
     .venv/bin/python -m bench.http --against hypercorn
     .venv/bin/python -m bench.http --quick      # 1 rep, 2 s cells
     .venv/bin/python -m bench.http --markdown   # also a BENCHMARKS.md section
+
+This module holds the orchestration (the child servers, the cells in turn), the report and
+the command line; the settings, the ``_serve`` mode, the workloads and a measured cell are in
+``bench.httpkit``.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import math
 import os
-import signal
-import socket
 import statistics
 import sys
 import tempfile
-import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Final, TextIO
+from typing import Final, TextIO
 
+from bench.httpkit.cell import Cell, run_cell
+from bench.httpkit.serve import parse_serve, run_serve
+from bench.httpkit.settings import CHALLENGERS, FIXTURE, HYPERCORN_KEEPALIVE_REQUESTS, Settings
+from bench.httpkit.workload import WORKLOADS, Workload, verify, workload, workload_label
 from bench.kit import (
-    HOST,
     Child,
-    Connection,
-    Reply,
     announced_ports,
     command_line,
-    cpu_seconds,
     interrupt_on_sigterm,
     machine_facts,
     module_command,
     package_versions,
-    percentile,
-    proc_cpu_seconds,
     progress_line,
     quietest,
     render_table,
@@ -81,386 +79,13 @@ from bench.kit import (
     spawn,
 )
 
-FIXTURE: Final = "dgx-h100"
-CHALLENGERS: Final = ("llmgw", "hypercorn")
 SERVERS: tuple[str, str] = ("uvicorn", "llmgw")  # the baseline first; main sets the other
-GET_CLUSTER: Final = "/llmgw.v1.ControlService/GetCluster"
-MAX_MESSAGE_BYTES: Final = 4 << 20  # as ``llmgw server`` defaults
-HYPERCORN_KEEPALIVE_REQUESTS: Final = 1 << 30  # its default (1,000) closes every 1,000th reply
-CELL_GRACE_S: Final = 30.0  # beyond warmup + window, how long a cell may take at most
 START_TIMEOUT_S: Final = 30.0
-
-
-# ======================================================================================
-# Server mode `_serve`: one ASGI server around the real control service
-# ======================================================================================
-
-
-def parse_serve(argv: Sequence[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m bench.http _serve")
-    p.add_argument("--server", choices=("uvicorn", *CHALLENGERS), required=True)
-    p.add_argument("--db", type=Path, required=True)
-    p.add_argument("--nodes", type=int, default=2)
-    return p.parse_args(argv)
-
-
-async def build_app(store: Any, nodes: int) -> Any:
-    """The gRPC-web app as ``llmgw server`` builds it, with ``nodes`` registered nodes."""
-    from llmgw.agent.discovery import simulated_node
-    from llmgw.server.state.inventory import InventoryConfig
-    from llmgw.server.state.plane import ControlPlane
-    from llmgw.server.state.store import now_ms
-    from llmgw.server.wire.controlsvc import ControlService
-    from llmgw.server.wire.grpcweb import GrpcWebApp
-
-    # A grace longer than any run keeps the nodes READY, as if they were heartbeating.
-    plane = ControlPlane(store, InventoryConfig(grace_s=10.0 * 24 * 3600))
-    for i in range(nodes):
-        node = simulated_node(FIXTURE, node_id=f"n{i}", hostname=f"n{i}.bench")
-        plane.inventory.register(node, 1, peer="bench", now_ms=now_ms(), now_mono=time.monotonic())
-    return GrpcWebApp(services=[ControlService(plane)], max_message_bytes=MAX_MESSAGE_BYTES)
-
-
-def listening_socket() -> socket.socket:
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((HOST, 0))
-    sock.listen(1024)
-    sock.set_inheritable(True)
-    return sock
-
-
-async def serve_uvicorn(app: Any, sock: socket.socket, stop: asyncio.Event) -> None:
-    import uvicorn
-
-    class Embedded(uvicorn.Server):
-        @contextlib.contextmanager
-        def capture_signals(self) -> Any:  # this process handles the signals
-            yield
-
-    config = uvicorn.Config(
-        app,
-        http="httptools",
-        loop="uvloop",
-        ws="none",
-        lifespan="off",
-        access_log=False,
-        log_level="warning",
-        timeout_graceful_shutdown=2,
-    )
-    server = Embedded(config)
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    stopper = asyncio.create_task(stop.wait())
-    await asyncio.wait({task, stopper}, return_when=asyncio.FIRST_COMPLETED)
-    server.should_exit = True
-    stopper.cancel()
-    await task
-
-
-async def serve_hypercorn(app: Any, sock: socket.socket, stop: asyncio.Event) -> None:
-    from hypercorn.asyncio import serve
-    from hypercorn.config import Config
-
-    config = Config()
-    config.bind = [f"fd://{sock.fileno()}"]
-    config.accesslog = None
-    config.loglevel = "WARNING"
-    config.keep_alive_max_requests = HYPERCORN_KEEPALIVE_REQUESTS
-    config.graceful_timeout = 2
-    await serve(app, config, shutdown_trigger=stop.wait, mode="asgi")
-
-
-async def serve_llmgw(app: Any, stop: asyncio.Event) -> None:
-    from llmgw.gateway.httplimits import ServerLimits
-    from llmgw.gateway.httpserver import HttpServer
-    from llmgw.server.wire.asgihttp import AsgiHandler
-    from llmgw.server.wire.grpcweb import most_body_bytes
-
-    limits = ServerLimits(max_body_bytes=most_body_bytes(MAX_MESSAGE_BYTES))  # as llmgw server
-    server = HttpServer(AsgiHandler(app), limits)
-    _, port = await server.start(HOST, 0)
-    print(f"PORT {port}", flush=True)
-    try:
-        await stop.wait()
-    finally:
-        await server.stop()
-
-
-async def run_serve(args: argparse.Namespace) -> None:
-    from llmgw.server.state.store import Store
-
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    async with Store(args.db) as store:
-        app = await build_app(store, args.nodes)
-        if args.server == "llmgw":
-            await serve_llmgw(app, stop)
-            return
-        sock = listening_socket()
-        print(f"PORT {sock.getsockname()[1]}", flush=True)
-        if args.server == "uvicorn":
-            await serve_uvicorn(app, sock, stop)
-        else:
-            await serve_hypercorn(app, sock, stop)
-
-
-# ======================================================================================
-# The workloads: pre-encoded requests and their checks (the client is bench.kit's)
-# ======================================================================================
-
-
-@dataclass(frozen=True, slots=True)
-class Workload:
-    key: str
-    label: str
-    raw: bytes
-    check: Callable[[Reply], bool]
-    conns: int
-    nodes: int  # the cluster size of the server it runs against
-
-
-def grpc_web_post(port: int, path: str, message: bytes) -> bytes:
-    """A gRPC-web unary call, as grpc-web in a browser sends it, pre-encoded."""
-    body = b"\x00" + len(message).to_bytes(4, "big") + message
-    head = (
-        f"POST {path} HTTP/1.1\r\n"
-        f"Host: {HOST}:{port}\r\n"
-        "Content-Type: application/grpc-web+proto\r\n"
-        "X-Grpc-Web: 1\r\n"
-        "X-User-Agent: grpc-web-javascript/0.1\r\n"
-        "Accept: application/grpc-web+proto\r\n"
-        f"Content-Length: {len(body)}\r\n"
-        "\r\n"
-    )
-    return head.encode("ascii") + body
-
-
-def http_get(port: int, path: str) -> bytes:
-    return f"GET {path} HTTP/1.1\r\nHost: {HOST}:{port}\r\nAccept: */*\r\n\r\n".encode("ascii")
-
-
-def grpc_ok(reply: Reply) -> bool:
-    return reply.status == 200 and b"grpc-status:0\r\n" in reply.body[-64:]
-
-
-def health_ok(reply: Reply) -> bool:
-    return reply.status == 200 and reply.body == b"ok"
-
-
-WORKLOADS: Final = ("cluster1", "clusterN", "emptyN", "healthN")
-
-
-def workload_label(key: str, settings: Settings) -> str:
-    n, nodes = settings.conns, settings.nodes
-    return {
-        "cluster1": f"GetCluster ({nodes} nodes), 1 conn",
-        "clusterN": f"GetCluster ({nodes} nodes), {n} conns",
-        "emptyN": f"GetCluster (0 nodes), {n} conns",
-        "healthN": f"/healthz, {n} conns",
-    }[key]
-
-
-def workload(key: str, settings: Settings, port: int) -> Workload:
-    """One of ``WORKLOADS``, against a server listening on ``port``."""
-    label = workload_label(key, settings)
-    get_cluster = grpc_web_post(port, GET_CLUSTER, b"")
-    if key == "cluster1":
-        return Workload(key, label, get_cluster, grpc_ok, 1, settings.nodes)
-    if key == "clusterN":
-        return Workload(key, label, get_cluster, grpc_ok, settings.conns, settings.nodes)
-    if key == "emptyN":
-        return Workload(key, label, get_cluster, grpc_ok, settings.conns, 0)
-    return Workload(
-        key, label, http_get(port, "/healthz"), health_ok, settings.conns, settings.nodes
-    )
-
-
-def split_frames(body: bytes) -> list[tuple[int, bytes]]:
-    frames, at = [], 0
-    while at + 5 <= len(body):
-        length = int.from_bytes(body[at + 1 : at + 5], "big")
-        frames.append((body[at], body[at + 5 : at + 5 + length]))
-        at += 5 + length
-    return frames
-
-
-async def verify(port: int, nodes: int) -> int:
-    """Check one GetCluster reply fully (a Cluster of ``nodes``); its body size in bytes."""
-    from llmgw.api.llmgw.v1 import Cluster
-
-    conn = await Connection.open(port)
-    try:
-        reply = await conn.request(grpc_web_post(port, GET_CLUSTER, b""))
-        frames = split_frames(reply.body)
-        if reply.status != 200 or len(frames) != 2 or frames[1][0] != 0x80:
-            raise RuntimeError(f"unexpected GetCluster reply: {reply.status} {reply.body[:200]!r}")
-        if b"grpc-status:0" not in frames[1][1]:
-            raise RuntimeError(f"GetCluster failed: {frames[1][1]!r}")
-        cluster = Cluster.parse(frames[0][1])
-        if len(cluster.nodes) != nodes or any(
-            n.info is None or not n.info.gpus for n in cluster.nodes
-        ):
-            raise RuntimeError(f"GetCluster returned {len(cluster.nodes)} nodes, not {nodes}")
-        health = await conn.request(http_get(port, "/healthz"))
-        if not health_ok(health):
-            raise RuntimeError(f"/healthz answered {health.status} {health.body!r}")
-        return len(reply.body)
-    finally:
-        conn.close()
-
-
-# ======================================================================================
-# One cell: a workload against one server, measured over a window
-# ======================================================================================
-
-
-@dataclass(slots=True)
-class Cell:
-    server: str
-    workload: str
-    rep: int
-    window_s: float
-    requests: int
-    latencies_s: list[float]
-    server_cpu_s: float
-    client_cpu_s: float
-    others_cpu_s: float  # what other processes used of the server's CPU meanwhile
-    reconnects: int
-    attempts: int = 1
-
-    @property
-    def others_share(self) -> float:
-        """The share of the server's CPU that other processes used during the window."""
-        return self.others_cpu_s / self.window_s
-
-    @property
-    def rps(self) -> float:
-        return self.requests / self.window_s
-
-    def latency_us(self, q: float) -> float:
-        return 1e6 * percentile(self.latencies_s, q)
-
-    @property
-    def server_us_per_request(self) -> float:
-        return 1e6 * self.server_cpu_s / self.requests if self.requests else math.nan
-
-    @property
-    def server_util(self) -> float:
-        return self.server_cpu_s / self.window_s
-
-    @property
-    def client_util(self) -> float:
-        return self.client_cpu_s / self.window_s
-
-
-def cpu_busy_seconds(cpu: int) -> float:
-    """Busy (not idle, not iowait) seconds of one CPU since boot, from ``/proc/stat``."""
-    return sum(cpu_seconds(cpu))
-
-
-@dataclass(slots=True)
-class _Window:
-    start: float = math.inf
-    end: float = math.inf
-    max_requests: int = 0
-    done: int = 0
-    latencies: list[float] = field(default_factory=list)
-    reconnects: int = 0
-
-
-async def _drive(port: int, workload: Workload, window: _Window, until: float) -> None:
-    """One connection's closed loop: request, check, record, repeat until ``until``."""
-    conn = await Connection.open(port)
-    raw, check, latencies = workload.raw, workload.check, window.latencies
-    clock = time.perf_counter
-    try:
-        while True:
-            t0 = clock()
-            if t0 >= until or window.done >= window.max_requests:
-                return
-            reply = await conn.request(raw)
-            t1 = clock()
-            if not check(reply):
-                raise RuntimeError(f"{workload.label}: bad reply {reply.status} {reply.body!r}")
-            if window.start <= t1 < window.end:
-                latencies.append(t1 - t0)
-                window.done += 1
-            if reply.close or conn.lost:
-                conn.close()
-                conn = await Connection.open(port)
-                window.reconnects += 1
-    finally:
-        conn.close()
-
-
-async def run_cell(
-    server: str, pid: int, port: int, workload: Workload, rep: int, settings: Settings
-) -> Cell:
-    window = _Window(max_requests=settings.max_requests)
-    clock = time.perf_counter
-    until = clock() + settings.warmup_s + settings.seconds + 1.0  # the loops' own bound
-    async with asyncio.timeout(settings.warmup_s + settings.seconds + CELL_GRACE_S):
-        drivers = [
-            asyncio.create_task(_drive(port, workload, window, until))
-            for _ in range(workload.conns)
-        ]
-        try:
-            await asyncio.sleep(settings.warmup_s)
-            busy0, cpu0 = cpu_busy_seconds(settings.server_cpu), proc_cpu_seconds(pid)
-            own0, window.start = time.process_time(), clock()
-            window.end = window.start + settings.seconds
-            while clock() < window.end and window.done < window.max_requests:
-                await asyncio.sleep(min(0.05, max(0.0, window.end - clock())))
-                if any(d.done() for d in drivers):
-                    break
-            stopped = min(clock(), window.end)
-            cpu1, own1 = proc_cpu_seconds(pid), time.process_time()
-            busy1 = cpu_busy_seconds(settings.server_cpu)
-            window.end = stopped
-        finally:
-            for d in drivers:
-                d.cancel()
-            results = await asyncio.gather(*drivers, return_exceptions=True)
-    errors = [r for r in results if isinstance(r, BaseException) and not _cancelled(r)]
-    if errors:
-        raise errors[0]
-    return Cell(
-        server=server,
-        workload=workload.key,
-        rep=rep,
-        window_s=window.end - window.start,
-        requests=window.done,
-        latencies_s=sorted(window.latencies),
-        server_cpu_s=cpu1 - cpu0,
-        others_cpu_s=max(0.0, (busy1 - busy0) - (cpu1 - cpu0)),
-        client_cpu_s=own1 - own0,
-        reconnects=window.reconnects,
-    )
-
-
-def _cancelled(exc: BaseException) -> bool:
-    return isinstance(exc, asyncio.CancelledError)
 
 
 # ======================================================================================
 # Orchestration: child servers, the cells, the report
 # ======================================================================================
-
-
-@dataclass(frozen=True, slots=True)
-class Settings:
-    nodes: int
-    conns: int
-    reps: int
-    seconds: float
-    warmup_s: float
-    max_requests: int
-    server_cpu: int
-    client_cpu: int
-    max_others: float  # a cell where other processes used more of the server's CPU is re-run
-    attempts: int  # at most this many runs of a cell; the quietest is kept
 
 
 def start_server(name: str, nodes: int, workdir: Path, settings: Settings) -> Child:

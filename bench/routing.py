@@ -69,19 +69,15 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from bench.kit import base_machine, command_line
-from bench.routing_sim import (
+from bench.routing_fleet import (
     DEFAULT_POLICY,
     ORACLE,
     POLICY_ORDER,
     PRECISE,
     BenchConfig,
-    Replay,
-    Replayed,
-    Workload,
-    build_workload,
-    kv_chars_told,
     precise_micro,
 )
+from bench.routing_sim import Replay, Replayed, Workload, build_workload, kv_chars_told
 
 QUICK: dict[str, Any] = {
     "engines": 4, "groups": 6, "users": 6, "turns": 3, "system_tokens": 1500,

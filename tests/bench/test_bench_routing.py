@@ -1,4 +1,4 @@
-"""bench/routing.py and bench/routing_sim.py: the routing benchmark's replay, figures, bounds."""
+"""bench/routing*.py: the routing benchmark's replay, figures, bounds."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ from typing import Any
 import pytest
 
 from bench import routing as bench_routing
+from bench import routing_fleet as fleet
 from bench import routing_sim as sim
 
 
 @pytest.fixture(scope="module")
 def quick() -> Any:
-    config = replace(sim.BenchConfig(), **bench_routing.QUICK)
+    config = replace(fleet.BenchConfig(), **bench_routing.QUICK)
     return bench_routing.run_bench(config)
 
 
@@ -27,7 +28,7 @@ def _tiny(**overrides: Any) -> Any:
         "system_tokens": 200,
     }
     fields |= {"question_tokens": 40, "rate": 0.02, "think_s": 1.0, "kv_blocks": 256}
-    return replace(sim.BenchConfig(), **(fields | overrides))
+    return replace(fleet.BenchConfig(), **(fields | overrides))
 
 
 def test_every_policy_replays_every_request_and_reports_its_figures(quick: Any) -> None:
@@ -120,17 +121,17 @@ def test_the_prefix_policy_is_told_each_engines_kv_capacity_in_characters() -> N
     for hint in (1.0, 0.5):
         told = round(hint * 300 * config.block_size * per_token)
         replay = sim.Replay(replace(config, kv_hint=hint), workload, "prefix")
-        tree = replay.chooser._policy.tree(sim.MODEL)  # type: ignore[attr-defined]
+        tree = replay.chooser._policy.tree(fleet.MODEL)  # type: ignore[attr-defined]
         assert [tree.replica_limit(rid) for rid in replay.engines] == [told, told]
     untold = sim.Replay(replace(config, kv_hint=0.0), workload, "prefix")
-    tree = untold.chooser._policy.tree(sim.MODEL)  # type: ignore[attr-defined]
+    tree = untold.chooser._policy.tree(fleet.MODEL)  # type: ignore[attr-defined]
     assert tree.replica_limit("engine-00") == config.prefix.max_chars_per_replica
 
 
 def test_a_tree_sized_to_the_kv_claims_what_the_engines_hold() -> None:
     # Told nothing, the tree remembers every prefix it routed and claims far more than the
     # small engines still hold; sized to their KV, its claims match what they hold.
-    config = replace(sim.BenchConfig(), **bench_routing.QUICK)
+    config = replace(fleet.BenchConfig(), **bench_routing.QUICK)
     workload = sim.build_workload(config)
     sized = bench_routing.replay(config, workload, "prefix")
     untold = bench_routing.replay(replace(config, kv_hint=0.0), workload, "prefix")

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from bench import routing as bench_routing
+from bench import routing_fleet as fleet
 from bench import routing_sim as sim
 from llmgw.gateway.metrics import GatewayMetrics, kv_index_lines
 from llmgw.gateway.precise import (
@@ -426,7 +427,7 @@ def test_a_claim_covers_what_the_index_does_not_show_until_its_time_is_up() -> N
     assert len(precise.claims) == claims  # all indexed: nothing more to claim
 
 
-# -- the routing benchmark's precise tier (bench/routing_sim.py) ---------------------------
+# -- the routing benchmark's precise tier (bench/routing_sim.py, routing_fleet.py) ---------------
 
 
 def test_the_bench_feeds_the_precise_tier_from_the_engines_events() -> None:
@@ -436,7 +437,7 @@ def test_the_bench_feeds_the_precise_tier_from_the_engines_events() -> None:
     fields: dict[str, Any] = {"engines": 2, "groups": 1, "users": 2, "turns": 2}
     fields |= {"system_tokens": 200, "question_tokens": 40, "rate": 0.02, "think_s": 1.0}
     fields |= {"kv_blocks": 256}
-    config = replace(sim.BenchConfig(), **fields)
+    config = replace(fleet.BenchConfig(), **fields)
     workload = sim.build_workload(config)
     precise = bench_routing.replay(config, workload, "precise")
     oracle = bench_routing.replay(config, workload, "oracle")
@@ -448,7 +449,7 @@ def test_the_bench_feeds_the_precise_tier_from_the_engines_events() -> None:
 
 
 def test_the_micro_benchmark_times_continued_chats() -> None:
-    costs = sim.precise_micro(16, conversations=4, replicas=3)
+    costs = fleet.precise_micro(16, conversations=4, replicas=3)
     assert len(costs) == 4 and all(0 < cost < 0.1 for cost in costs)
 
 
