@@ -455,10 +455,10 @@ async def test_d_drains_the_selected_replica_and_draining_it_again_is_refused(
         assert (title, severity) == (f"Drain replica {victim}", "information")
         assert message == f"replica {victim} draining; deployment chat scaled down to 1 replica"
         await until(pilot, lambda: "▽ DRAINING" in line_of(app, victim), 15, "DRAINING shown")
+        await pilot.press("space")  # paused at once: the row stays (selected) to be drained again
         deployments = await in_thread(fleet.get, "deployments")
         assert [d.get("replicas") for d in deployments] == [1]
 
-        await pilot.press("space")  # paused: the row stays to be drained again
         await pilot.press("d")
         assert f"{victim} is DRAINING: it serves no requests" in await confirm_shown(app, pilot)
         title, message, severity = await confirm(app, pilot)
