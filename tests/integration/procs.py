@@ -116,7 +116,7 @@ class Cluster:
             f"127.0.0.1:{self.gateway_port}",
             *extra,
         )
-        wait_for(self.healthy, 20, "the server's /healthz")
+        wait_for(self.healthy, 60, "the server's /healthz")  # a start on a loaded 2-core CI machine
         return proc
 
     def release_engine_ports(self) -> None:
