@@ -169,7 +169,7 @@ def test_a_flood_at_the_limit_logs_little_and_every_port_serves_after(procs: _Pr
     server = procs.start(
         "server", _limited(LOW, LOW), *_server_args(procs.root, grpc, http, gateway)
     )
-    wait_for(lambda: _answers(f"http://127.0.0.1:{http}/healthz"), 30, "the server's /healthz")
+    wait_for(lambda: _answers(f"http://127.0.0.1:{http}/healthz"), 60, "the server's /healthz")
     assert _open_files_limits(server.pid) == (LOW, LOW)  # nothing to raise it to
     log = procs.log("server")
     before = log.stat().st_size

@@ -91,7 +91,7 @@ def _spawn_server(cluster: Cluster, db: Path, *global_flags: str) -> None:
         "--db",
         str(db),
     )
-    wait_for(cluster.healthy, 30, "the server's /healthz")
+    wait_for(cluster.healthy, 60, "the server's /healthz")
 
 
 def _db_files(db: Path) -> list[Path]:

@@ -273,7 +273,7 @@ class Fleet:
             f"127.0.0.1:{self.http}", "--gateway-listen", "off", "--db",
             str(self.root / "server.db"),
         )  # fmt: skip
-        _wait(self._healthy, 30, "the server's /healthz")
+        _wait(self._healthy, 60, "the server's /healthz")  # a start on a loaded CI machine
         for node_id in ("a1", "a2"):
             self.spawn(
                 node_id, "agent", "--server", f"127.0.0.1:{self.grpc}", "--node-id", node_id,
