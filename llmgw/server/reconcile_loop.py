@@ -154,14 +154,15 @@ class ReconcileLoop:
             state = self.snapshot()
             decision = reconcile(state)
             self._count_failures(decision, state.now)
+            # Before the records show, so their statuses change once, with the reason.
+            held = self._held(state.now)
+            self.plane.statuses.set_verdicts(decision.unplaceable, held.keys())
             await self.plane.save_replicas(decision.replicas)
             await self.plane.desired.keep_requests(_live(self.plane.replicas))
             self.pending = dict(decision.pending)
             for node_id, message in decision.commands:
                 await self._send(node_id, message)
             await self._audit(decision)
-            held = self._held(state.now)
-            self.plane.statuses.set_verdicts(decision.unplaceable, held.keys())
             self.plane.publish_statuses()
             return decision
 
