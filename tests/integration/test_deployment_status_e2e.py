@@ -86,6 +86,25 @@ def _gauges(cluster: Cluster) -> dict[tuple[str, str], float]:
     return out
 
 
+def _requests_are_counted_by_model_route_and_status(cluster: Cluster) -> None:
+    """Through the in-server gateway: a served model keeps its name, any other is unknown."""
+    chat = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 4}
+    base = cluster.gateway_url
+    assert httpx.post(f"{base}/v1/chat/completions", json=chat, timeout=30).status_code == 200
+    made_up = {**chat, "model": "made-up-model-name"}
+    assert httpx.post(f"{base}/v1/chat/completions", json=made_up, timeout=30).status_code == 404
+    counted = {
+        (labels["model"], labels["route"], labels["status"]): value
+        for labels, value in metric_samples(
+            httpx.get(f"{base}/metrics", timeout=5).text, "llmgw_requests_total"
+        )
+    }
+    assert counted == {
+        ("chat", "/v1/chat/completions", "200"): 1,
+        ("unknown", "/v1/chat/completions", "404"): 1,
+    }
+
+
 def _settled(cluster: Cluster) -> dict[str, dict[str, Any]] | None:
     """The deployments once chat is ready and wide has its two and the reason for the third."""
     shown = _deployments(cluster)
@@ -130,6 +149,8 @@ def test_status_in_get_deployments_and_metrics(fleet: Cluster, tmp_path: Path) -
     assert (gauges[("llmgw_nodes", "ready")], gauges[("llmgw_nodes", "not_ready")]) == (2, 0)
     assert gauges[("llmgw_replicas", "ready")] == 3 and gauges[("llmgw_replicas", "failed")] == 0
     assert gauges[("llmgw_shards", "ready")] == 3
+
+    _requests_are_counted_by_model_route_and_status(fleet)
 
     fleet.kill("l4")  # the L4 box goes away: its stream ends, its node is NOT_READY at once
     wait_for(lambda: _gauges(fleet)[("llmgw_nodes", "not_ready")] == 1, 30, "the L4 node NOT_READY")

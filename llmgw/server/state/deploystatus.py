@@ -56,6 +56,14 @@ class DeploymentBoard:
                 replicas.pop(record.replica_id, None)
         return names
 
+    def on_node(self, node_id: str) -> set[str]:
+        """The deployments with a live replica planned on ``node_id``."""
+        return {
+            name
+            for name, replicas in self._live.items()
+            if any(node_id in r.plan.nodes for r in replicas.values())
+        }
+
     def set_verdicts(self, unplaceable: Mapping[str, str], backoff: Collection[str]) -> None:
         """What the reconciler's last round could not place, and which back-offs hold."""
         self._verdicts = {

@@ -546,14 +546,14 @@ class ControlPlane:
         for shard_id in gone:
             self.hub.publish(WatchEvent(shard_removed=shard_id))
         self.hub.publish(WatchEvent(node_removed=node_id))
-        self.publish_statuses()
+        self.publish_statuses(self.statuses.on_node(node_id))
         self.reconcile_soon()
         self._note_agents_back()
 
     def _publish_node(self, record: NodeRecord) -> None:
         node = self.inventory.node_view(record, time.monotonic())
         self.hub.publish(WatchEvent(node=node))
-        self.publish_statuses()
+        self.publish_statuses(self.statuses.on_node(record.info.node_id))
 
 
 def _audit_event(record: AuditRecord) -> AuditEvent:
