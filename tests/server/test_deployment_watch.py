@@ -100,3 +100,26 @@ async def test_every_status_change_is_a_deployment_delta(plane: ControlPlane) ->
     assert (lost.ready, lost.available) == (0, 0)
     available = next(c for c in lost.conditions if c.type == "Available")
     assert (available.status, available.message) == (False, "0 of 5 replicas ready")
+
+
+async def test_a_restarted_server_shows_the_stored_replicas_in_the_status(tmp_path: Path) -> None:
+    async def send(node_id: str, message: ControlMessage) -> bool:
+        return True
+
+    async with Store(tmp_path / "s.db") as store:
+        plane = ControlPlane(store)
+        await plane.load()
+        node = simulated_node("dgx-h100", node_id="a1", hostname="a1")
+        register = Register(protocol_version=PROTOCOL_VERSION, node=node)
+        await plane.register(node, register, peer="10.0.0.1:5000")
+        deployment = Deployment(name="chat", profile="chat-tp2", replicas=2)
+        request = ApplyDeploymentRequest(deployment=deployment, profiles=[PROFILE])
+        await plane.desired.apply(check_apply(request, plane.desired.profiles))
+        await ReconcileLoop(plane, send).round()
+    async with Store(tmp_path / "s.db") as store:
+        again = ControlPlane(store)
+        await again.load()  # no agent back yet, no round yet
+        (shown,) = again.snapshot().deployments
+        assert shown.status is not None
+        assert (shown.status.desired, shown.status.replicas, shown.status.ready) == (2, 2, 0)
+        assert shown.status.reason == "replica chat-1: node a1 is NOT_READY"
