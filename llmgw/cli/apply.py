@@ -22,13 +22,14 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from grpclib.const import Status
 
 from llmgw.api.llmgw.v1 import (
     ApplyDeploymentRequest,
     AuditEvent,
+    Deployment,
+    DeploymentStatus,
     EngineProfile,
     WatchEvent,
 )
@@ -141,41 +142,28 @@ async def run_delete(server: str, kind: str, name: str, *, force: bool = False) 
 async def run_get_desired(server: str, kind: str, output: str) -> int:
     """``llmgw get deployments|profiles``."""
 
-    async def read(client: ControlClient) -> tuple[list[Any], list[EngineProfile]]:
-        profiles = await client.list_profiles()
+    async def read(client: ControlClient) -> tuple[list[Deployment], list[EngineProfile]]:
         if kind == "profiles":
-            return [], profiles
-        return list((await client.get_cluster()).deployments), profiles
+            return [], await client.list_profiles()
+        return list((await client.get_cluster()).deployments), []
 
     deployments, profiles = await call(server, read)
-    items = profiles if kind == "profiles" else deployments
+    items: Sequence[Deployment | EngineProfile] = profiles if kind == "profiles" else deployments
     if output == "json":
         sys.stdout.write(json.dumps({kind: [i.to_dict() for i in items]}, indent=2) + "\n")
         return 0
-    rows = (
-        _profile_rows(profiles) if kind == "profiles" else _deployment_rows(deployments, profiles)
-    )
+    rows = _profile_rows(profiles) if kind == "profiles" else _deployment_rows(deployments)
     sys.stdout.write(render_table(rows) + "\n")
     return 0
 
 
-def _deployment_rows(
-    deployments: Sequence[Any], profiles: Sequence[EngineProfile]
-) -> list[list[str]]:
-    by_name = {p.name: p for p in profiles}
-    rows = [["NAME", "PROFILE", "REPLICAS", "FINGERPRINT", "POOL", "LABELS"]]
+def _deployment_rows(deployments: Sequence[Deployment]) -> list[list[str]]:
+    """One row per deployment, its status as the server computed it (``DeploymentStatus``)."""
+    rows = [["NAME", "PROFILE", "DESIRED", "READY", "UP-TO-DATE", "AVAILABLE", "REASON"]]
     for d in deployments:
-        profile = by_name.get(d.profile)
-        rows.append(
-            [
-                d.name,
-                d.profile,
-                str(d.replicas),
-                _fingerprint(profile) if profile is not None else "-",
-                d.pool or "-",
-                ",".join(f"{k}={v}" for k, v in sorted(d.labels.items())) or "-",
-            ]
-        )
+        status = d.status or DeploymentStatus(desired=d.replicas)
+        counts = (status.desired, status.ready, status.up_to_date, status.available)
+        rows.append([d.name, d.profile, *(str(n) for n in counts), status.reason])
     return rows
 
 

@@ -23,7 +23,7 @@ from llmgw.cli.tables import render_table
 from llmgw.cli.tls import add_client_ca_flag
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel, RpcError, ServerUnreachable
 
-VIEW_NAMES = ("overview", "nodes", "replicas", "shards", "router", "events")
+VIEW_NAMES = ("overview", "nodes", "replicas", "shards", "router", "events", "deployments")
 """The console's views (llmgw.tui.registry.VIEWS, tested to agree)."""
 
 

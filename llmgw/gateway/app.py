@@ -63,7 +63,7 @@ from llmgw.gateway.httpconnection import HttpConnection
 from llmgw.gateway.httplimits import ServerLimits
 from llmgw.gateway.httprequest import Refusal, Request
 from llmgw.gateway.httpserver import HttpServer
-from llmgw.gateway.metrics import CONTENT_TYPE, GatewayMetrics, kv_index_lines
+from llmgw.gateway.metrics import CONTENT_TYPE, UNKNOWN_LABEL, GatewayMetrics, kv_index_lines
 from llmgw.gateway.openai import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -280,17 +280,28 @@ class Gateway:
     # proxying
 
     async def _proxy(self, request: Request, conn: HttpConnection) -> None:
-        status = CLIENT_GONE
+        status, model = CLIENT_GONE, UNKNOWN_LABEL
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
-                status = await self._route(request, conn)
+                session = request.header(_SESSION_HEADER)
+                headers = {SESSION_HEADER: session.decode("latin-1")} if session else {}
+                parsed = parse_request(request.path, request.body, headers)
+                model = self._model_label(parsed.model)
+                status = await self._route(request, conn, parsed)
         except RequestRefused as exc:
             status = self._answer_refusal(conn, exc)
         except TimeoutError:
             message = f"the request took longer than {self.config.request_timeout_s} s"
             status = self._answer_refusal(conn, GatewayTimeout(message))
         finally:
-            self.metrics.request_done(status)
+            self.metrics.request_done(status, model, request.path)
+
+    def _model_label(self, model: str) -> str:
+        """``model`` when a replica of the table serves it, else ``UNKNOWN_LABEL``: the
+        label's values stay the models this gateway serves, whatever clients ask for."""
+        if self.table.candidates(model) or any(t.serves(model) for t in self.table.targets()):
+            return model
+        return UNKNOWN_LABEL
 
     def _answer_refusal(self, conn: HttpConnection, exc: RequestRefused) -> int:
         if conn.started:  # too late for an error answer: cut the response short
@@ -300,11 +311,8 @@ class Gateway:
         conn.respond(exc.status, body)
         return exc.status
 
-    async def _route(self, request: Request, conn: HttpConnection) -> int:
+    async def _route(self, request: Request, conn: HttpConnection, parsed: ParsedRequest) -> int:
         """Answer ``request``; the status sent. Raises RequestRefused to answer an error."""
-        session = request.header(_SESSION_HEADER)
-        headers = {SESSION_HEADER: session.decode("latin-1")} if session else {}
-        parsed = parse_request(request.path, request.body, headers)
         route = RouteRequest(parsed.model, parsed.text, parsed.session)
         precise = await self._precise_request(request, parsed)
         exclude: frozenset[str] = frozenset()

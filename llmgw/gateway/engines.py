@@ -298,15 +298,21 @@ class EnginePoller:
     def lines(self) -> Iterable[str]:
         """The poller's metric families (a ``GatewayMetrics`` collector)."""
         out: list[str] = []
-        ratios = {r: f.hit_ratio for r, f in self._facts.items() if f.hit_ratio is not None}
-        labelled(
-            out,
-            "llmgw_engine_prefix_hit_ratio",
-            "gauge",
-            "An engine's own prefix-cache hits / queries over the poller's window.",
-            "replica",
-            ratios,
-        )
+        for name, help_, attr in (
+            (
+                "llmgw_engine_prefix_cache_queries_total",
+                "Prompt tokens an engine looked up in its prefix cache, as polled "
+                "(since the gateway first polled it; engine restarts counted through).",
+                "queried_tokens",
+            ),
+            (
+                "llmgw_engine_prefix_cache_hits_total",
+                "Prompt tokens an engine found in its prefix cache, as polled.",
+                "hit_tokens",
+            ),
+        ):
+            totals = {r: getattr(f, attr) for r, f in self._facts.items()}
+            labelled(out, name, "counter", help_, "replica", totals)
         capacity = {r: f.kv_tokens for r, f in self._facts.items() if f.kv_tokens}
         labelled(
             out,

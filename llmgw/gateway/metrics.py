@@ -4,14 +4,19 @@ Our own few lines instead of ``prometheus_client``: the hot path pays a dict inc
 counter and a ``bisect`` per histogram observation, and ``/metrics`` writes text format
 0.0.4 with ``llmgw.promtext`` (``# HELP``/``# TYPE`` per family, histograms as cumulative
 ``_bucket{le=…}`` with ``+Inf``, ``_sum`` and ``_count``). Label cardinality stays bounded:
-tiers × outcomes, status codes, the models of the routing table, the replicas of the
-routing table.
+tiers × outcomes, status codes, the two OpenAI routes, the models of the routing table
+(any other model a client names counts as "unknown"), the replicas of the routing table.
 
 Families::
 
-    llmgw_requests_total{status}                      OpenAI requests answered, by HTTP status
-                                                      ("499": the client went away first,
-                                                      "502": the replica broke off mid-response)
+    llmgw_requests_total{model,route,status}          OpenAI requests answered: the model as
+                                                      asked when a replica serves it, else
+                                                      "unknown"; the path (/v1/completions,
+                                                      /v1/chat/completions; "unknown" when
+                                                      refused before it was read); the HTTP
+                                                      status ("499": the client went away
+                                                      first, "502": the replica broke off
+                                                      mid-response)
     llmgw_prefix_decisions_total{tier,outcome}        routing decisions by tier and outcome
     llmgw_router_decision_seconds                     time in the policy per decision
     llmgw_upstream_ttft_seconds{model}                request sent → first body byte (streams)
@@ -37,8 +42,12 @@ The precise tier (precise.py, tokenize.py, engines.py)::
                                                       tokens of precise decisions; available
                                                       and captured), "engine" (the engines'
                                                       prefix-cache queries; delivered)
-    llmgw_engine_prefix_hit_ratio{replica}            an engine's own hits / queries over the
-                                                      poller's window (counter resets handled)
+    llmgw_engine_prefix_cache_{queries,hits}_total{replica}
+                                                      an engine's own prefix-cache queries and
+                                                      hits (tokens) as polled, since the
+                                                      gateway first polled it (engine restarts
+                                                      counted through); the hit rate is
+                                                      rate(hits) / rate(queries)
     llmgw_engine_kv_capacity_tokens{replica}          num_gpu_blocks × block_size, as polled
     llmgw_engine_polls_total{outcome}                 /metrics polls: ok, timeout, connect,
                                                       closed, protocol, status, malformed
@@ -47,8 +56,8 @@ The precise tier (precise.py, tokenize.py, engines.py)::
                                                       routing table with KV events; 0 after a
                                                       reset)
     llmgw_kv_index_{resets,refused,stored,removed}_total
-    llmgw_kv_index_event_lag_seconds_total            an engine's event → the index, summed,
-    llmgw_kv_index_event_lags_total                   over this many (mean: the ratio of rates)
+    llmgw_kv_index_event_lag_seconds                  an engine's event → the index
+                                                      (histogram, EVENT_LAG_BUCKETS)
     llmgw_kv_index_event_lag_max_seconds              the longest of those
 
 Shares are ratios of two counters' rates, e.g. captured / available =
@@ -64,7 +73,7 @@ from dataclasses import dataclass
 from types import MappingProxyType
 
 from llmgw import promtext
-from llmgw.gateway.routing.kvindex import KvIndexStats
+from llmgw.gateway.routing.kvindex import EVENT_LAG_BUCKETS, KvIndexStats
 from llmgw.promtext import family, quote_label
 
 CONTENT_TYPE = promtext.CONTENT_TYPE.encode()
@@ -79,6 +88,10 @@ DECISION_BUCKETS: tuple[float, ...] = (
 TOKENIZE_BUCKETS: tuple[float, ...] = (
     2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 5e-2, 0.1, 0.25, 0.5, 1.0,
 )  # fmt: skip
+
+UNKNOWN_LABEL = "unknown"
+"""The ``model`` of a request for a model no replica serves (or unread), and the ``route``
+of one refused before its path was read: labels stay bounded whatever clients send."""
 
 Collector = Callable[[], Iterable[str]]
 """Lines (families with HELP and TYPE) read at each render: gauges of other objects."""
@@ -131,7 +144,8 @@ class GatewayMetrics:
     """Everything ``/metrics`` shows; updated by the gateway on its one event loop."""
 
     def __init__(self) -> None:
-        self.requests: dict[int, int] = {}
+        self.requests: dict[int, int] = {}  # by status (GetRouterStats)
+        self.requests_by: dict[tuple[str, str, int], int] = {}  # (model, route, status)
         self.decisions: dict[tuple[str, str], int] = {}
         self.failures: dict[str, int] = {}
         self.decision_seconds = Histogram(DECISION_BUCKETS)
@@ -150,8 +164,15 @@ class GatewayMetrics:
         """Render ``collector``'s lines at the end of every exposition."""
         self._collectors.append(collector)
 
-    def request_done(self, status: int) -> None:
+    def request_done(
+        self, status: int, model: str = UNKNOWN_LABEL, route: str = UNKNOWN_LABEL
+    ) -> None:
+        """One OpenAI request answered: ``model`` as the gateway labels it (a model it
+        serves, else ``UNKNOWN_LABEL``), ``route`` its path (``UNKNOWN_LABEL`` when refused
+        before the gateway read it)."""
         self.requests[status] = self.requests.get(status, 0) + 1
+        key = (model, route, status)
+        self.requests_by[key] = self.requests_by.get(key, 0) + 1
 
     def decided(self, tier: str, outcome: str, seconds: float, replica_id: str = "") -> None:
         """One routing decision; ``replica_id`` (when given) is the replica it chose."""
@@ -216,10 +237,16 @@ class GatewayMetrics:
     def render(self, in_flight: Mapping[str, int]) -> bytes:
         """The text exposition; ``in_flight`` is requests in flight by replica id."""
         out: list[str] = []
-        family(out, "llmgw_requests_total", "counter", "OpenAI requests answered, by status.")
+        family(
+            out,
+            "llmgw_requests_total",
+            "counter",
+            "OpenAI requests answered, by model, route and status.",
+        )
         out.extend(
-            f'llmgw_requests_total{{status="{status}"}} {count}'
-            for status, count in sorted(self.requests.items())
+            f"llmgw_requests_total{{model={quote_label(model)},route={quote_label(route)},"
+            f'status="{status}"}} {count}'
+            for (model, route, status), count in sorted(self.requests_by.items())
         )
         self._render_decisions(out)
         family(
@@ -356,11 +383,9 @@ def kv_index_lines(
     ):
         family(out, name, "counter", help_)
         out.append(f"{name} {value}")
-    lag = "llmgw_kv_index_event_lag_seconds_total"
-    family(out, lag, "counter", "Time from an engine's KV event to the index, summed.")
-    out.append(f"{lag} {_number(stats.event_lag_sum_s)}")
-    family(out, "llmgw_kv_index_event_lags_total", "counter", "Event-to-index lags observed.")
-    out.append(f"llmgw_kv_index_event_lags_total {stats.event_lags}")
+    lag = "llmgw_kv_index_event_lag_seconds"
+    family(out, lag, "histogram", "Time from an engine's KV event to the index.")
+    out.extend(_lag_histogram(stats).lines(lag, ""))
     gauge(
         out,
         "llmgw_kv_index_event_lag_max_seconds",
@@ -368,6 +393,13 @@ def kv_index_lines(
         stats.event_lag_max_s,
     )
     return out
+
+
+def _lag_histogram(stats: KvIndexStats) -> Histogram:
+    histogram = Histogram(EVENT_LAG_BUCKETS)
+    counts = list(stats.event_lag_counts) or [0] * (len(EVENT_LAG_BUCKETS) + 1)
+    histogram.counts, histogram.sum, histogram.count = counts, stats.event_lag_sum_s, sum(counts)
+    return histogram
 
 
 def labelled(
@@ -396,6 +428,7 @@ def _number(value: float) -> str:
 
 __all__ = [
     "CONTENT_TYPE",
+    "UNKNOWN_LABEL",
     "DECISION_BUCKETS",
     "LATENCY_BUCKETS",
     "TOKENIZE_BUCKETS",

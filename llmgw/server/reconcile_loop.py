@@ -23,7 +23,9 @@ may already run:
 **Unplaceable replicas** are made visible in the audit log: when the reason a deployment
 lacks replicas changes, one record (action ``unplaceable``, target ``deployment/NAME``,
 the reason as result) is appended and the reason is logged; it is not repeated every
-round. :attr:`ReconcileLoop.unplaceable` holds the current reasons.
+round. :attr:`ReconcileLoop.unplaceable` holds the current reasons, and each round hands them
+(with the deployments a crash-loop back-off holds) to the plane's deployment statuses
+(``llmgw.server.state.deploystatus``), which publishes those that changed.
 
 **Operator requests**: the replicas an operator drained (``DesiredState.retire``) and those
 a node drain moves (``DesiredState.replace``) go into each round's input; once such a
@@ -152,12 +154,16 @@ class ReconcileLoop:
             state = self.snapshot()
             decision = reconcile(state)
             self._count_failures(decision, state.now)
+            # Before the records show, so their statuses change once, with the reason.
+            held = self._held(state.now)
+            self.plane.statuses.set_verdicts(decision.unplaceable, held.keys())
             await self.plane.save_replicas(decision.replicas)
             await self.plane.desired.keep_requests(_live(self.plane.replicas))
             self.pending = dict(decision.pending)
             for node_id, message in decision.commands:
                 await self._send(node_id, message)
             await self._audit(decision)
+            self.plane.publish_statuses()
             return decision
 
     def snapshot(self) -> ReconcileInput:

@@ -49,6 +49,7 @@ from llmgw.tui.modals import Choice, ChoiceScreen, choose, propose, unavailable
 from llmgw.tui.model import ConsoleSnapshot
 from llmgw.tui.registry import VIEWS, ConsoleAction, action_named, bindings, resolve_view
 from llmgw.tui.stream import Feed, LinkStatus
+from llmgw.tui.views.deployments import DeploymentsView
 from llmgw.tui.views.events import EventsView
 from llmgw.tui.views.pulse import OverviewView, RouterPanel
 from llmgw.tui.views.replicas import ReplicasView, ShardsView
@@ -136,6 +137,7 @@ class ConsoleApp(App[None]):
             "shards": ShardsView(id="shards"),
             "router": RouterPanel(id="router"),
             "events": EventsView(id="events"),
+            "deployments": DeploymentsView(id="deployments"),
         }
         self._badge = LinkBadge(id="badge")
         self._crumbs_bar = Static(self._crumbs(), id="crumbs")
@@ -169,7 +171,7 @@ class ConsoleApp(App[None]):
 
     def _crumbs(self) -> str:
         crumbs = "  ".join(
-            f"[reverse] {v.name} [/]" if v.name == self.current_view else v.name for v in VIEWS
+            f"[reverse] {v.label} [/]" if v.name == self.current_view else v.label for v in VIEWS
         )
         view = self._views[self.current_view]
         row_filter = view.row_filter if isinstance(view, TableView) else None

@@ -35,11 +35,17 @@ __all__ = [
 
 @dataclass(frozen=True, slots=True)
 class ViewSpec:
-    """A view: its name (``:name`` jumps to it), title and other words ``:`` accepts."""
+    """A view: its name (``:name`` jumps to it), title and other words ``:`` accepts, and
+    the word the top bar shows for it (default: its name)."""
 
     name: str
     title: str
     aliases: tuple[str, ...] = ()
+    crumb: str = ""
+
+    @property
+    def label(self) -> str:
+        return self.crumb or self.name
 
 
 VIEWS: tuple[ViewSpec, ...] = (
@@ -49,6 +55,7 @@ VIEWS: tuple[ViewSpec, ...] = (
     ViewSpec("shards", "Shards", ("shard", "sh")),
     ViewSpec("router", "Router", ("gateway", "rt")),
     ViewSpec("events", "Events", ("event", "ev", "audit", "log")),
+    ViewSpec("deployments", "Deployments", ("deployment", "deploy", "dp"), crumb="deploy"),
 )
 
 
@@ -94,7 +101,7 @@ class ConsoleAction:
         return self.help or self.description
 
 
-_TABLES = frozenset({"nodes", "replicas", "shards", "events"})
+_TABLES = frozenset({"nodes", "replicas", "shards", "events", "deployments"})
 _ON_REPLICAS = frozenset({"replicas", "shards"})  # a shard's row acts on its replica
 _ON_NODES = frozenset({"nodes"})  # a GPU's row acts on its node
 

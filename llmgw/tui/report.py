@@ -2,7 +2,8 @@
 
 The JSON is the console's own view of the cluster (not the raw protos; ``llmgw get -o json``
 gives those): ``overview`` (the counts the overview shows), ``router``, and one list per
-view (``nodes``, ``gpus``, ``replicas``, ``shards``, ``events``), keys in lowerCamelCase like
+view (``nodes``, ``gpus``, ``replicas``, ``shards``, ``events``, ``deployments``: ``replicas``
+desired, the status the server computed beside it), keys in lowerCamelCase like
 proto3 JSON, enums by name, values the server does not report as null.
 """
 
@@ -52,6 +53,7 @@ def snapshot_json(snapshot: ConsoleSnapshot, server: str) -> dict[str, Any]:
         "replicas": [_plain(r) for r in snapshot.replicas.values()],
         "shards": [_plain(s) for s in snapshot.shards.values()],
         "events": [_plain(e) for e in snapshot.events.values()],
+        "deployments": [_plain(d) for _, d in sorted(snapshot.deployments.items())],
     }
 
 
@@ -84,7 +86,16 @@ def snapshot_tables(snapshot: ConsoleSnapshot) -> list[tuple[str, Rows]]:
         ("OVERVIEW", pulse),
         ("NODES", _node_rows(snapshot)),
         ("REPLICAS", _replica_rows(snapshot)),
+        ("DEPLOYMENTS", _deployment_rows(snapshot)),
     ]
+
+
+def _deployment_rows(snapshot: ConsoleSnapshot) -> Rows:
+    rows: Rows = [["NAME", "PROFILE", "DESIRED", "READY", "UP-TO-DATE", "AVAILABLE", "REASON"]]
+    for _, d in sorted(snapshot.deployments.items()):
+        counts = (d.replicas, d.ready, d.up_to_date, d.available)
+        rows.append([d.name, d.profile, *(str(n) for n in counts), d.reason])
+    return rows
 
 
 def _router_words(snapshot: ConsoleSnapshot) -> str:

@@ -33,6 +33,7 @@ from llmgw.api.llmgw.v1 import (
 )
 
 __all__ = [
+    "ConditionRow",
     "DeploymentRow",
     "EventRow",
     "FabricRow",
@@ -480,19 +481,67 @@ def with_router_figures(
 
 
 @dataclass(frozen=True, slots=True)
+class ConditionRow:
+    """One of a deployment's conditions (Available, Progressing, ReplicaFailure)."""
+
+    type: str
+    status: bool
+    reason: str
+    message: str
+    since_ms: int
+
+
+@dataclass(frozen=True, slots=True)
 class DeploymentRow:
+    """A deployment with the status the server computed (counts 0 until one is given)."""
+
     name: str
     profile: str
-    replicas: int
+    replicas: int  # desired
     pool: str
+    ready: int = 0
+    up_to_date: int = 0
+    available: int = 0
+    starting: int = 0
+    failed: int = 0
+    unplaceable: int = 0
+    reason: str = ""  # what keeps it from done, in the server's words
+    conditions: tuple[ConditionRow, ...] = ()
 
     @property
     def key(self) -> str:
         return self.name
 
+    @property
+    def short(self) -> bool:
+        """Fewer replicas available than desired."""
+        return self.available < self.replicas
+
 
 def deployment_row(deployment: Deployment) -> DeploymentRow:
-    return DeploymentRow(deployment.name, deployment.profile, deployment.replicas, deployment.pool)
+    status = deployment.status
+    if status is None:
+        return DeploymentRow(
+            deployment.name, deployment.profile, deployment.replicas, deployment.pool
+        )
+    conditions = tuple(
+        ConditionRow(c.type, c.status, c.reason, c.message, c.since_unix_ms)
+        for c in status.conditions
+    )
+    return DeploymentRow(
+        deployment.name,
+        deployment.profile,
+        deployment.replicas,
+        deployment.pool,
+        ready=status.ready,
+        up_to_date=status.up_to_date,
+        available=status.available,
+        starting=status.starting,
+        failed=status.failed,
+        unplaceable=status.unplaceable,
+        reason=status.reason,
+        conditions=conditions,
+    )
 
 
 @dataclass(frozen=True, slots=True)

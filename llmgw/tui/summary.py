@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from llmgw.api.llmgw.v1 import Health, NodeState, ShardState
 from llmgw.tui.model import ConsoleSnapshot
 
-__all__ = ["REPLICA_ORDER", "Overview", "summarize"]
+__all__ = ["REPLICA_ORDER", "Overview", "Shortfall", "summarize"]
 
 REPLICA_ORDER: tuple[ShardState, ...] = (
     ShardState.READY,
@@ -20,6 +20,17 @@ REPLICA_ORDER: tuple[ShardState, ...] = (
     ShardState.FAILED,
 )
 """States in the order the overview lists them."""
+
+
+@dataclass(frozen=True, slots=True)
+class Shortfall:
+    """A deployment with fewer replicas available than desired, and the server's reason."""
+
+    deployment: str
+    ready: int
+    available: int  # ready on its profile as it is now
+    desired: int
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +57,7 @@ class Overview:
     replicas_out_of_date: int
     shards_total: int
     deployments: int
+    short: tuple[Shortfall, ...] = ()  # deployments short of desired, by name
 
 
 def summarize(snapshot: ConsoleSnapshot) -> Overview:
@@ -72,4 +84,9 @@ def summarize(snapshot: ConsoleSnapshot) -> Overview:
         replicas_out_of_date=sum(1 for r in snapshot.replicas.values() if r.out_of_date),
         shards_total=len(snapshot.shards),
         deployments=len(snapshot.deployments),
+        short=tuple(
+            Shortfall(d.name, d.ready, d.available, d.replicas, d.reason)
+            for _, d in sorted(snapshot.deployments.items())
+            if d.short
+        ),
     )

@@ -173,7 +173,9 @@ async def test_polls_count_delivered_reuse_across_an_engine_restart() -> None:
     assert engines.block_size("r1") == 128
     assert seen == ["/metrics"] * 3
     text = "\n".join(engines.lines())
-    assert 'llmgw_engine_prefix_hit_ratio{replica="r1"} 0.944' in text
+    assert 'llmgw_engine_prefix_cache_queries_total{replica="r1"} 900' in text
+    assert 'llmgw_engine_prefix_cache_hits_total{replica="r1"} 850' in text
+    assert "hit_ratio" not in text  # a ratio is the reader's: rate(hits) / rate(queries)
     assert 'llmgw_engine_polls_total{outcome="ok"} 3' in text
 
 

@@ -166,7 +166,8 @@ async def test_v1_needs_a_key_and_health_and_metrics_stay_open(
             assert (await http.get("/healthz")).status_code == 200
             metrics = await http.get("/metrics")
             assert metrics.status_code == 200
-            assert 'llmgw_requests_total{status="401"} 5' in metrics.text
+            counted = 'llmgw_requests_total{model="unknown",route="unknown",status="401"} 5'
+            assert counted in metrics.text
 
             models = await http.get("/v1/models", headers=bearer(KEYS[1]))
             assert models.status_code == 200 and models.json()["data"][0]["id"] == "m"

@@ -104,16 +104,21 @@ def test_histogram_buckets_are_cumulative_with_le_semantics() -> None:
 
 def test_render_is_valid_exposition_with_escaped_labels() -> None:
     metrics = GatewayMetrics()
-    metrics.request_done(200)
-    metrics.request_done(200)
-    metrics.request_done(503)
+    metrics.request_done(200, "m", "/v1/completions")
+    metrics.request_done(200, "m", "/v1/completions")
+    metrics.request_done(503, 'we"ird', "/v1/chat/completions")
+    metrics.request_done(401)  # refused before its head was read
     metrics.decided("approximate", "hit", 3e-5)
     metrics.first_byte('we"ird\\model\n', 0.2)
     metrics.finished("m", 1.5)
     families = parse_exposition(metrics.render({"r1": 2, "r2": 0}).decode())
     requests = families["llmgw_requests_total"]
     assert requests.kind == "counter"
-    assert requests.samples[("llmgw_requests_total", frozenset({("status", "200")}))] == 2
+    done = frozenset({("model", "m"), ("route", "/v1/completions"), ("status", "200")})
+    assert requests.samples[("llmgw_requests_total", done)] == 2
+    refused = frozenset({("model", "unknown"), ("route", "unknown"), ("status", "401")})
+    assert requests.samples[("llmgw_requests_total", refused)] == 1
+    assert len(requests.samples) == 3  # the escaped model label parsed back as one sample
     decisions = families["llmgw_prefix_decisions_total"].samples
     key = ("llmgw_prefix_decisions_total", frozenset({("tier", "approximate"), ("outcome", "hit")}))
     assert decisions[key] == 1
@@ -187,9 +192,19 @@ async def test_metrics_move_with_traffic() -> None:
         reply = await client.get("/metrics")
     assert reply.headers["content-type"] == "text/plain; version=0.0.4; charset=utf-8"
     families = parse_exposition(reply.text)
-    requests = families["llmgw_requests_total"].samples
-    assert requests[("llmgw_requests_total", frozenset({("status", "200")}))] == 4
-    assert requests[("llmgw_requests_total", frozenset({("status", "404")}))] == 1
+    requests = {
+        tuple(sorted(dict(labels).items())): value
+        for (_, labels), value in families["llmgw_requests_total"].samples.items()
+    }
+
+    def labels(model: str, route: str, status: str) -> tuple[tuple[str, str], ...]:
+        return (("model", model), ("route", route), ("status", status))
+
+    assert requests == {
+        labels("m", "/v1/completions", "200"): 3,
+        labels("m", "/v1/chat/completions", "200"): 1,
+        labels("unknown", "/v1/completions", "404"): 1,  # "nope": no replica serves it
+    }
     decisions = families["llmgw_prefix_decisions_total"].samples
     by_tier = {
         tuple(sorted(dict(labels).items())): value for (_, labels), value in decisions.items()

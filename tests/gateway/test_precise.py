@@ -490,7 +490,11 @@ def test_the_precise_families_are_valid_exposition() -> None:
         'llmgw_tokenize_failures_total{reason="timeout"} 1',
         "llmgw_precise_seconds_count 1",
         "llmgw_kv_index_blocks 4",
-        "llmgw_kv_index_event_lags_total 1",
+        'llmgw_kv_index_event_lag_seconds_bucket{le="0.01"} 0',
+        'llmgw_kv_index_event_lag_seconds_bucket{le="0.025"} 1',
+        'llmgw_kv_index_event_lag_seconds_bucket{le="+Inf"} 1',
+        "llmgw_kv_index_event_lag_seconds_sum 0.02",
+        "llmgw_kv_index_event_lag_seconds_count 1",
         "llmgw_kv_index_event_lag_max_seconds 0.02",
     ):
         assert want in text.splitlines(), want

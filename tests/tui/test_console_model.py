@@ -453,6 +453,10 @@ def test_once_json_is_plain_json_of_the_console_view() -> None:
     assert out["gpus"][0]["shardId"] == "chat-1.0"
     assert out["replicas"][0]["inFlight"] is None  # not reported: null, not 0
     assert out["nodes"][0]["detail"]["labels"] == {}
+    (chat,) = out["deployments"]
+    assert (chat["name"], chat["replicas"], chat["ready"], chat["conditions"]) == (
+        "chat", 1, 0, []  # the primed deployment carries no status: zeros, no conditions
+    )  # fmt: skip
 
 
 # --- the watch worker, against a scripted client -----------------------------------------

@@ -30,6 +30,7 @@ from llmgw.api.llmgw.v1 import (
     AuditEvent,
     Cluster,
     Deployment,
+    DeploymentStatus,
     Node,
     NodeInfo,
     NodeState,
@@ -41,6 +42,7 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
     WatchEvent,
 )
+from llmgw.server.core.deployment_status import ReplicaFacts, RoundVerdict, deployment_status
 from llmgw.tui.app import ConsoleApp
 from llmgw.tui.model import ClusterModel
 from llmgw.tui.stream import LinkPhase, LinkStatus
@@ -187,6 +189,29 @@ def _audit() -> list[AuditEvent]:
     ]
 
 
+WIDE_REASON = "no schedulable node has 2 free L4 GPUs: l4-1 is NOT_READY"
+
+
+def _status(deployment: Deployment, replicas: list[Replica]) -> DeploymentStatus:
+    """The status the server would send for ``deployment`` over these replicas (its pure
+    computation; the draining one is retiring, not counted), each condition since 10 min."""
+    facts = [
+        ReplicaFacts(
+            r.replica_id,
+            r.state,
+            r.state is ShardState.READY,
+            r.profile == deployment.profile,
+            "FAILED: engine exited with code 1: CUDA out of memory"
+            if r.state is ShardState.FAILED
+            else "",
+        )
+        for r in replicas
+        if r.deployment == deployment.name and r.state is not ShardState.DRAINING
+    ]
+    verdict = RoundVerdict(WIDE_REASON if deployment.name == "wide" else "")
+    return deployment_status(deployment, facts, verdict, previous=None, now_ms=T0 - 600_000)
+
+
 def frozen_cluster() -> Cluster:
     dgx = _node("dgx-h100", "dgx-1", NodeState.READY)
     mig = _node("a100-mig", "mig-1", NodeState.CORDONED)
@@ -200,7 +225,10 @@ def frozen_cluster() -> Cluster:
         Deployment(name="chat", profile="chat-h100-v2", replicas=3, updated_unix_ms=T0 - 300_000),
         Deployment(name="embed", profile="embed-l4", replicas=1, updated_unix_ms=T0 - 3_600_000),
         Deployment(name="small", profile="small-mig", replicas=2, updated_unix_ms=T0 - 900_000),
+        Deployment(name="wide", profile="wide-l4", replicas=2, updated_unix_ms=T0 - 120_000),
     ]
+    for deployment in deployments:
+        deployment.status = _status(deployment, replicas)
     return Cluster(
         nodes=[dgx, mig, gb, l4],
         replicas=replicas,
@@ -315,7 +343,9 @@ async def _shown(pilot: Pilot[Any]) -> None:
 
 
 @pytest.mark.parametrize("size", SIZES)
-@pytest.mark.parametrize("view", ["overview", "nodes", "replicas", "shards", "router", "events"])
+@pytest.mark.parametrize(
+    "view", ["overview", "nodes", "replicas", "shards", "router", "events", "deployments"]
+)
 def test_live(snap_compare: SnapCompare, view: str, size: str) -> None:
     assert snap_compare(_app(view), terminal_size=SIZES[size], run_before=_shown)
 

@@ -40,12 +40,18 @@ from typing import Final
 
 from llmgw.kvcache.keys import MAX_FILL, MIN_FILL, merge_buckets, split_buckets
 
-__all__ = ["KvIndex", "KvIndexStats"]
+__all__ = ["EVENT_LAG_BUCKETS", "KvIndex", "KvIndexStats"]
 
 _SWEEP_PER_KEY: Final = 8  # index entries swept per key applied, while a sweep runs
 _SWEEP_MIN: Final = 256  # ... and at least this many per call
 _HOT_LIMIT: Final = 65_536  # keys whose holder masks `match` keeps at hand (then cleared)
 _U64: Final = 1 << 64
+
+
+EVENT_LAG_BUCKETS: tuple[float, ...] = (
+    0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0,
+)  # fmt: skip
+"""Upper bounds (seconds) of the event → index lag histogram."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -66,6 +72,9 @@ class KvIndexStats:
     event_lags: int  # event → index lags observed (`KvIndex.note_event_lag`)
     event_lag_sum_s: float
     event_lag_max_s: float
+    # lags per bucket of EVENT_LAG_BUCKETS (at most that bound, above the one before), and
+    # the last one above every bound: a histogram's counts, not yet cumulative
+    event_lag_counts: tuple[int, ...] = ()
 
 
 class _Masks:
@@ -134,6 +143,7 @@ class KvIndex:
         self._counts = Counter[str]()
         self._lag_max = 0.0
         self._lag_sum = 0.0
+        self._lag_counts = [0] * (len(EVENT_LAG_BUCKETS) + 1)
 
     # -- reading ------------------------------------------------------------------------------
 
@@ -215,6 +225,7 @@ class KvIndex:
             event_lags=counts["lags"],
             event_lag_sum_s=self._lag_sum,
             event_lag_max_s=self._lag_max,
+            event_lag_counts=tuple(self._lag_counts),
         )
 
     def note_refused(self) -> None:
@@ -226,6 +237,7 @@ class KvIndex:
         self._counts["lags"] += 1
         self._lag_sum += seconds
         self._lag_max = max(self._lag_max, seconds)
+        self._lag_counts[bisect_left(EVENT_LAG_BUCKETS, seconds)] += 1
 
     # -- writing ------------------------------------------------------------------------------
 

@@ -173,6 +173,7 @@ def _rows(
         if change.deployment is not None:
             deployment = Deployment.parse(bytes(change.deployment))
             deployment.updated_unix_ms = at
+            deployment.status = None  # computed by the server, never stored
             deployments.append(deployment)
     stored_profiles = [
         StoredProfile(p.name, bytes(p), profile_fingerprint(p), at) for p in profiles.values()
@@ -315,6 +316,8 @@ class DesiredState:
         # Operator requests on replicas, stored (schema 4) and forgotten once carried out:
         self.retire: set[str] = set()  # replica ids an operator drained
         self.replace: set[str] = set()  # replica ids to replace by surge (a node drain)
+        # How a published deployment shows (the plane adds its status); the stored one stays.
+        self.shown: Callable[[Deployment], Deployment] = lambda deployment: deployment
 
     async def load(self) -> None:
         """Read the stored profiles and deployments; a row that cannot be read is a
@@ -363,7 +366,7 @@ class DesiredState:
             self.profiles.update(profiles)
             for deployment in deployments:
                 self.deployments[deployment.name] = deployment
-                self._hub.publish(WatchEvent(deployment=deployment))
+                self._hub.publish(WatchEvent(deployment=self.shown(deployment)))
 
     async def update(
         self, name: str, edit: Callable[[Deployment], None], *, retire: str = ""

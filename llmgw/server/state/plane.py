@@ -72,9 +72,11 @@ from llmgw.api.llmgw.v1 import (
     WatchEvent,
 )
 from llmgw.protocol import read_shard_state
+from llmgw.server.core.deployment_status import replica_state
 from llmgw.server.core.plan import ShardPlan
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.errors import ActionRefused, StoreUnwritable, UnknownNode
+from llmgw.server.state.deploystatus import DeploymentBoard
 from llmgw.server.state.desired import DesiredState
 from llmgw.server.state.encoded import freeze_node_info
 from llmgw.server.state.inventory import Inventory, InventoryConfig, NodeRecord
@@ -104,6 +106,8 @@ class ControlPlane:
         self.inventory = Inventory(config)
         self.hub = WatchHub(self.snapshot)
         self.desired = DesiredState(store, self.hub)
+        self.statuses = DeploymentBoard(self.inventory, self.desired.fingerprint)
+        self.desired.shown = self.statuses.shown
         self._seen: dict[str, int] = {}  # node id → last heartbeat ms not yet in the store
         self._unsaved_nodes: set[str] = set()  # registrations the store could not take yet
         self._unsaved_audit: list[AuditRecord] = []  # audit records it could not take yet
@@ -127,6 +131,7 @@ class ControlPlane:
         self.inventory.cluster_id = self.cluster_id
         await self.desired.load()
         self.replicas.update((r.replica_id, r) for r in await self.store.load_replicas())
+        self.statuses.track(self.replicas.values())
         self._recent.extend(_audit_event(r) for r in await self.store.recent_audit(RECENT_AUDIT))
         for stored in await self.store.load_nodes():
             try:
@@ -168,7 +173,10 @@ class ControlPlane:
     def snapshot(self, revision: int | None = None) -> Cluster:
         rev = self.hub.revision if revision is None else revision
         cluster = self.inventory.cluster(revision=rev, now_ms=now_ms(), now_mono=time.monotonic())
-        cluster.deployments = [d for _, d in sorted(self.desired.deployments.items())]
+        cluster.deployments = [
+            self.statuses.shown(d, remember=False)
+            for _, d in sorted(self.desired.deployments.items())
+        ]
         cluster.replicas = [
             self.replica_view(r)
             for _, r in sorted(self.replicas.items())
@@ -217,11 +225,19 @@ class ControlPlane:
                 self.hub.publish(WatchEvent(replica_removed=replica_id))
             else:
                 self.hub.publish(WatchEvent(replica=self.replica_view(record)))
+        self.publish_statuses(self.statuses.track(changed.values()))
 
     def _publish_replica_of(self, shard: Shard) -> None:
         record = self.replicas.get(shard.replica_id)
         if record is not None and record.lifecycle is not Lifecycle.RETIRED:
             self.hub.publish(WatchEvent(replica=self.replica_view(record)))
+            self.publish_statuses([record.plan.deployment])
+
+    def publish_statuses(self, names: Iterable[str] | None = None) -> None:
+        """Publish a ``deployment`` event for each of ``names`` (None: every deployment)
+        whose status changed (``llmgw.server.state.deploystatus``)."""
+        for deployment in self.statuses.changed(self.desired.deployments, names):
+            self.hub.publish(WatchEvent(deployment=deployment))
 
     # --- agents ----------------------------------------------------------------------
 
@@ -530,12 +546,14 @@ class ControlPlane:
         for shard_id in gone:
             self.hub.publish(WatchEvent(shard_removed=shard_id))
         self.hub.publish(WatchEvent(node_removed=node_id))
+        self.publish_statuses(self.statuses.on_node(node_id))
         self.reconcile_soon()
         self._note_agents_back()
 
     def _publish_node(self, record: NodeRecord) -> None:
         node = self.inventory.node_view(record, time.monotonic())
         self.hub.publish(WatchEvent(node=node))
+        self.publish_statuses(self.statuses.on_node(record.info.node_id))
 
 
 def _audit_event(record: AuditRecord) -> AuditEvent:
@@ -562,31 +580,3 @@ def node_address(record: NodeRecord) -> str:
 
 def _host(address: str) -> str:
     return f"[{address}]" if ":" in address else address
-
-
-_PROGRESS = (ShardState.PENDING, ShardState.STARTING, ShardState.LOADING, ShardState.READY)
-
-
-def replica_state(record: ReplicaRecord, shards: Iterable[Shard | None]) -> ShardState:
-    """A replica's state from its shards on their planned nodes (None: not reported there).
-
-    A retiring replica is DRAINING (STOPPED once none runs); else READY only when every
-    shard is READY, FAILED if one is, DRAINING if one drains, else the least advanced shard's state
-    (a missing or STOPPED shard of a live replica counts as PENDING: it will be started).
-    """
-    states = [
-        read_shard_state(s.status.state)
-        if s is not None and s.status is not None
-        else ShardState.STOPPED
-        for s in shards
-    ]
-    if record.lifecycle is Lifecycle.RETIRING:  # it takes no new requests, READY or not
-        running = any(s is not ShardState.STOPPED for s in states)
-        return ShardState.DRAINING if running else ShardState.STOPPED
-    if all(s is ShardState.READY for s in states):
-        return ShardState.READY
-    if ShardState.FAILED in states:
-        return ShardState.FAILED
-    if ShardState.DRAINING in states:
-        return ShardState.DRAINING
-    return min((s if s in _PROGRESS else ShardState.PENDING for s in states), key=_PROGRESS.index)

@@ -29,6 +29,16 @@ token, like ``/healthz``. Families::
                                                         entries, gateway feeds following it
     llmgw_kv_store_{deltas,stored,removed,resets,malformed,ignored,drops}_total
                                                         what the store has seen (kvblocks.py)
+    llmgw_deployment_replicas_desired{deployment}       a deployment's replica count
+    llmgw_deployment_replicas_ready{deployment}         its live replicas ready now (every shard
+                                                        READY on a READY node; DeploymentStatus)
+    llmgw_nodes{state}                                  nodes by state (ready, not_ready,
+                                                        cordoned; every state, 0 included)
+    llmgw_replicas{state}                               replicas not retired, by state (pending,
+                                                        starting, loading, ready, draining,
+                                                        stopped, failed)
+    llmgw_shards{state}                                 shards agents report, by the same states
+    llmgw_build_info{version,python}                    1, labelled with this build
 
 The ``llmgw_kv_events_*`` counters come from the agents (``llmgw.server.state.kvfollow``), as of
 their last heartbeat; ``replica`` is the shard's replica ("" while the server knows no such
@@ -39,15 +49,29 @@ engine's series goes when its shard stops or fails or its node's stream ends.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+import platform
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
+from llmgw import __version__
+from llmgw.api.llmgw.v1 import NodeState, ShardState
 from llmgw.promtext import family, label_set
+from llmgw.protocol import read_shard_state
+from llmgw.server.core.reconcile_state import Lifecycle
 from llmgw.server.state.kvblocks import KvBlocksStats
 from llmgw.server.state.kvfollow import EngineFollowStats
 from llmgw.server.state.plane import ControlPlane
 
-__all__ = ["CONTENT_TYPE", "render_server_metrics", "server_metrics"]
+__all__ = [
+    "CONTENT_TYPE",
+    "AgentStreamStats",
+    "FleetFigures",
+    "fleet_figures",
+    "render_server_metrics",
+    "server_metrics",
+]
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -94,6 +118,42 @@ class AgentStreamStats:
     refused_rate: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class FleetFigures:
+    """The fleet's state now: deployments' desired and ready counts, things by state."""
+
+    deployments: tuple[tuple[str, int, int], ...] = ()  # (name, desired, ready), by name
+    # by state, as labelled: "ready", "not_ready", …; a state absent counts 0
+    nodes: Mapping[str, int] = field(default_factory=dict)
+    replicas: Mapping[str, int] = field(default_factory=dict)
+    shards: Mapping[str, int] = field(default_factory=dict)
+
+
+def fleet_figures(plane: ControlPlane) -> FleetFigures:
+    """The plane's deployments, nodes, replicas and shards, counted."""
+    deployments = []
+    for name, deployment in sorted(plane.desired.deployments.items()):
+        status = plane.statuses.status(deployment, remember=False)
+        deployments.append((name, status.desired, status.ready))
+    now = time.monotonic()
+    inventory = plane.inventory
+    nodes = Counter(_state_label(inventory.state(r, now)) for r in inventory.nodes.values())
+    replicas = Counter(
+        _state_label(plane.replica_view(record).state)
+        for record in plane.replicas.values()
+        if record.lifecycle is not Lifecycle.RETIRED
+    )
+    shards = Counter(
+        _state_label(read_shard_state(shard.status.state if shard.status else 0))
+        for shard in inventory.shards.values()
+    )
+    return FleetFigures(tuple(deployments), nodes, replicas, shards)
+
+
+def _state_label(state: NodeState | ShardState) -> str:
+    return str(state.name).lower()
+
+
 def server_metrics(
     plane: ControlPlane, agents_connected: int, streams: AgentStreamStats | None = None
 ) -> bytes:
@@ -111,6 +171,7 @@ def server_metrics(
         follow_refused=plane.kv_follow.refused,
         store=plane.kv_blocks.stats(),
         streams=streams or AgentStreamStats(),
+        fleet=fleet_figures(plane),
     )
 
 
@@ -122,6 +183,7 @@ def render_server_metrics(
     follow_refused: int,
     store: KvBlocksStats,
     streams: AgentStreamStats | None = None,
+    fleet: FleetFigures | None = None,
 ) -> bytes:
     """The exposition text of these figures (``replica_of(node, shard)`` names replicas)."""
     out: list[str] = []
@@ -149,6 +211,7 @@ def render_server_metrics(
     family(out, "llmgw_kv_follow_refused_total", "counter", "Heartbeat KV counters refused.")
     _sample(out, "llmgw_kv_follow_refused_total", "", follow_refused)
     _store_lines(out, store)
+    _fleet_lines(out, fleet or FleetFigures())
     return ("\n".join(out) + "\n").encode("utf-8")
 
 
@@ -157,6 +220,37 @@ def _store_lines(out: list[str], store: KvBlocksStats) -> None:
         for name, attr, help_ in families:
             family(out, name, kind, help_)
             _sample(out, name, "", getattr(store, attr))
+
+
+_NODE_STATES = tuple(_state_label(s) for s in NodeState if s is not NodeState.UNSPECIFIED)
+_SHARD_STATES = tuple(_state_label(s) for s in ShardState if s is not ShardState.UNSPECIFIED)
+
+
+def _fleet_lines(out: list[str], fleet: FleetFigures) -> None:
+    desired, ready = "llmgw_deployment_replicas_desired", "llmgw_deployment_replicas_ready"
+    family(out, desired, "gauge", "A deployment's desired replica count.")
+    for name, count, _ in fleet.deployments:
+        _sample(out, desired, label_set([("deployment", name)]), count)
+    family(out, ready, "gauge", "A deployment's live replicas ready now.")
+    for name, _, count in fleet.deployments:
+        _sample(out, ready, label_set([("deployment", name)]), count)
+    _by_state(out, "llmgw_nodes", "Nodes by state.", _NODE_STATES, fleet.nodes)
+    _by_state(
+        out, "llmgw_replicas", "Replicas not retired, by state.", _SHARD_STATES, fleet.replicas
+    )
+    _by_state(out, "llmgw_shards", "Shards agents report, by state.", _SHARD_STATES, fleet.shards)
+    family(out, "llmgw_build_info", "gauge", "This build: always 1, labelled.")
+    build = label_set([("version", __version__), ("python", platform.python_version())])
+    _sample(out, "llmgw_build_info", build, 1)
+
+
+def _by_state(
+    out: list[str], name: str, help_: str, states: Sequence[str], counts: Mapping[str, int]
+) -> None:
+    """One sample per state, 0 included."""
+    family(out, name, "gauge", help_)
+    for state in states:
+        _sample(out, name, label_set([("state", state)]), counts.get(state, 0))
 
 
 def _engine_labels(engine: EngineFollowStats, replica: str) -> str:

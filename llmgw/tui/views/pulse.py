@@ -20,7 +20,7 @@ from textual.widgets import Label, Sparkline, Static
 
 from llmgw.tui.model import ConsoleSnapshot, ReplicaLoad, RouterStatus, RouterView
 from llmgw.tui.summary import Overview, summarize
-from llmgw.tui.widgets.cells import NOT_REPORTED, GiB, percent, shard_state_cell
+from llmgw.tui.widgets.cells import NOT_REPORTED, GiB, percent, shard_state_cell, shown
 
 __all__ = ["OverviewView", "RouterPanel", "overview_text", "router_text"]
 
@@ -53,8 +53,32 @@ def overview_text(overview: Overview, router: RouterView, server: str) -> Render
             f"{overview.deployments} deployments"
         ),  # fmt: skip
     )
+    for label, line in _shortfalls(overview):
+        grid.add_row(label, line)
     grid.add_row("requests", _requests(router))
     return grid
+
+
+SHORT_SHOWN = 3
+"""Deployments short of desired that the overview names (the rest are counted)."""
+
+
+def _shortfalls(overview: Overview) -> list[tuple[str, Text]]:
+    """One line per deployment short of desired: ready/desired (and how many of those are
+    on its profile as it is now, when not all) and the server's reason."""
+    lines = []
+    for i, short in enumerate(overview.short[:SHORT_SHOWN]):
+        words = f"{short.deployment} {short.ready}/{short.desired} ready"
+        if short.available != short.ready:
+            words += f", {short.available} up to date"
+        text = shown(words, "bold red")
+        if short.reason:
+            text.append_text(shown(f": {short.reason}"))
+        lines.append(("short" if i == 0 else "", text))
+    if len(overview.short) > SHORT_SHOWN:
+        more = len(overview.short) - SHORT_SHOWN
+        lines.append(("", Text(f"and {more} more (:deployments)")))
+    return lines
 
 
 def _gpus(overview: Overview) -> Text:

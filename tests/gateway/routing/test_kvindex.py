@@ -9,7 +9,7 @@ import random
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from llmgw.gateway.routing.kvindex import KvIndex
+from llmgw.gateway.routing.kvindex import EVENT_LAG_BUCKETS, KvIndex
 from llmgw.kvcache.mirror import block_keys
 
 _RNG = random.Random(6)
@@ -116,6 +116,10 @@ def test_note_counters() -> None:
     index.note_refused()
     stats = index.stats()
     assert (stats.event_lags, stats.event_lag_sum_s, stats.event_lag_max_s) == (2, 0.75, 0.5)
+    at = {bound: i for i, bound in enumerate(EVENT_LAG_BUCKETS)}
+    counts = [0] * (len(EVENT_LAG_BUCKETS) + 1)
+    counts[at[0.25]] = counts[at[0.5]] = 1  # a bound is its bucket's upper edge, inclusive
+    assert list(stats.event_lag_counts) == counts
     assert stats.refused == 1
 
 

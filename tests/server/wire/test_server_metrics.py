@@ -4,6 +4,7 @@ and from a real engine publisher through the agent's subscriber, link and the se
 from __future__ import annotations
 
 import asyncio
+import platform
 import re
 import shutil
 import tempfile
@@ -16,6 +17,7 @@ import pytest
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
+import llmgw
 from llmgw.agent.backoff import BackoffPolicy
 from llmgw.agent.engines.base import KvEventEndpoints
 from llmgw.agent.kvevents import KvFollowConfig
@@ -30,7 +32,12 @@ from llmgw.server.state.store import Store
 from llmgw.server.wire.agentsvc import AgentService
 from llmgw.server.wire.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.wire.grpcweb import GrpcWebApp
-from llmgw.server.wire.metrics import AgentStreamStats, render_server_metrics, server_metrics
+from llmgw.server.wire.metrics import (
+    AgentStreamStats,
+    FleetFigures,
+    render_server_metrics,
+    server_metrics,
+)
 from llmgw.sim.engine.config import KvEventsConfig
 from llmgw.sim.engine.kvpublisher import KvEventPublisher
 
@@ -265,3 +272,36 @@ async def test_a_healed_gap_shows_as_a_gap_and_a_replay_and_no_reset(
     assert rose("batches") == 2  # the lost batch too, by replay
     assert after[("llmgw_kv_mirror_blocks", LABELS)] == blocks.count
     assert after[("llmgw_agents_connected", frozenset())] == 1
+
+
+def test_fleet_gauges_carry_every_state_and_each_deployment() -> None:
+    fleet = FleetFigures(
+        deployments=(("chat", 3, 1), ('we"ird', 1, 1)),
+        nodes={"ready": 2, "not_ready": 1},
+        replicas={"ready": 2, "failed": 1},
+        shards={"ready": 4},
+    )
+    text = render_server_metrics(
+        agents_connected=0,
+        engines=[],
+        replica_of=lambda n, s: "",
+        follow_refused=0,
+        store=STORE,
+        fleet=fleet,
+    ).decode()
+    samples = parse(text)
+
+    def state(name: str, value: str) -> float:
+        return samples[(name, frozenset({("state", value)}))]
+
+    assert [state("llmgw_nodes", s) for s in ("ready", "not_ready", "cordoned")] == [2, 1, 0]
+    every = ("pending", "starting", "loading", "ready", "draining", "stopped", "failed")
+    assert [state("llmgw_replicas", s) for s in every] == [0, 0, 0, 2, 0, 0, 1]
+    assert [state("llmgw_shards", s) for s in every] == [0, 0, 0, 4, 0, 0, 0]
+    chat, weird = frozenset({("deployment", "chat")}), frozenset({("deployment", 'we"ird')})
+    assert samples[("llmgw_deployment_replicas_desired", chat)] == 3
+    assert samples[("llmgw_deployment_replicas_ready", chat)] == 1
+    assert samples[("llmgw_deployment_replicas_ready", weird)] == 1
+    (build,) = [labels for name, labels in samples if name == "llmgw_build_info"]
+    assert dict(build)["version"] == llmgw.__version__
+    assert dict(build)["python"] == platform.python_version()

@@ -17,6 +17,8 @@ __all__ = (
     "DeleteDeploymentRequest",
     "DeleteNodeRequest",
     "Deployment",
+    "DeploymentCondition",
+    "DeploymentStatus",
     "DrainShard",
     "EngineProfile",
     "FabricAttachment",
@@ -417,8 +419,123 @@ class Deployment(betterproto2.Message):
 
     updated_unix_ms: "int" = betterproto2.field(6, betterproto2.TYPE_INT64)
 
+    status: "DeploymentStatus | None" = betterproto2.field(
+        20, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    What runs of it now, as the server computes it (set in GetCluster and Watch; ignored
+    in an apply, never stored).
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Deployment", Deployment)
+
+
+@dataclass(eq=False, repr=False)
+class DeploymentCondition(betterproto2.Message):
+    """
+    A condition in kubectl's spirit. Types and reasons:
+      Available       true  MinimumReplicasAvailable    ready >= desired
+                      false MinimumReplicasUnavailable
+      Progressing     true  NewReplicasAvailable        available == desired == replicas
+                      true  ReplicasUpdating            on its way (placing, starting, rolling)
+                      false Unplaceable                 no place for a replica it needs
+                      false CrashLoopBackOff            failed replicas in a row hold it back
+      ReplicaFailure  true  Unplaceable | CrashLoopBackOff | ReplicaFailed (a FAILED shard)
+                      false NoFailures
+    """
+
+    type: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    status: "bool" = betterproto2.field(2, betterproto2.TYPE_BOOL)
+
+    reason: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+
+    message: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    in words, e.g. the placement rules' reason
+    """
+
+    since_unix_ms: "int" = betterproto2.field(5, betterproto2.TYPE_INT64)
+    """
+    when `status` last changed (the server's wall clock)
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "DeploymentCondition", DeploymentCondition)
+
+
+@dataclass(eq=False, repr=False)
+class DeploymentStatus(betterproto2.Message):
+    """
+    A deployment's status, computed by the server from its replica records, the shards
+    agents report and the reconciler's last round. Counts are of its live replicas: the
+    ones the reconciler keeps running (a rolling replacement's surge replica included;
+    retiring and retired ones not). A replica is ready when every shard is READY on its
+    planned node and that node is READY.
+    """
+
+    desired: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+    """
+    Deployment.replicas
+    """
+
+    replicas: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    live replicas placed now
+    """
+
+    ready: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    live replicas that are ready (on any profile)
+    """
+
+    starting: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+    """
+    live replicas PENDING, STARTING or LOADING
+    """
+
+    failed: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+    """
+    live replicas with a FAILED shard
+    """
+
+    unplaceable: "int" = betterproto2.field(6, betterproto2.TYPE_UINT32)
+    """
+    Replicas short of `desired` that the reconciler's last round found no place for
+    (0 while it has not tried yet); `unplaceable_reason` says why in the placement
+    rules' words. The reason is also set, with `unplaceable` 0, while a rolling
+    replacement waits for room, and while failed replicas in a row hold placement back.
+    """
+
+    unplaceable_reason: "str" = betterproto2.field(7, betterproto2.TYPE_STRING)
+
+    up_to_date: "int" = betterproto2.field(8, betterproto2.TYPE_UINT32)
+    """
+    live replicas on the deployment's profile as it is now
+    """
+
+    available: "int" = betterproto2.field(9, betterproto2.TYPE_UINT32)
+    """
+    ready and up to date
+    """
+
+    reason: "str" = betterproto2.field(10, betterproto2.TYPE_STRING)
+    """
+    One line saying what keeps `available` from `desired` (the first that applies: no
+    place, crash-loop back-off, a failed replica's reason, a node gone, replicas starting,
+    a rollout under way); empty when available == desired == replicas.
+    """
+
+    conditions: "list[DeploymentCondition]" = betterproto2.field(
+        11, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    Always three, in this order: Available, Progressing, ReplicaFailure.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "DeploymentStatus", DeploymentStatus)
 
 
 @dataclass(eq=False, repr=False)
