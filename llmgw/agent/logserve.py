@@ -67,6 +67,7 @@ class LogStreams:
         self.max_streams = max_streams
         self.poll_s = poll_s
         self._streams: dict[int, asyncio.Task[None]] = {}
+        self._refusals: set[asyncio.Task[None]] = set()  # answers to streams past the limit
 
     def __len__(self) -> int:
         return len(self._streams)
@@ -84,6 +85,13 @@ class LogStreams:
     def open(self, request: LogRequest) -> None:
         stream_id = request.stream_id
         self.cancel(stream_id)  # a reused id: the server forgot the old one
+        if len(self._streams) >= self.max_streams:
+            busy = f"{self._node} already serves {self.max_streams} log streams; try again later"
+            refusal = self._refuse(stream_id, LogRefused(Status.RESOURCE_EXHAUSTED, busy))
+            task = asyncio.create_task(refusal, name=f"log-{stream_id}")
+            self._refusals.add(task)
+            task.add_done_callback(self._refusals.discard)
+            return
         task = asyncio.create_task(self._serve(request), name=f"log-{stream_id}")
         self._streams[stream_id] = task
         task.add_done_callback(lambda done: self._forget(stream_id, done))
@@ -95,7 +103,8 @@ class LogStreams:
 
     async def reset(self) -> None:
         """End every stream (a new session: the server forgot them)."""
-        tasks, self._streams = list(self._streams.values()), {}
+        tasks, self._streams = [*self._streams.values(), *self._refusals], {}
+        self._refusals = set()
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
@@ -118,11 +127,7 @@ class LogStreams:
             )
             await self._stream(stream_id, request, files)
         except LogRefused as refused:
-            log.info("log stream %d refused: %s", stream_id, refused.why)
-            chunk = LogChunk(
-                stream_id=stream_id, end=True, status=refused.status.value, message=refused.why
-            )
-            await self._send(chunk)
+            await self._refuse(stream_id, refused)
             return
         except asyncio.CancelledError:
             log.info("log stream %d cancelled", stream_id)
@@ -130,15 +135,17 @@ class LogStreams:
         log.info("log stream %d ended", stream_id)
         await self._send(LogChunk(stream_id=stream_id, end=True))
 
+    async def _refuse(self, stream_id: int, refused: LogRefused) -> None:
+        log.info("log stream %d refused: %s", stream_id, refused.why)
+        status = refused.status.value
+        await self._send(
+            LogChunk(stream_id=stream_id, end=True, status=status, message=refused.why)
+        )
+
     def _files(self, request: LogRequest) -> LogFiles:
         shard_id = request.shard_id
         if not SHARD_ID.match(shard_id):
             raise LogRefused(Status.INVALID_ARGUMENT, f"{shard_id[:64]!r} is not a shard id")
-        if len(self._streams) > self.max_streams:
-            raise LogRefused(
-                Status.RESOURCE_EXHAUSTED,
-                f"{self._node} already serves {self.max_streams} log streams; try again later",
-            )
         if request.previous and request.follow:
             raise LogRefused(Status.INVALID_ARGUMENT, "the previous run has ended: no follow")
         files = LogFiles(self.log_dir, shard_id)

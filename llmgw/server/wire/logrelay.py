@@ -181,7 +181,7 @@ class LogRelay:
             self._fail(
                 stream,
                 Status.RESOURCE_EXHAUSTED,
-                f"the reader fell {BEHIND_LIMIT >> 20} MiB behind the log of shard "
+                f"the reader fell {BEHIND_LIMIT / (1 << 20):g} MiB behind the log of shard "
                 f"{stream.target.shard_id}; read it with --tail",
             )
             return
