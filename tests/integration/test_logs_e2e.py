@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +28,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 SIM_BIN = f"sim={sys.executable} -m llmgw sim-engine"
 BACKOFF = ("--restart-backoff", "1", "--restart-backoff-max", "1")
 READY = "SHARD_STATE_READY"
+LOG_MAX = 8 << 10  # the first run (about 3 KiB) stays below; ~30 requests fill the second
+LOG_FLAGS = ("--log-max-bytes", str(LOG_MAX), "--log-retention", "3600")
 FILE = """
 [profiles.chat]
 engine = "sim"
@@ -130,8 +133,21 @@ def _start(fleet: Cluster, tmp_path: Path) -> dict[str, str]:
     tokens = {role: fleet.create_token(role) for role in ("admin", "operator", "viewer", "agent")}
     fleet.start_server()
     agent_token = _secret(tmp_path, "agent.token", tokens["agent"])
+    logs = tmp_path / "a1" / "logs"  # a gone shard's old logs, and a gone shard's recent one
+    logs.mkdir(parents=True)
+    for name in ("gone-9.0.log", "gone-9.0.previous.log", "recent-9.0.log"):
+        (logs / name).write_text("x\n")
+    for name in ("gone-9.0.log", "gone-9.0.previous.log"):
+        os.utime(logs / name, (time.time() - 7200, time.time() - 7200))
     fleet.start_agent(
-        "a1", "dgx-h100", "--engine-bin", SIM_BIN, *BACKOFF, "--token-file", str(agent_token)
+        "a1",
+        "dgx-h100",
+        "--engine-bin",
+        SIM_BIN,
+        *BACKOFF,
+        "--token-file",
+        str(agent_token),
+        *LOG_FLAGS,
     )
     fleet.token = tokens["admin"]
     wait_for(lambda: fleet.node_states() == {"a1": "NODE_STATE_READY"}, 30, "a1 READY")
@@ -194,6 +210,24 @@ def test_logs_tail_follow_previous_and_refusals(fleet: Cluster, tmp_path: Path) 
     assert "(restart 0)" in previous[0] and "Received request" in "\n".join(previous)
     current = fleet.cli("logs", replica_id).stdout.splitlines()
     assert "(restart 1)" in current[0] and "Received request" not in "\n".join(current)
+
+    # --log-max-bytes: past it the log rotates, and the whole run still reads as one
+    def rotated() -> bool:
+        for n in range(10):
+            _ask(fleet, f"fill {n}")
+        return log_file.with_name(f"{shard_id}.log.1").exists()
+
+    wait_for(rotated, 90, f"the log rotated past {LOG_MAX} bytes", every=0)
+    older = _file_lines(log_file.with_name(f"{shard_id}.log.1"))
+    assert "(restart 1)" in older[0] and log_file.stat().st_size < LOG_MAX
+    assert fleet.cli("logs", replica_id).stdout.splitlines()[: len(older)] == older
+    before = _file_lines(log_file)
+    tail = fleet.cli("logs", replica_id, "--tail", "4").stdout.splitlines()
+    assert _last_lines_of(tail, 4, before, _file_lines(log_file)), tail
+
+    # the old logs of gone shards were pruned at the start; a recent one stays
+    assert sorted(p.name for p in log_file.parent.glob("*-9.0.*")) == ["recent-9.0.log"]
+    assert "removed gone-9.0.log" in fleet.log("a1")
 
     # refusals: a viewer, unknown names, follow with previous
     fleet.token = tokens["viewer"]
