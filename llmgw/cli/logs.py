@@ -1,7 +1,10 @@
-"""``llmgw logs REPLICA|SHARD [--follow] [--tail N] [--previous]``: an engine's output.
+"""``llmgw logs REPLICA|SHARD [--follow] [--tail N] [--previous] [--all-shards]``: an
+engine's output.
 
 The server reads it from the node's agent (``ControlService.StreamLogs``, operator role): a
-replica name means its rank-0 shard, a shard name that shard. Each line is printed as the
+replica name means its rank-0 shard (with ``--all-shards`` every shard, each line prefixed
+``[SHARD] `` as ``kubectl logs --all-containers --prefix`` does), a shard name that shard.
+Each line is printed as the
 engine wrote it, its control characters but tabs escaped (``llmgw.printable``: engine output
 may hold whatever a prompt held, and must not drive the terminal). ``--follow`` prints
 what the engine writes until Ctrl-C (exit 130) or the stream ends (its node disconnected:
@@ -49,6 +52,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         action="store_true",
         help="the run before the engine's last restart (after a crash, say)",
     )
+    p.add_argument(
+        "--all-shards",
+        action="store_true",
+        help="every shard of the replica (a multi-node one runs one per node), each line "
+        "prefixed [SHARD]; without it a replica means its rank-0 shard",
+    )
     add_client_flags(p)
     p.set_defaults(command=_run)
 
@@ -58,20 +67,36 @@ def _run(args: argparse.Namespace) -> int:
         raise CliError(f"--tail must be -1 (every line) or a count, not {args.tail}")
     tail = None if args.tail == -1 else args.tail
     return asyncio.run(
-        run_logs(args.server, args.name, follow=args.follow, tail=tail, previous=args.previous)
+        run_logs(
+            args.server,
+            args.name,
+            follow=args.follow,
+            tail=tail,
+            previous=args.previous,
+            all_shards=args.all_shards,
+        )
     )
 
 
 async def run_logs(
-    server: str, name: str, *, follow: bool = False, tail: int | None = None, previous: bool = False
+    server: str,
+    name: str,
+    *,
+    follow: bool = False,
+    tail: int | None = None,
+    previous: bool = False,
+    all_shards: bool = False,
 ) -> int:
     """Print the log lines the server streams, as they arrive."""
 
     async def read(client: ControlClient) -> None:
-        stream = client.stream_logs(name, follow=follow, tail=tail, previous=previous)
+        stream = client.stream_logs(
+            name, follow=follow, tail=tail, previous=previous, all_shards=all_shards
+        )
         try:
             async for chunk in stream:
-                sys.stdout.write("".join(f"{shown(line)}\n" for line in chunk.lines))
+                prefix = f"[{shown(chunk.shard_id)}] " if all_shards else ""
+                sys.stdout.write("".join(f"{prefix}{shown(line)}\n" for line in chunk.lines))
                 sys.stdout.flush()
         finally:
             await stream.aclose()  # type: ignore[attr-defined]

@@ -61,11 +61,15 @@ class ControlClient:
         follow: bool = False,
         tail: int | None = None,
         previous: bool = False,
+        all_shards: bool = False,
     ) -> AsyncIterator[LogLines]:
-        """A replica's (its rank-0 shard's) or a shard's engine output from its node: the
-        last ``tail`` lines (all the agent keeps when None), then with ``follow`` what the
-        engine writes, until the stream is closed (``aclose``). Needs the operator role."""
-        request = LogsRequest(name=name, follow=follow, tail_lines=tail, previous=previous)
+        """A replica's (its rank-0 shard's, or with ``all_shards`` every shard's) or a
+        shard's engine output from its node: the last ``tail`` lines (all the agent keeps
+        when None), then with ``follow`` what the engine writes, until the stream is closed
+        (``aclose``). Needs the operator role."""
+        request = LogsRequest(
+            name=name, follow=follow, tail_lines=tail, previous=previous, all_shards=all_shards
+        )
         return self._channel.server_stream(_SERVICE + "StreamLogs", request, LogLines)
 
     async def list_profiles(self) -> list[EngineProfile]:

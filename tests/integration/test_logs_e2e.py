@@ -259,3 +259,48 @@ def test_logs_tail_follow_previous_and_refusals(fleet: Cluster, tmp_path: Path) 
         follower.stop()
     gone = fleet.cli("logs", replica_id, check=False)
     assert gone.returncode == 1 and "node a1 is not connected" in gone.stderr
+
+
+MULTI = """
+[profiles.big]
+engine = "sim"
+gpu_class = "H100"
+tp = 1
+pp = 2
+nodes = 2
+model_path = "/models/big"
+served_model_name = "big"
+
+[deployments.big]
+profile = "big"
+replicas = 1
+"""
+
+
+def _ready_shards(cluster: Cluster, count: int) -> list[dict[str, Any]] | None:
+    out = cluster.cli("get", "shards", "-o", "json", check=False)
+    shards = json.loads(out.stdout).get("shards", []) if out.returncode == 0 else []
+    ready = [s for s in shards if s["status"].get("state") == READY]
+    return ready if len(ready) == count else None
+
+
+def test_all_shards_of_a_multi_node_replica_each_line_named(fleet: Cluster, tmp_path: Path) -> None:
+    fleet.start_server()
+    for node_id in ("m1", "m2"):
+        fleet.start_agent(node_id, "dgx-h100", "--engine-bin", SIM_BIN, *BACKOFF)
+    both = {"m1": "NODE_STATE_READY", "m2": "NODE_STATE_READY"}
+    wait_for(lambda: fleet.node_states() == both, 30, "both agents READY")
+    path = tmp_path / "big.toml"
+    path.write_text(MULTI)
+    fleet.cli("apply", "-f", str(path))
+    shards = wait_for(lambda: _ready_shards(fleet, 2), 90, "both shards of big READY")
+    files = {s["shardId"]: tmp_path / s["nodeId"] / "logs" / f"{s['shardId']}.log" for s in shards}
+    assert sorted(files) == ["big-1.0", "big-1.1"]
+    before = {shard: _file_lines(path) for shard, path in files.items()}
+    out = fleet.cli("logs", "big-1", "--all-shards", "--tail", "2").stdout.splitlines()
+    for shard, path in files.items():
+        mine = [line.removeprefix(f"[{shard}] ") for line in out if line.startswith(f"[{shard}] ")]
+        assert _last_lines_of(mine, 2, before[shard], _file_lines(path)), (shard, out)
+    assert len(out) == 4
+    rank0 = fleet.cli("logs", "big-1", "--tail", "2").stdout.splitlines()
+    assert _last_lines_of(rank0, 2, before["big-1.0"], _file_lines(files["big-1.0"]))

@@ -77,7 +77,7 @@ from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.storeschema import AuditRecord
 from llmgw.server.wire import actions
 from llmgw.server.wire.auth import ANONYMOUS_ACTOR, REDACTED, current_actor, sees_secrets
-from llmgw.server.wire.logrelay import LogRelay, log_target
+from llmgw.server.wire.logrelay import LogRelay, log_targets, merged
 from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
 
 log = logging.getLogger(__name__)
@@ -121,8 +121,8 @@ class ControlService(ControlServiceBase):
             raise GRPCError(
                 Status.INVALID_ARGUMENT, "follow and previous together: the previous run ended"
             )
-        target = log_target(self.plane, message.name)
-        async for lines in self.logs.stream(target, message):
+        targets = log_targets(self.plane, message.name, all_shards=message.all_shards)
+        async for lines in merged([self.logs.stream(target, message) for target in targets]):
             yield lines
 
     async def cordon_node(self, message: NodeRequest) -> ActionResult:

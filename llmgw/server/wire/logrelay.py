@@ -6,10 +6,13 @@ server picks a stream id, sends the shard's node a ``LogRequest`` on its agent s
 ``LogLines``, until the agent ends the stream (a chunk with ``end``: its status is the
 call's) or the caller goes away (then the agent is sent ``LogCancel``).
 
-Which shard a name means (:func:`log_target`): a replica id means its rank-0 shard (the
-leader, which serves the API and writes most of the output; name a shard for another
-rank), a shard id that shard; a replica retired but still on record works too (its node
-keeps the logs for a while). Anything else is NOT_FOUND naming it.
+Which shard a name means (:func:`log_targets`): a replica id means its rank-0 shard (the
+leader, which serves the API and writes most of the output), or with ``all_shards`` every
+shard, rank 0 first, their messages interleaved as they come (:func:`merged`: each
+``LogLines`` names its shard; the first shard's stream to fail ends the call), as
+``kubectl logs --all-containers`` does; a shard id means that shard; a replica retired but
+still on record works too (its node keeps the logs for a while). Anything else is NOT_FOUND
+naming it.
 
 Bounded: at most ``MAX_STREAMS_PER_NODE`` streams per node at once (more: RESOURCE_EXHAUSTED);
 an agent that does not answer within ``FIRST_REPLY_S`` ends the call with UNAVAILABLE (an
@@ -24,7 +27,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 
 from grpclib.const import Status
@@ -60,20 +63,53 @@ class LogTarget:
     node_id: str
 
 
-def log_target(plane: ControlPlane, name: str) -> LogTarget:
-    """The shard ``name`` means (see the module doc); NOT_FOUND naming it otherwise."""
+def log_targets(plane: ControlPlane, name: str, *, all_shards: bool = False) -> list[LogTarget]:
+    """The shards ``name`` means (see the module doc); NOT_FOUND naming it otherwise."""
     record = plane.replicas.get(name)
     if record is not None:
-        leader = record.plan.leader
-        return LogTarget(leader.shard_id, leader.node_id)
+        shards = sorted(record.plan.shards, key=lambda s: s.rank)
+        return [LogTarget(s.shard_id, s.node_id) for s in (shards if all_shards else shards[:1])]
     shard = plane.inventory.shards.get(name)
     if shard is not None:
-        return LogTarget(shard.shard_id, shard.node_id)
+        return [LogTarget(shard.shard_id, shard.node_id)]
     for record in plane.replicas.values():
         for planned in record.plan.shards:
             if planned.shard_id == name:
-                return LogTarget(planned.shard_id, planned.node_id)
+                return [LogTarget(planned.shard_id, planned.node_id)]
     raise GRPCError(Status.NOT_FOUND, f"no replica or shard named {quoted(name[:128])}")
+
+
+async def merged(streams: Sequence[AsyncIterator[LogLines]]) -> AsyncIterator[LogLines]:
+    """The messages of ``streams`` as they come; the first failure ends it (and the rest)."""
+    if len(streams) == 1:
+        async for lines in streams[0]:
+            yield lines
+        return
+    queue: asyncio.Queue[LogLines | GRPCError | None] = asyncio.Queue(maxsize=16)
+
+    async def pump(stream: AsyncIterator[LogLines]) -> None:
+        try:
+            async for lines in stream:
+                await queue.put(lines)
+            await queue.put(None)
+        except GRPCError as exc:
+            await queue.put(exc)
+
+    pumps = [asyncio.create_task(pump(stream)) for stream in streams]
+    try:
+        left = len(pumps)
+        while left:
+            item = await queue.get()
+            if item is None:
+                left -= 1
+            elif isinstance(item, GRPCError):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in pumps:
+            task.cancel()
+        await asyncio.gather(*pumps, return_exceptions=True)
 
 
 @dataclass(slots=True)

@@ -11,7 +11,7 @@ from grpclib.exceptions import GRPCError
 
 from llmgw.api.llmgw.v1 import ControlMessage, LogChunk, LogLines, LogsRequest
 from llmgw.server.wire import logrelay
-from llmgw.server.wire.logrelay import LogRelay, LogTarget
+from llmgw.server.wire.logrelay import LogRelay, LogTarget, merged
 
 TARGET = LogTarget("chat-1.0", "n1")
 
@@ -161,3 +161,30 @@ async def test_a_silent_agent_a_huge_chunk_and_a_slow_reader(
     assert raised.value.status is Status.RESOURCE_EXHAUSTED and "fell" in _why(raised.value)
     await stream.aclose()  # type: ignore[attr-defined]
     assert agents.cancels() == [stream_id]
+
+
+async def test_every_shard_merged_and_the_first_failure_ends_them_all() -> None:
+    agents = Agents()
+    relay = LogRelay(agents)
+    targets = [LogTarget("big-1.0", "n1"), LogTarget("big-1.1", "n2")]
+    request = LogsRequest(follow=True, all_shards=True)
+    stream = merged([relay.stream(target, request) for target in targets])
+    first = asyncio.create_task(_first(stream))
+    async with asyncio.timeout(5):
+        while len(agents.sent) < 2:
+            agents.arrived.clear()
+            await agents.arrived.wait()
+    ids = {node: m.log_request.stream_id for node, m in agents.sent if m.log_request}
+    relay.deliver("n2", LogChunk(stream_id=ids["n2"], lines=["from rank 1"]))
+    got = await first
+    assert (got.shard_id, got.lines) == ("big-1.1", ["from rank 1"])
+    relay.deliver("n1", LogChunk(stream_id=ids["n1"], lines=["from rank 0"]))
+    got = await _first(stream)
+    assert (got.shard_id, got.lines) == ("big-1.0", ["from rank 0"])
+    relay.node_gone("n2", "agent stream closed")
+    with pytest.raises(GRPCError) as raised:
+        await _first(stream)
+    assert raised.value.status is Status.UNAVAILABLE and "node n2" in _why(raised.value)
+    await stream.aclose()  # type: ignore[attr-defined]
+    assert agents.cancels() == [ids["n1"]]  # the other shard's agent stops sending
+    assert relay.open_on("n1") == relay.open_on("n2") == 0

@@ -1016,7 +1016,8 @@ default_message_pool.register_message("llmgw.v1", "LogChunk", LogChunk)
 @dataclass(eq=False, repr=False)
 class LogLines(betterproto2.Message):
     """
-    Lines of one shard's engine output, oldest first, without their line ends.
+    Lines of one shard's engine output, oldest first, without their line ends (with
+    all_shards, the messages of the replica's shards interleave: each names its shard).
     """
 
     shard_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
@@ -1074,6 +1075,11 @@ class LogsRequest(betterproto2.Message):
     previous: "bool" = betterproto2.field(4, betterproto2.TYPE_BOOL)
     """
     the run before the engine's last restart (not with follow)
+    """
+
+    all_shards: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
+    """
+    a replica name: every shard, rank 0 first, interleaved
     """
 
 
