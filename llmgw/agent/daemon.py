@@ -39,7 +39,7 @@ from llmgw.agent.logfiles import DEFAULT_MAX_BYTES, DEFAULT_RETENTION_S, prune
 from llmgw.agent.logserve import LogStreams
 from llmgw.agent.shards import RestartPolicy
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
-from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo
+from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo, ShardState
 from llmgw.printable import text_problem
 from llmgw.protocol import NODE_ID_RULE, valid_node_id
 from llmgw.signals import stop_on_signals
@@ -253,6 +253,7 @@ class Agent:
             self.supervisor.config.log_dir,
             lambda chunk: self.link.send_log(chunk),
             node_id=self.node_id,
+            running=self._runs,
         )
         self.link = AgentLink(
             LinkConfig(
@@ -273,6 +274,11 @@ class Agent:
             on_registered=self.supervisor.licence,
             logs=self.logs,
         )
+
+    def _runs(self, shard_id: str) -> bool:
+        """Whether this agent runs the shard (a follow of its log goes on while it does)."""
+        status = self.supervisor.status(shard_id)
+        return status is not None and status.state is not ShardState.STOPPED
 
     def _launch(self, spec: ShardSpec) -> LaunchSpec:
         return build_launch(spec, binaries=self.config.engine_bins, state_dir=self.config.state_dir)

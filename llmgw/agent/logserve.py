@@ -5,9 +5,11 @@ The server sends ``LogRequest`` (a stream id of its choosing, a shard, ``tail_li
 messages of that stream id: the tail of the run asked for (every line kept when
 ``tail_lines`` is unset), then, with ``follow``, what the engine appends (polled every
 ``poll_s``, across rotations and restarts: ``llmgw.agent.logfiles.LogFollower``), until the
-server sends ``LogCancel`` or the session ends. The last chunk has ``end`` set, with a gRPC
-status and message when the stream could not be served (NOT_FOUND: no log of that shard,
-or no previous run; RESOURCE_EXHAUSTED: too many streams; INVALID_ARGUMENT).
+server sends ``LogCancel``, the session ends, or the shard no longer runs here (``running``
+says so: stopped, or never ours; a failed engine being restarted still runs). The last
+chunk has ``end`` set, with a gRPC status and message when the stream could not be served
+(NOT_FOUND: no log of that shard, or no previous run; RESOURCE_EXHAUSTED: too many
+streams; INVALID_ARGUMENT).
 
 Bounded: at most ``MAX_STREAMS`` streams at once, a chunk at most ``CHUNK_BYTES`` of lines
 (``LINE_BYTES`` each; a longer line is cut and ends with ``…``), at most ``READ_BYTES``
@@ -60,8 +62,10 @@ class LogStreams:
         node_id: str = "",
         max_streams: int = MAX_STREAMS,
         poll_s: float = POLL_S,
+        running: Callable[[str], bool] = lambda shard_id: True,
     ) -> None:
         self.log_dir = log_dir
+        self._running = running
         self._send = send
         self._node = f"node {node_id}" if node_id else "this node"
         self.max_streams = max_streams
@@ -171,16 +175,19 @@ class LogStreams:
             )
             await self._send_lines(stream_id, lines, always=True)
             if follower is not None:
-                await self._follow(stream_id, follower)
+                await self._follow(stream_id, follower, files.shard_id)
         finally:
             if follower is not None:
                 follower.close()
 
-    async def _follow(self, stream_id: int, follower: LogFollower) -> None:
+    async def _follow(self, stream_id: int, follower: LogFollower, shard_id: str) -> None:
         partial = b""
         while True:
             data = follower.read(READ_BYTES)
             if not data:
+                if not self._running(shard_id):  # nothing more will come
+                    await self._send_lines(stream_id, [partial] if partial else [])
+                    return
                 await asyncio.sleep(self.poll_s)
                 continue
             *whole, partial = (partial + data).split(b"\n")

@@ -4,11 +4,10 @@ engine's output.
 The server reads it from the node's agent (``ControlService.StreamLogs``, operator role): a
 replica name means its rank-0 shard (with ``--all-shards`` every shard, each line prefixed
 ``[SHARD] `` as ``kubectl logs --all-containers --prefix`` does), a shard name that shard.
-Each line is printed as the
-engine wrote it, its control characters but tabs escaped (``llmgw.printable``: engine output
-may hold whatever a prompt held, and must not drive the terminal). ``--follow`` prints
-what the engine writes until Ctrl-C (exit 130) or the stream ends (its node disconnected:
-one line on stderr, exit 1).
+Each line is printed as the engine wrote it, its control characters but tabs escaped
+(``llmgw.printable``: engine output may hold whatever a prompt held, and must not drive the
+terminal). ``--follow`` prints what the engine writes until Ctrl-C (exit 130), the shard
+stops, or the stream fails (its node disconnected: one line on stderr, exit 1).
 """
 
 from __future__ import annotations

@@ -38,8 +38,15 @@ class Sink:
                 await self.arrived.wait()
 
 
-def _streams(tmp_path: Path, sink: Sink, **kwargs: int) -> LogStreams:
-    return LogStreams(tmp_path, sink, node_id="n1", poll_s=0.01, **kwargs)
+def _streams(tmp_path: Path, sink: Sink, max_streams: int = 8, runs: bool = True) -> LogStreams:
+    return LogStreams(
+        tmp_path,
+        sink,
+        node_id="n1",
+        poll_s=0.01,
+        max_streams=max_streams,
+        running=lambda shard_id: runs,
+    )
 
 
 async def test_a_tail_then_the_end(tmp_path: Path) -> None:
@@ -139,3 +146,15 @@ async def test_an_empty_tail_still_answers_at_once(tmp_path: Path, count: int) -
     streams.open(LogRequest(stream_id=5, shard_id="s", tail_lines=0))
     await sink.until(lambda: sink.end(5) is not None)
     assert sink.chunks == [LogChunk(stream_id=5), LogChunk(stream_id=5, end=True)]
+
+
+async def test_a_follow_of_a_shard_no_longer_running_here_ends_after_its_tail(
+    tmp_path: Path,
+) -> None:
+    LogFiles(tmp_path, "s").current.write_bytes(b"last words\nunfinished")
+    sink = Sink()
+    streams = _streams(tmp_path, sink, runs=False)
+    streams.open(LogRequest(stream_id=3, shard_id="s", follow=True))
+    await sink.until(lambda: sink.end(3) is not None)
+    assert sink.lines(3) == ["last words", "unfinished"]
+    assert sink.end(3) == LogChunk(stream_id=3, end=True)

@@ -155,7 +155,7 @@ class LogRelay:
                 follow=request.follow,
                 previous=request.previous,
             )
-            if self.send is None or not await self.send(node, ControlMessage(log_request=ask)):
+            if not await self._ask(node, ControlMessage(log_request=ask)):
                 raise GRPCError(
                     Status.UNAVAILABLE,
                     f"node {node} is not connected: the logs of shard {target.shard_id} stay "
@@ -167,6 +167,19 @@ class LogRelay:
             del self._streams[stream_id]
             if not stream.ended:
                 await self._cancel(node, stream_id)
+
+    async def _ask(self, node_id: str, message: ControlMessage) -> bool:
+        """Send ``message`` to the node's agent; False when it is not connected (or its
+        stream is failing: its end is about to be noticed)."""
+        if self.send is None:
+            return False
+        try:
+            return await self.send(node_id, message)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # the agent's stream broke under the send
+            log.debug("log message to node %s not sent: %s", node_id, exc)
+            return False
 
     async def _relay(self, stream: _Stream, stream_id: int) -> AsyncIterator[LogLines]:
         first = True
@@ -245,14 +258,7 @@ class LogRelay:
 
     async def _cancel(self, node_id: str, stream_id: int) -> None:
         """Tell the agent to stop a stream whose reader went away (best effort)."""
-        if self.send is None:
-            return
-        try:
-            await self.send(node_id, ControlMessage(log_cancel=LogCancel(stream_id=stream_id)))
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:  # the agent's stream is failing: its end cancels everything
-            log.debug("LogCancel %d to node %s not sent: %s", stream_id, node_id, exc)
+        await self._ask(node_id, ControlMessage(log_cancel=LogCancel(stream_id=stream_id)))
 
 
 def _size(chunk: LogChunk) -> int:
