@@ -35,9 +35,11 @@ from llmgw.agent.engines.base import EngineBinaries, LaunchSpec, ShardSpec
 from llmgw.agent.kvevents import KvFollowConfig
 from llmgw.agent.kvhub import KvEventHub
 from llmgw.agent.link import AgentLink, LinkConfig
+from llmgw.agent.logfiles import DEFAULT_MAX_BYTES, DEFAULT_RETENTION_S, prune
+from llmgw.agent.logserve import LogStreams
 from llmgw.agent.shards import RestartPolicy
 from llmgw.agent.supervisor import Supervisor, SupervisorConfig
-from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo
+from llmgw.api.llmgw.v1 import GpuTelemetry, NodeInfo, ShardState
 from llmgw.printable import text_problem
 from llmgw.protocol import NODE_ID_RULE, valid_node_id
 from llmgw.signals import stop_on_signals
@@ -47,6 +49,8 @@ from llmgw.tls import ALPN_GRPC, TlsFileError, client_context
 log = logging.getLogger(__name__)
 
 MACHINE_ID_FILES = (Path("/etc/machine-id"), Path("/var/lib/dbus/machine-id"))
+LOG_PRUNE_S = 600.0
+"""How often the agent looks for logs of gone shards to remove."""
 _INSTANCE_ID = re.compile(r"[0-9a-fA-F-]{8,64}")
 
 
@@ -77,6 +81,8 @@ class AgentConfig:
     restart: RestartPolicy = field(default_factory=RestartPolicy)  # --restart-backoff[-max]
     startup_timeout_s: float = 900.0  # --startup-timeout
     drain_settle_s: float = 2.0  # --drain-settle
+    log_max_bytes: int = DEFAULT_MAX_BYTES  # --log-max-bytes: rotate an engine's log past it
+    log_retention_s: float = DEFAULT_RETENTION_S  # --log-retention: keep a gone shard's logs
     kv_events: KvFollowConfig = field(default_factory=KvFollowConfig)
     token: str | None = field(default=None, repr=False)  # --token-file; never logged
     ca_file: Path | None = None  # --ca-file: TLS to the server, verified against this CA
@@ -235,12 +241,19 @@ class Agent:
                 restart=config.restart,
                 startup_timeout_s=config.startup_timeout_s,
                 drain_settle_s=config.drain_settle_s,
+                log_max_bytes=config.log_max_bytes,
                 node_id=self.node_id,
                 wait_for_server=True,
             ),
             launcher=self._launch,
             on_status=lambda status: self.link.send_status(status),
             kv=self.kv,
+        )
+        self.logs = LogStreams(
+            self.supervisor.config.log_dir,
+            lambda chunk: self.link.send_log(chunk),
+            node_id=self.node_id,
+            running=self._runs,
         )
         self.link = AgentLink(
             LinkConfig(
@@ -259,7 +272,13 @@ class Agent:
             kv=self.kv,
             membership=self.membership,
             on_registered=self.supervisor.licence,
+            logs=self.logs,
         )
+
+    def _runs(self, shard_id: str) -> bool:
+        """Whether this agent runs the shard (a follow of its log goes on while it does)."""
+        status = self.supervisor.status(shard_id)
+        return status is not None and status.state is not ShardState.STOPPED
 
     def _launch(self, spec: ShardSpec) -> LaunchSpec:
         return build_launch(spec, binaries=self.config.engine_bins, state_dir=self.config.state_dir)
@@ -290,14 +309,28 @@ class Agent:
             self.config.server_port,
         )
         link = asyncio.create_task(self.link.run(), name="link")
+        pruner = asyncio.create_task(self._prune_logs(), name="log-pruner")
         try:
             with stop_on_signals(stop):
                 await stop.wait()
         finally:
             link.cancel()
-            await asyncio.gather(link, return_exceptions=True)
+            pruner.cancel()
+            await asyncio.gather(link, pruner, return_exceptions=True)
+            await self.logs.reset()
             await self.supervisor.close()
             await self.kv.aclose()
             if isinstance(self._telemetry, NvmlTelemetry):
                 self._telemetry.close()
         log.info("agent %s stopped", self.node_id)
+
+    async def _prune_logs(self) -> None:
+        """Remove the logs of shards this agent no longer runs, ``log_retention_s`` after
+        their last write; checked at the start and then every ``LOG_PRUNE_S``."""
+        while True:
+            running = {status.shard_id for status in self.supervisor.statuses()}
+            log_dir = self.supervisor.config.log_dir
+            retention = self.config.log_retention_s
+            for path in await asyncio.to_thread(prune, log_dir, running, retention):
+                log.info("removed %s: its shard ended over %g s ago", path.name, retention)
+            await asyncio.sleep(min(LOG_PRUNE_S, retention))

@@ -32,6 +32,11 @@ covers whatever changed meanwhile. Heartbeats also carry the source's KV event c
 (``Heartbeat.kv_follow``, `llmgw.agent.kvstats`): each engine's when they changed, every
 engine's on the first heartbeat of a session.
 
+With ``logs`` (``llmgw.agent.logserve.LogStreams``) the server's ``LogRequest`` and
+``LogCancel`` go there, and its ``LogChunk`` replies wait in a small queue of their own
+(``send_log`` awaits room), so a log being read never crowds out statuses or heartbeats;
+each session starts with no log stream (the server forgot the old ones).
+
 With a ``membership`` (``llmgw.agent.cluster``) every ``Register`` carries the cluster id
 the agent remembers, and the server's answer decides whether the engines are handed over;
 while they are held from a server of another cluster, the session sends no shard status,
@@ -48,7 +53,7 @@ import uuid
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpclib.client
 from grpclib.const import Cardinality
@@ -65,6 +70,7 @@ from llmgw.api.llmgw.v1 import (
     Heartbeat,
     KvDelta,
     KvFollowStats,
+    LogChunk,
     NodeInfo,
     Register,
     ShardStatus,
@@ -83,6 +89,7 @@ RETRY_AFTER_MAX_MS = 300_000  # a server's hint is followed up to five minutes
 
 CommandHandler = Callable[[ControlMessage], Awaitable[None]]
 OUTBOX_LIMIT = 10_000  # queued messages; beyond it the oldest is dropped (Register resyncs)
+LOG_QUEUE = 16  # log chunks waiting to be sent; a log stream waits for room
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +120,18 @@ class KvSource(Protocol):
 
     def counters(self) -> Mapping[str, KvEventCounters]:
         """Each followed engine's KV event counters, by shard id (for heartbeats)."""
+        ...
+
+
+class LogHandler(Protocol):
+    """Where the server's log requests go (``llmgw.agent.logserve.LogStreams``)."""
+
+    def handle(self, message: ControlMessage) -> bool:
+        """Carry out a LogRequest or LogCancel; False for any other message."""
+        ...
+
+    async def reset(self) -> None:
+        """End every log stream."""
         ...
 
 
@@ -153,8 +172,11 @@ class AgentLink:
         kv: KvSource | None = None,
         membership: ClusterMembership | None = None,
         on_registered: Callable[[str], None] | None = None,
+        logs: LogHandler | None = None,
     ) -> None:
         self.config = config
+        self._logs = logs
+        self._log_out: asyncio.Queue[LogChunk] = asyncio.Queue(maxsize=LOG_QUEUE)
         self._membership = membership
         self._on_registered = on_registered  # each accepted registration (Supervisor.licence)
         self._kv = kv
@@ -173,6 +195,10 @@ class AgentLink:
         the engines are held from the server (the next Register carries every shard)."""
         if not self._holding:
             self.enqueue(AgentMessage(shard_status=status))
+
+    async def send_log(self, chunk: LogChunk) -> None:
+        """Queue a log chunk for the current session, waiting while the queue is full."""
+        await self._log_out.put(chunk)
 
     @property
     def _holding(self) -> bool:
@@ -225,6 +251,9 @@ class AgentLink:
                 metadata=self._metadata(),
             ) as stream:
                 _drain(self._outbox)  # Register carries the current state of every shard
+                if self._logs is not None:
+                    await self._logs.reset()
+                _drain(self._log_out)
                 interval_s, cluster_id = await self._register(stream)
                 self.backoff.succeeded()
                 if self._on_registered is not None and not self._holding:
@@ -234,6 +263,7 @@ class AgentLink:
                 async with asyncio.TaskGroup() as tasks:
                     tasks.create_task(self._heartbeats(stream, interval_s))
                     tasks.create_task(self._send_queued(stream))
+                    tasks.create_task(self._send_logs(stream))
                     if self._kv is not None and not self._holding:
                         tasks.create_task(self._send_kv(stream, self._kv))
                     await self._receive(stream)
@@ -309,6 +339,11 @@ class AgentLink:
             message = await self._outbox.get()
             await self._send(stream, message)
 
+    async def _send_logs(self, stream: _Stream) -> None:
+        while True:
+            chunk = await self._log_out.get()
+            await self._send(stream, AgentMessage(log_chunk=chunk))
+
     async def _send_kv(self, stream: _Stream, kv: KvSource) -> None:
         """A full copy of every engine's blocks first, then the net changes as they come."""
         deltas = kv.full_copy()
@@ -338,6 +373,8 @@ class AgentLink:
                     "server's cluster",
                     _kind(message),
                 )
+            elif self._logs is not None and self._logs.handle(message):
+                continue
             elif self._on_command is not None:
                 await self._on_command(message)
             else:
@@ -347,7 +384,7 @@ class AgentLink:
 _Stream = grpclib.client.Stream[AgentMessage, ControlMessage]
 
 
-def _drain(queue: asyncio.Queue[AgentMessage]) -> None:
+def _drain(queue: asyncio.Queue[Any]) -> None:
     while not queue.empty():
         queue.get_nowait()
 
@@ -364,7 +401,7 @@ def _first_leaf(group: BaseExceptionGroup[Exception]) -> Exception:
 
 
 def _kind(message: ControlMessage) -> str:
-    for name in ("start_shard", "stop_shard", "drain_shard", "registered"):
+    for name in ("start_shard", "stop_shard", "drain_shard", "registered", "log_request"):
         if getattr(message, name) is not None:
             return name
     return "unknown"

@@ -37,6 +37,7 @@ from llmgw.agent.enginelog import DEFAULT_LINES, EngineLog
 from llmgw.agent.engines.base import LaunchSpec
 from llmgw.agent.errors import EngineFailed, SocketFolderError, SpawnError
 from llmgw.agent.ipcdir import private_dir
+from llmgw.agent.logfiles import DEFAULT_MAX_BYTES
 from llmgw.agent.marks import CLUSTER_ENV, MARK_ENV, EngineMarks
 from llmgw.agent.probe import EngineProbe, ProbeTimeouts
 from llmgw.agent.process import EngineProcess
@@ -71,6 +72,7 @@ class SupervisorConfig:
     drain_settle_s: float = 2.0
     probe: ProbeTimeouts = field(default_factory=ProbeTimeouts)
     log_lines: int = DEFAULT_LINES
+    log_max_bytes: int = DEFAULT_MAX_BYTES  # SHARD.log past it is rotated (llmgw.agent.logfiles)
     host: str = "127.0.0.1"
     # The node this agent runs as: every engine it spawns carries ``LLMGW_SHARD=NODE/SHARD``
     # and its cluster in its environment (``llmgw.agent.marks``), so an agent whose state dir
@@ -137,9 +139,9 @@ class ShardRunner:
         self.port_in_use = 0  # the port refused because another process holds it
         self.since_ms = 0
         self.process: EngineProcess | None = None
-        self.log = EngineLog(
-            ctx.config.log_dir / f"{message.shard_id}.log", max_lines=ctx.config.log_lines
-        )
+        config = ctx.config
+        path = config.log_dir / f"{message.shard_id}.log"
+        self.log = EngineLog(path, max_lines=config.log_lines, max_file_bytes=config.log_max_bytes)
         self._started = time.monotonic()
         self._record: EngineRecord | None = None
         self._interruptible = False

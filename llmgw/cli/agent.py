@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from llmgw.agent.logfiles import DEFAULT_MAX_BYTES, DEFAULT_RETENTION_S
 from llmgw.cli.tls import add_ca_flag
 
 __all__ = ["register"]
@@ -139,6 +140,23 @@ def _add_engine_flags(p: argparse.ArgumentParser) -> None:
         default=900.0,
         metavar="SECONDS",
         help="an engine not ready this long after it started is FAILED (default: 900)",
+    )
+    p.add_argument(
+        "--log-max-bytes",
+        type=int,
+        default=DEFAULT_MAX_BYTES,
+        metavar="BYTES",
+        help="an engine's log (STATE_DIR/logs/SHARD.log) past this size is moved to "
+        "SHARD.log.1, one older file kept; the run before the last restart is kept as "
+        f"SHARD.previous.log (default: {DEFAULT_MAX_BYTES}, 10 MiB)",
+    )
+    p.add_argument(
+        "--log-retention",
+        type=float,
+        default=DEFAULT_RETENTION_S,
+        metavar="SECONDS",
+        help="the logs of a shard this agent no longer runs are removed this long after "
+        f"their last write (default: {DEFAULT_RETENTION_S:g}, 24 h)",
     )
     p.add_argument(
         "--drain-settle",

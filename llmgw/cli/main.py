@@ -25,6 +25,7 @@ from llmgw.cli import (
     desired,
     gateway,
     get,
+    logs,
     server,
     simengine,
     token,
@@ -40,6 +41,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], 
     agent.register,  # agent
     get.register,  # get, cordon, uncordon
     actions.register,  # start, drain, reprofile, drain-node
+    logs.register,  # logs
     desired.register,  # apply, delete, events
     demo_command.register,  # demo
     simengine.register,  # sim-engine

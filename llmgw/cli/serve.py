@@ -95,6 +95,8 @@ def run_agent_command(args: argparse.Namespace) -> int:
             ),
             startup_timeout_s=_positive(args.startup_timeout, "--startup-timeout"),
             drain_settle_s=_not_negative(args.drain_settle, "--drain-settle"),
+            log_max_bytes=int(_positive(args.log_max_bytes, "--log-max-bytes")),
+            log_retention_s=_finite(args.log_retention, "--log-retention"),
             token=_token_file(args.token_file, "--token-file"),
             ca_file=args.ca_file,
             join_cluster=args.join_cluster,

@@ -17,6 +17,8 @@ from llmgw.api.llmgw.v1 import (
     GetRouterStatsRequest,
     ListProfilesRequest,
     ListProfilesResponse,
+    LogLines,
+    LogsRequest,
     NodeRequest,
     ReplicaRequest,
     ReprofileReplicaRequest,
@@ -51,6 +53,24 @@ class ControlClient:
     def watch(self) -> AsyncIterator[WatchEvent]:
         """One snapshot, then deltas, until the stream breaks (close it with ``aclose``)."""
         return self._channel.server_stream(_SERVICE + "Watch", WatchRequest(), WatchEvent)
+
+    def stream_logs(
+        self,
+        name: str,
+        *,
+        follow: bool = False,
+        tail: int | None = None,
+        previous: bool = False,
+        all_shards: bool = False,
+    ) -> AsyncIterator[LogLines]:
+        """A replica's (its rank-0 shard's, or with ``all_shards`` every shard's) or a
+        shard's engine output from its node: the last ``tail`` lines (all the agent keeps
+        when None), then with ``follow`` what the engine writes, until the stream is closed
+        (``aclose``). Needs the operator role."""
+        request = LogsRequest(
+            name=name, follow=follow, tail_lines=tail, previous=previous, all_shards=all_shards
+        )
+        return self._channel.server_stream(_SERVICE + "StreamLogs", request, LogLines)
 
     async def list_profiles(self) -> list[EngineProfile]:
         path = _SERVICE + "ListProfiles"

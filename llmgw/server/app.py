@@ -74,6 +74,7 @@ from llmgw.server.wire.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.wire.controlsvc import ControlService
 from llmgw.server.wire.grpcport import ConnectionLimits, LimitedServer
 from llmgw.server.wire.grpcweb import BrowserGate, GrpcWebApp, most_body_bytes
+from llmgw.server.wire.logrelay import LogRelay
 from llmgw.server.wire.metrics import server_metrics
 from llmgw.server.wire.routerreports import RouterReports
 from llmgw.server.wire.routersvc import RouterService, ServedGateway, serve_gateway
@@ -194,8 +195,9 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
         await plane.load()
         slot = _GatewaySlot()
         reports = RouterReports()  # gateways' reports: RouterService in, GetRouterStats out
-        control = ControlService(plane, gateway=slot, reports=reports)
-        agents = AgentService(plane, heartbeat_interval_ms=config.heartbeat_interval_ms)
+        logs = LogRelay()  # StreamLogs calls, relayed over the agents' streams
+        control = ControlService(plane, gateway=slot, reports=reports, logs=logs)
+        agents = AgentService(plane, heartbeat_interval_ms=config.heartbeat_interval_ms, logs=logs)
         router = RouterService(plane, reports)  # API keys: native gRPC only, never gRPC-web
         grpc = LimitedServer(
             [agents, control, router],

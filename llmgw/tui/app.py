@@ -58,6 +58,7 @@ from llmgw.tui.views.topology import TopologyView
 from llmgw.tui.widgets.badge import LinkBadge
 from llmgw.tui.widgets.cells import shown
 from llmgw.tui.widgets.detail import DetailScreen
+from llmgw.tui.widgets.logpane import TAIL, LogPane
 from llmgw.tui.widgets.prompt import JumpPrompt
 
 __all__ = ["GC_THRESHOLDS", "ConsoleApp", "ConsoleView", "pick_theme"]
@@ -387,6 +388,18 @@ class ConsoleApp(App[None]):
             self.notify("select a node first", severity="warning")
             return None
         return view.snapshot, view.node_of(key)
+
+    def action_logs(self) -> None:
+        """``l``: follow the selected replica's or shard's engine output (Esc closes)."""
+        view = self.view()
+        key = view.selected_key() if isinstance(view, ReplicasView | ShardsView) else None
+        if key is None:
+            self.notify("select a replica or a shard first", severity="warning")
+            return
+        if (client := self.client) is None:
+            self.notify("no server to read logs from", severity="error")
+            return
+        self.push_screen(LogPane(key, lambda: client.stream_logs(key, follow=True, tail=TAIL)))
 
     def action_drain(self) -> None:
         if (selected := self._selected_replica()) is not None:

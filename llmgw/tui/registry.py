@@ -9,8 +9,11 @@ help screen or a command palette lists ``ACTIONS`` instead of keeping a list of 
 The ``operate`` group holds the verbs that change the cluster (``mutating``): on a replica
 (``d`` drain, ``s`` start, ``p`` reprofile) and on a node (``C`` cordon, ``U`` uncordon,
 ``D`` drain the node); each opens a confirmation naming its targets and impact
-(``llmgw.tui.actions``, ``llmgw.tui.modals``). ``palette=False`` keeps an action out of the
-ctrl+p palette (cursor moves, the palette itself); an action without keys is palette-only.
+(``llmgw.tui.actions``, ``llmgw.tui.modals``). Beside them, ``l`` on a replica or a shard
+opens its engine log, followed (``llmgw.tui.widgets.logpane``; it changes nothing, so
+read-only keeps it), as in k9s: the cursor moves right with the arrow only.
+``palette=False`` keeps an action out of the ctrl+p palette (cursor moves, the palette
+itself); an action without keys is palette-only.
 
 Views and what ``:`` accepts for them (k9s grammar) are here too: ``resolve_view``.
 """
@@ -125,6 +128,8 @@ ACTIONS: tuple[ConsoleAction, ...] = (
     ConsoleAction("reprofile", "p", "reprofile", "operate", mutating=True,
                   views=_ON_REPLICAS,
                   help="move the selected replica's deployment to another stored profile"),
+    ConsoleAction("logs", "l", "logs", "operate", views=_ON_REPLICAS, show=False,
+                  help="follow the selected replica's (rank-0 shard's) or shard's engine output"),
     ConsoleAction("start_deployment", "", "start a replica of a deployment", "operate",
                   mutating=True, show=False),
     ConsoleAction("cordon", "C", "cordon", "operate", mutating=True, views=_ON_NODES,
@@ -146,8 +151,8 @@ ACTIONS: tuple[ConsoleAction, ...] = (
                   palette=False),
     ConsoleAction("cursor('left')", "h,left", "left", "navigate", views=_TABLES, show=False,
                   palette=False),
-    ConsoleAction("cursor('right')", "l,right", "right", "navigate", views=_TABLES,
-                  show=False, palette=False),
+    ConsoleAction("cursor('right')", "right", "right", "navigate", views=_TABLES,
+                  show=False, palette=False),  # l is logs, as in k9s
     ConsoleAction("cursor('top')", "g,home", "top", "navigate", views=_TABLES, show=False,
                   palette=False),
     ConsoleAction("cursor('bottom')", "G,end", "bottom", "navigate", views=_TABLES,

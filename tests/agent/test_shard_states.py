@@ -192,15 +192,25 @@ def test_log_ring_keeps_the_last_lines_and_joins_partial_writes(tmp_path: Path) 
     assert (tmp_path / "logs" / "s.log").read_text().startswith("=== llmgw ")
 
 
-def test_log_rotates_a_big_file_and_follows_a_truncated_one(tmp_path: Path) -> None:
+def test_log_rotates_a_big_file_and_keeps_the_run_before_a_restart(tmp_path: Path) -> None:
     path = tmp_path / "s.log"
-    path.write_bytes(b"x" * 100 + b"\n")
     log = EngineLog(path, max_file_bytes=50)
-    os.close(log.open_for_engine("restart"))
-    assert (tmp_path / "s.log.1").stat().st_size == 101
+    fd = log.open_for_engine("first")
+    os.write(fd, b"x" * 60 + b"\n")
+    log.refresh()  # past 50 bytes: copied to s.log.1 and emptied in place
+    assert (tmp_path / "s.log.1").read_bytes().endswith(b"x" * 60 + b"\n")
+    assert path.stat().st_size == 0
+    os.write(fd, b"after\n")  # the engine appends: at the start of the emptied file
+    os.close(fd)
+    log.refresh()
+    assert path.read_bytes() == b"after\n" and log.tail()[-1] == "after"
+    os.close(log.open_for_engine("second"))  # a restart: that run becomes the previous one
+    assert (tmp_path / "s.previous.log").read_bytes() == b"after\n"
+    assert not (tmp_path / "s.log.1").exists()
+    assert path.read_text().startswith("=== llmgw ") and "second" in path.read_text()
     path.write_text("fresh\n")  # truncated under us
     log.refresh()
-    assert log.tail() == ["fresh"]
+    assert log.tail()[-1] == "fresh"
 
 
 # --- records -----------------------------------------------------------------------------

@@ -9,7 +9,9 @@ with an acknowledgement (the agent measures its round trip from it) and shard re
 update the inventory. KV deltas are checked (``llmgw.server.state.kvblocks.decode_kv_delta``) and
 handed to the plane's block store; a malformed one is counted and logged, and the stream
 goes on. Commands (StartShard, StopShard, DrainShard) go down the same
-stream through :meth:`AgentService.send`.
+stream through :meth:`AgentService.send`, and so do log requests, whose ``LogChunk``
+replies go to the ``LogRelay`` (``llmgw.server.wire.logrelay``), which also ends a node's
+log streams when its stream ends.
 
 **One agent per node.** The established live session wins: a Register for a node whose
 stream is open and heartbeated within the node grace (``Inventory.live``) is refused with
@@ -65,6 +67,7 @@ from llmgw.server.state.statefile import CLUSTER_ID_RULE, valid_cluster_id
 from llmgw.server.wire.admission import RegisterLimiter, RegisterLimits
 from llmgw.server.wire.auth import current_principal
 from llmgw.server.wire.codec import field_bytes, wire_of
+from llmgw.server.wire.logrelay import LogRelay
 from llmgw.server.wire.metrics import AgentStreamStats
 
 log = logging.getLogger(__name__)
@@ -138,8 +141,12 @@ class AgentService(AgentServiceBase):
         *,
         heartbeat_interval_ms: int = 1000,
         limits: RegisterLimits | None = None,
+        logs: LogRelay | None = None,
     ) -> None:
         self.plane = plane
+        self.logs = logs if logs is not None else LogRelay()
+        if self.logs.send is None:
+            self.logs.send = self.send
         self.heartbeat_interval_ms = heartbeat_interval_ms
         self.connections: dict[str, AgentConnection] = {}  # registered streams, by node
         self._claims: dict[str, AgentConnection] = {}  # the newest accepted stream, by node
@@ -215,6 +222,7 @@ class AgentService(AgentServiceBase):
         finally:
             if self.connections.get(node_id) is connection:
                 del self.connections[node_id]
+                self.logs.node_gone(node_id, reason)
             if self._claims.get(node_id) is connection:
                 del self._claims[node_id]
             if connection.number:
@@ -292,6 +300,8 @@ class AgentService(AgentServiceBase):
                 self.plane.shard_status(node_id, message.shard_status)
             elif message.kv_delta is not None:
                 self._kv_delta(connection, message.kv_delta)
+            elif message.log_chunk is not None:
+                self.logs.deliver(node_id, message.log_chunk)
             elif message.register is not None:
                 raise GRPCError(Status.FAILED_PRECONDITION, "Register may only be sent once")
             else:

@@ -1,7 +1,8 @@
 """Who may call what: bearer tokens with roles, checked in one place for every RPC.
 
 Roles: ``viewer`` reads (GetCluster, Watch, ListProfiles, GetRouterStats); ``operator`` is a
-viewer that also acts on replicas and nodes; ``admin`` is an operator that also applies and
+viewer that also acts on replicas and nodes and reads engine logs (StreamLogs: engine
+output may hold prompts); ``admin`` is an operator that also applies and
 deletes deployments and nodes (and manages tokens, through ``llmgw token`` on the server's
 file); only an admin reads profiles' env values: other roles see their names, each value
 :data:`REDACTED` (:func:`sees_secrets`).
@@ -97,6 +98,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     _CONTROL + "CordonNode": Role.OPERATOR,
     _CONTROL + "UncordonNode": Role.OPERATOR,
     _CONTROL + "DrainNode": Role.OPERATOR,
+    _CONTROL + "StreamLogs": Role.OPERATOR,  # engine output may hold prompts
     _CONTROL + "ApplyDeployment": Role.ADMIN,
     _CONTROL + "DeleteDeployment": Role.ADMIN,
     _CONTROL + "DeleteNode": Role.ADMIN,

@@ -16,6 +16,9 @@ caller's token (``llmgw.server.wire.auth.current_actor``), or ``operator`` with 
 caller gets each value as ``<redacted>``, its name kept (``llmgw.server.wire.auth.sees_secrets``).
 Profiles reach clients through ListProfiles only (Watch and GetCluster carry none).
 
+``StreamLogs`` reads a shard's engine output from its node's agent
+(``llmgw.server.wire.logrelay``, given as ``logs``: the one the AgentService feeds).
+
 ``GetRouterStats`` answers the fleet's routing figures: the in-server gateway's counters,
 read through ``gateway`` (a provider set by ``llmgw.server.app``; None, or a provider
 answering None: the server runs no gateway), added to what separate gateways reported
@@ -50,6 +53,8 @@ from llmgw.api.llmgw.v1 import (
     GetRouterStatsRequest,
     ListProfilesRequest,
     ListProfilesResponse,
+    LogLines,
+    LogsRequest,
     NodeRequest,
     ReplicaRequest,
     ReprofileReplicaRequest,
@@ -72,6 +77,7 @@ from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.storeschema import AuditRecord
 from llmgw.server.wire import actions
 from llmgw.server.wire.auth import ANONYMOUS_ACTOR, REDACTED, current_actor, sees_secrets
+from llmgw.server.wire.logrelay import LogRelay, log_targets, merged
 from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
 
 log = logging.getLogger(__name__)
@@ -95,8 +101,10 @@ class ControlService(ControlServiceBase):
         plane: ControlPlane,
         gateway: GatewayProvider | None = None,
         reports: RouterReports | None = None,
+        logs: LogRelay | None = None,
     ) -> None:
         self.plane = plane
+        self.logs = logs if logs is not None else LogRelay()
         self.gateway: GatewayProvider = gateway if gateway is not None else lambda: None
         self.reports = reports if reports is not None else RouterReports()
         self._applying = asyncio.Lock()  # one apply at a time: each checks what the last stored
@@ -107,6 +115,15 @@ class ControlService(ControlServiceBase):
     async def watch(self, message: WatchRequest) -> AsyncIterator[WatchEvent]:
         async for event in self.plane.hub.subscribe():
             yield event
+
+    async def stream_logs(self, message: LogsRequest) -> AsyncIterator[LogLines]:
+        if message.previous and message.follow:
+            raise GRPCError(
+                Status.INVALID_ARGUMENT, "follow and previous together: the previous run ended"
+            )
+        targets = log_targets(self.plane, message.name, all_shards=message.all_shards)
+        async for lines in merged([self.logs.stream(target, message) for target in targets]):
+            yield lines
 
     async def cordon_node(self, message: NodeRequest) -> ActionResult:
         return await self._cordon(message.node_id, True)

@@ -53,6 +53,7 @@ ACTIONS = {
     "CordonNode",
     "UncordonNode",
     "DrainNode",
+    "StreamLogs",  # a read, but engine output may hold prompts
 }
 DESIRED = {"ApplyDeployment", "DeleteDeployment", "DeleteNode"}  # admin only
 
