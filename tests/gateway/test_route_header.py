@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -20,8 +21,10 @@ from llmgw.gateway.reusecheck import ReuseCheck
 from llmgw.gateway.routing.table import RoutingTable, Target
 from llmgw.gateway.stats import router_stats
 
+NO_KEYS = ApiKeys()
 CLIENT, EXPLAINER = "sk-client-7a1f", "sk-ops-52c9d0"
-CHAT = {"model": "m", "messages": [{"role": "user", "content": "hello there"}]}
+MESSAGES: list[Any] = [{"role": "user", "content": "hello there"}]
+CHAT = {"model": "m", "messages": MESSAGES}
 HEAD = b'{"object":"chat.completion","choices":[],"usage":{"prompt_tokens":40,"prompt_tokens_'
 TAIL = b'details":{"cached_tokens":32}}}'
 
@@ -81,9 +84,12 @@ async def replica(request: pytest.FixtureRequest) -> AsyncIterator[Replica]:
         await up.stop()
 
 
-async def serve(replica: Replica, **config: ApiKeys) -> tuple[Gateway, str]:
+async def serve(
+    replica: Replica, api_keys: ApiKeys = NO_KEYS, explain_keys: ApiKeys = NO_KEYS
+) -> tuple[Gateway, str]:
     table = RoutingTable([Target("r1", "m", await replica.start())])
-    gateway = Gateway(table, GatewayConfig(port=0, engine_poll_s=0, **config))
+    config = GatewayConfig(port=0, engine_poll_s=0, api_keys=api_keys, explain_keys=explain_keys)
+    gateway = Gateway(table, config)
     host, port = await gateway.start()
     return gateway, f"http://{host}:{port}"
 
@@ -107,7 +113,7 @@ async def test_an_open_gateway_explains_only_when_asked(replica: Replica) -> Non
         route = asked.headers["x-llmgw-route"]
         assert route.startswith("tier=load; replica=r1; matched=0/")
         assert route.endswith("reason=fallback-approximate-miss because no_events")
-        text = len(render_messages(CHAT["messages"]))  # what the tree learnt
+        text = len(render_messages(MESSAGES))  # what the tree learnt
         assert again.headers["x-llmgw-route"] == (
             f"tier=approximate; replica=r1; matched={text}/{text} chars; "
             "reason=fallback-approximate-hit because no_events"
@@ -118,8 +124,7 @@ async def test_an_open_gateway_explains_only_when_asked(replica: Replica) -> Non
 
 
 async def test_with_client_keys_only_an_explain_key_sees_the_route(replica: Replica) -> None:
-    keys = {"api_keys": ApiKeys.of([CLIENT]), "explain_keys": ApiKeys.of([EXPLAINER])}
-    gateway, url = await serve(replica, **keys)
+    gateway, url = await serve(replica, ApiKeys.of([CLIENT]), ApiKeys.of([EXPLAINER]))
     try:
         async with httpx.AsyncClient(base_url=url, timeout=10) as http:
             client = await http.post("/v1/chat/completions", json=CHAT, headers=asking(CLIENT))
