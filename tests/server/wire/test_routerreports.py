@@ -300,9 +300,10 @@ def test_nothing_reported_yet() -> None:
 
 
 def decision(at_ms: int, replica_id: str = "r1", **fields: object) -> RouteDecision:
-    return RouteDecision(  # type: ignore[arg-type]
-        at_unix_ms=at_ms, model="m", tier="precise", replica_id=replica_id, **fields
-    )
+    made = RouteDecision(at_unix_ms=at_ms, model="m", tier="precise", replica_id=replica_id)
+    for name, value in fields.items():
+        setattr(made, name, value)
+    return made
 
 
 def test_recent_decisions_of_every_gateway_merge_by_time_stamped_with_their_gateway() -> None:
