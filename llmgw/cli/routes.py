@@ -5,7 +5,9 @@ when, the gateway that decided (``-`` the in-server one), the model, the tier, t
 replica, what it held of the request (blocks for the precise tier, characters for the
 approximate one), the cached tokens its engine reported, each candidate's match and
 requests in flight, and the reason (``llmgw.gateway.routing.explain``). ``-o json`` prints
-``{"recentDecisions": [...]}`` in proto3 JSON.
+``{"recentDecisions": [...], "predictedTokens", "cachedTokens", "gapTokens",
+"checkedRequests", "checkedPromptTokens"}`` (the decisions in proto3 JSON; the rest the
+precise tier's check, cumulative over every gateway: ``RouterStats.route_*``).
 """
 
 from __future__ import annotations
@@ -28,7 +30,14 @@ async def run_get_routes(server: str, output: str) -> int:
     stats = await call(server, lambda client: client.get_router_stats())
     decisions = list(stats.recent_decisions)
     if output == "json":
-        body: dict[str, Any] = {"recentDecisions": [d.to_dict() for d in decisions]}
+        body: dict[str, Any] = {
+            "recentDecisions": [d.to_dict() for d in decisions],
+            "predictedTokens": stats.route_predicted_tokens,
+            "cachedTokens": stats.route_cached_tokens,
+            "gapTokens": stats.route_gap_tokens,
+            "checkedRequests": stats.route_checked_requests,
+            "checkedPromptTokens": stats.route_checked_prompt_tokens,
+        }
         sys.stdout.write(json.dumps(body, indent=2) + "\n")
     else:
         sys.stdout.write(render_table(decision_rows(decisions)) + "\n")

@@ -518,7 +518,7 @@ class PreciseTier:
             eligible, likely, loads, self.policy.config, total=total, cached=cached
         )
         chosen = decision.target.replica_id
-        basis = Basis(eligible, matched, loads, total, sizes)  # the index's, not the claims'
+        basis = Basis(eligible, matched, loads, total, sizes, likely)
         decision = Decision(
             decision.target, TIER_PRECISE, decision.outcome, decision.matched, basis
         )

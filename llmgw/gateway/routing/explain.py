@@ -11,6 +11,8 @@ Reasons (``reason``):
 
 =====================  ==================================================================
 ``precise-hit``        the KV index shows the chosen replica holding enough of the prompt
+``precise-claimed``    a hit on a claim: the replica was sent this prefix moments ago
+                       (``claim_ttl_s``) and its KV events have not shown it yet
 ``precise-miss``       no candidate holds ``min_share`` of the prompt: the least loaded
 ``precise-guarded``    the best holder was too busy (the hot-replica guard): the next best
 ``approximate-hit``    the prefix tree of recent text matched the chosen replica
@@ -31,9 +33,10 @@ index shows / the prompt's full blocks at its block size) and in characters for 
 approximate tier (the tree's match / the text's length); other policies match nothing.
 
 `predicted_reuse` is what the precise tier expects the engine to find cached: the chosen
-replica's matched tokens, at most the prompt's full blocks before its last token (vLLM,
-like the simulated engine, never serves a prompt's last token from the cache: it needs
-its logits). The gateway checks it against the engine's ``cached_tokens``.
+replica's matched tokens as it scored them (its claims included), at most the prompt's
+full blocks before its last token (vLLM, like the simulated engine, never serves a
+prompt's last token from the cache: it needs its logits). The gateway checks it against
+the engine's ``cached_tokens``.
 """
 
 from __future__ import annotations
@@ -90,10 +93,14 @@ class Explanation:
 
 
 def _base_reason(decision: Decision) -> str:
-    tier, outcome = decision.tier, decision.outcome
+    tier, outcome, basis = decision.tier, decision.outcome, decision.basis
     if tier == TIER_PRECISE:
+        if outcome == OUTCOME_HIT and basis is not None and basis.claimed is not None:
+            chosen = decision.target.replica_id
+            if basis.claimed.get(chosen, 0) > basis.matched.get(chosen, 0):
+                return "precise-claimed"
         return f"precise-{outcome}"
-    if decision.basis is not None:  # the approximate tree's scoring (tier load on a miss)
+    if basis is not None:  # the approximate tree's scoring (tier load on a miss)
         return f"approximate-{outcome}"
     if tier == TIER_ROUND_ROBIN:
         return "round-robin"
@@ -165,7 +172,8 @@ def predicted_reuse(decision: Decision) -> int | None:
         return None
     chosen = decision.target.replica_id
     size = basis.block_sizes.get(chosen, 0)
-    held = int(basis.matched.get(chosen, 0))
+    scored = basis.matched if basis.claimed is None else basis.claimed
+    held = int(scored.get(chosen, 0))
     if size <= 0:
         return held
     cacheable = (max(0, int(basis.total) - 1) // size) * size

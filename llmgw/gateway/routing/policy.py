@@ -105,13 +105,15 @@ class Basis(NamedTuple):
     request (``matched``: characters of the text, or tokens for the precise tier) and its
     requests in flight, out of ``total`` (the text's length or the prompt's tokens).
     ``block_sizes`` gives each candidate's tokens per block for the precise tier (empty:
-    ``matched`` counts characters)."""
+    ``matched`` counts characters); ``claimed``, what the precise tier scored: ``matched``
+    raised by its live claims (None: ``matched`` itself)."""
 
     candidates: Sequence[Target]
     matched: Mapping[str, float]
     loads: Mapping[str, int]
     total: float
     block_sizes: Mapping[str, int] = MappingProxyType({})
+    claimed: Mapping[str, float] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -124,3 +124,22 @@ def test_the_other_policies_have_their_own_reasons() -> None:
     reasons = [explain(d).reason for d in (rr, least, new, pinned) if d is not None]
     assert reasons == ["round-robin", "least-load", "session-new", "session-pinned"]
     assert pinned is not None and explain(pinned).candidates == ()  # no scores to show
+
+
+def test_a_hit_on_a_claim_says_so_and_predicts_what_was_claimed() -> None:
+    clock = [100.0]
+    index = KvIndex()
+    hold(index, "b", list(range(9000, 9016)))  # b has events and a block size
+    precise = PreciseTier(
+        index, PrefixPolicy(), None, PreciseConfig(claim_ttl_s=5), clock=lambda: clock[0]
+    )
+    prompt = PreciseRequest(array("I", range(160)))  # 10 blocks nobody holds yet
+    first = precise.choose(prompt, RouteRequest(MODEL), targets("a", "b"), LoadTracker())
+    assert first is not None and explain(first).reason == "precise-miss"
+    clock[0] += 1  # within the claim: the chosen replica's events have not arrived
+    again = PreciseRequest(array("I", range(160)))
+    second = precise.choose(again, RouteRequest(MODEL), targets("a", "b"), LoadTracker())
+    assert second is not None and second.target == first.target
+    explained = explain(second)
+    assert (explained.reason, explained.matched) == ("precise-claimed", 0)
+    assert predicted_reuse(second) == 144  # 9 claimed blocks (the last token's excluded)
