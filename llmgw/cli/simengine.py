@@ -186,6 +186,11 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
         help="serve the test hooks under /sim/ (drop KV event batches on demand); "
         "never on an engine others can reach",
     )
+    _add_sim_fault_flags(p)
+
+
+def _add_sim_fault_flags(p: argparse.ArgumentParser) -> None:
+    """The ``--sim-*`` flags of what the engine tells llmgw: /tokenize and KV event formats."""
     p.add_argument(
         "--sim-tokenize-skew",
         type=int,

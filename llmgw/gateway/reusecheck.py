@@ -22,8 +22,8 @@ Families (``llmgw.promtext`` text, rendered by `ReuseCheck.lines`)::
                                                 tokens, per checked request
 
 ``rate(llmgw_route_gap_tokens_total[5m]) / rate(llmgw_route_checked_prompt_tokens_total[5m])``
-is the drift the console warns about (over `DRIFT_THRESHOLD` of the prompt tokens, for at
-least `DRIFT_MIN_REQUESTS` checked requests in its window).
+is the drift the console warns about (``llmgw.tui.routes``: over 10 % of the prompt tokens,
+with at least 20 checked requests in its window).
 """
 
 from __future__ import annotations
@@ -35,12 +35,8 @@ from llmgw.gateway.metrics import Histogram, labelled
 from llmgw.promtext import family, quote_label
 
 GAP_BUCKETS: tuple[float, ...] = (0.0, 0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0)
-DRIFT_THRESHOLD = 0.10
-"""Mean |predicted - cached| per prompt token over a window above which the console warns."""
-DRIFT_MIN_REQUESTS = 20
-"""Checked requests a window needs before the console judges drift."""
 
-__all__ = ["DRIFT_MIN_REQUESTS", "DRIFT_THRESHOLD", "GAP_BUCKETS", "ReuseCheck", "ReuseTotals"]
+__all__ = ["GAP_BUCKETS", "ReuseCheck", "ReuseTotals"]
 
 
 @dataclass(frozen=True, slots=True)

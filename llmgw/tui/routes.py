@@ -1,0 +1,111 @@
+"""The router view's last decisions and the precise tier's drift warning (pure, no I/O).
+
+`routes_view` turns a ``GetRouterStats`` answer and the router's counter window into a
+`RoutesView`: the last decisions, newest first (`DecisionRow`: when, which gateway, model,
+tier, the chosen replica, its match, the cached tokens its engine reported, each candidate's
+match and load, the reason), and the drift of the precise tier's check over the window.
+
+**Drift** is Δ(Σ |predicted - cached| tokens) / Δ(prompt tokens) of the requests the
+precise tier decided and whose engine reported ``cached_tokens``, over the console's
+window (60 s of samples). With the gateway's block keys matching the engines', it stays
+within a block per request (a few %). The console warns when it is over `DRIFT_THRESHOLD`
+(10 % of the prompt tokens) with at least `DRIFT_MIN_REQUESTS` (20) checked requests in
+the window: a tokenizer, chat template, block-key or KV event format mismatch between the
+gateway and its engines shows here before hit rates quietly collapse.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+from llmgw.api.llmgw.v1 import RouteDecision, RouterStats
+from llmgw.tui.rates import CounterWindow
+
+DRIFT_THRESHOLD = 0.10
+"""Drift (share of checked prompt tokens) over which the console warns."""
+DRIFT_MIN_REQUESTS = 20
+"""Checked requests a window needs before its drift is judged."""
+
+_GAP, _PROMPT, _CHECKED = "check:gap", "check:prompt", "check:requests"
+
+__all__ = [
+    "DRIFT_MIN_REQUESTS",
+    "DRIFT_THRESHOLD",
+    "DecisionRow",
+    "RoutesView",
+    "check_counters",
+    "routes_view",
+]
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRow:
+    """One routing decision as the router view lists it."""
+
+    at_ms: int
+    gateway: str  # "" the in-server gateway
+    model: str
+    tier: str
+    replica_id: str
+    matched: str  # "50/62b" (blocks), "120/400c" (characters), "" (nothing matched)
+    cached_tokens: int | None  # what its engine reported; None: it did not say
+    candidates: str  # "r1:50/0 r2:20/1": each candidate's match / requests in flight
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class RoutesView:
+    """The last decisions and the drift of the precise tier's check."""
+
+    recent: tuple[DecisionRow, ...] = ()  # newest first
+    drift: float | None = None  # over the window; None: nothing checked in it
+    checked: int = 0  # checked requests in the window
+    warning: str = ""  # "" unless the drift is over the threshold (module docstring)
+    at_ms: int = 0  # the server's wall clock when it answered (decisions' ages count from it)
+
+
+def check_counters(stats: RouterStats) -> Mapping[str, int]:
+    """The check's counters, for the router's counter window."""
+    return {
+        _GAP: stats.route_gap_tokens,
+        _PROMPT: stats.route_checked_prompt_tokens,
+        _CHECKED: stats.route_checked_requests,
+    }
+
+
+def decision_row(decision: RouteDecision) -> DecisionRow:
+    unit = {"blocks": "b", "chars": "c"}.get(decision.unit)
+    matched = f"{decision.matched}/{decision.total}{unit}" if unit else ""
+    candidates = " ".join(f"{c.replica_id}:{c.matched}/{c.in_flight}" for c in decision.candidates)
+    return DecisionRow(
+        at_ms=decision.at_unix_ms,
+        gateway=decision.gateway_id,
+        model=decision.model,
+        tier=decision.tier,
+        replica_id=decision.replica_id,
+        matched=matched,
+        cached_tokens=decision.cached_tokens,
+        candidates=candidates,
+        reason=decision.reason,
+    )
+
+
+def drift_warning(drift: float | None, checked: int, window_s: float) -> str:
+    """The warning for this window's drift, or ""."""
+    if drift is None or checked < DRIFT_MIN_REQUESTS or drift <= DRIFT_THRESHOLD:
+        return ""
+    return (
+        f"reuse drift {drift:.0%}: the precise tier's predicted cache hits miss what engines "
+        f"report by {drift:.0%} of prompt tokens over {window_s:.0f}s ({checked} requests); "
+        "check the tokenizer, block keys and KV event format of gateway and engines"
+    )
+
+
+def routes_view(stats: RouterStats, window: CounterWindow, shown: int = 50) -> RoutesView:
+    """The newest ``shown`` decisions of ``stats`` and the window's drift."""
+    recent = tuple(decision_row(d) for d in reversed(stats.recent_decisions[-shown:]))
+    drift = window.ratio([_GAP], [_PROMPT])
+    checked = window.increase([_CHECKED])
+    warning = drift_warning(drift, checked, window.span_s())
+    return RoutesView(recent, drift, checked, warning, stats.at_unix_ms)
