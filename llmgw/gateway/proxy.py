@@ -193,8 +193,11 @@ class Exchange:
 
     def _find_cached(self, data: bytes) -> None:
         """The last ``"cached_tokens":N`` in the body so far (module docstring)."""
-        window = self._tail + data if self._tail else data
-        at = window.rfind(_CACHED_KEY)
+        window = data
+        at = data.rfind(_CACHED_KEY)
+        if at < 0 and self._tail:  # split between the last piece and this one?
+            window = self._tail + data[:_TAIL]
+            at = window.rfind(_CACHED_KEY)
         if at >= 0:
             value = _read_count(window, at + len(_CACHED_KEY))
             if value is not None:
