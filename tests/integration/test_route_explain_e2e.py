@@ -126,6 +126,8 @@ def _explained_only_when_asked_and_allowed(base: str) -> None:
     matched, total = (int(n) for n in route["matched"].split("/"))
     assert total > 40 and matched >= total - 1, route  # the whole prompt but its last block
     assert cached_tokens(again) >= 16 * (total - 1)
+    settle()
+    _streamed_with_the_route_before_the_body(base)
     assert "x-llmgw-route" not in ask(base, 0, key=CLIENT_KEY).headers  # may not see it
     assert "x-llmgw-route" not in ask(base, 0, explain=False).headers  # did not ask
     refused = httpx.post(
@@ -134,6 +136,32 @@ def _explained_only_when_asked_and_allowed(base: str) -> None:
         headers={"authorization": "Bearer sk-nobody", "x-llmgw-explain": "1"},
     )
     assert refused.status_code == 401 and "x-llmgw-route" not in refused.headers
+
+
+def _streamed_with_the_route_before_the_body(base: str) -> None:
+    messages = [
+        {"role": "system", "content": system_prompt(0)},
+        {"role": "user", "content": "Question 0: " + "why " * 30},
+    ]
+    body = {
+        "model": "chat",
+        "messages": messages,
+        "max_tokens": 4,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+    headers = {"authorization": f"Bearer {EXPLAIN_KEY}", "x-llmgw-explain": "1"}
+    with httpx.stream(
+        "POST", f"{base}/v1/chat/completions", json=body, headers=headers, timeout=30
+    ) as reply:
+        assert reply.status_code == 200 and reply.headers["content-type"].startswith(
+            "text/event-stream"
+        )
+        route = route_of(reply)  # in the head: before any event was read
+        events = [line for line in reply.iter_lines() if line.startswith("data: {")]
+    assert (route["reason"], route["replica"]) == ("precise-hit", reply.headers["x-llmgw-replica"])
+    usage = json.loads(events[-1].removeprefix("data: "))["usage"]  # the final usage chunk
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
 def _checked_reuse_stays_near_zero(base: str) -> None:
@@ -169,12 +197,14 @@ def _checked_reuse_drifts_with_a_mismatched_tokenizer(base: str) -> None:
 def _recent_decisions_in_get_routes(fleet: Cluster) -> None:
     out = json.loads(fleet.cli("get", "routes", "-o", "json").stdout)
     decisions: list[dict[str, Any]] = out["recentDecisions"]
-    assert len(decisions) == 4 + 8 + 4
+    assert len(decisions) == 5 + 8 + 4
     hits = [d for d in decisions if d.get("reason") == "precise-hit"]
     assert hits and all(d["tier"] == "precise" and d["unit"] == "blocks" for d in hits)
     assert all(int(d["cachedTokens"]) > 0 for d in hits)
     assert all({c["replicaId"] for c in d["candidates"]} >= {d["replicaId"]} for d in decisions)
-    assert int(out["checkedRequests"]) == 3 + 8 + 3  # every precise answer, unexplained too
+    assert int(out["checkedRequests"]) == 4 + 8 + 3  # every precise answer, unexplained too
+    streamed = decisions[2]  # the stream's cached tokens came from its final usage chunk
+    assert streamed["reason"] == "precise-hit" and int(streamed["cachedTokens"]) > 0
     assert int(out["gapTokens"]) > 0 and int(out["predictedTokens"]) > 0
     gw2 = fleet.start_gateway("gw2", "--gateway-id", "gw2", "--report-interval", "0.5")
     reply = httpx.post(
@@ -192,4 +222,8 @@ def _recent_decisions_in_get_routes(fleet: Cluster) -> None:
     assert wait_for(reported, 20, "gw2's decision in GetRouterStats")
     table = fleet.cli("get", "routes").stdout
     assert any(line.endswith("precise-hit") for line in table.splitlines()[1:])
+    console = json.loads(fleet.cli("console", "--once", "-o", "json").stdout)
+    recent = console["router"]["routes"]["recent"]  # the console's router view, newest first
+    assert recent[0]["gateway"].startswith("gw2") and recent[0]["replicaId"]
+    assert any(row["reason"] == "precise-hit" for row in recent)
     assert table.splitlines()[0].split()[:3] == ["TIME", "GATEWAY", "MODEL"]
