@@ -12,6 +12,16 @@ within a block per request (a few %). The console warns when it is over `DRIFT_T
 (10 % of the prompt tokens) with at least `DRIFT_MIN_REQUESTS` (20) checked requests in
 the window: a tokenizer, chat template, block-key or KV event format mismatch between the
 gateway and its engines shows here before hit rates quietly collapse.
+
+When too few answers in the window reported ``cached_tokens`` (engines without
+``--enable-prompt-tokens-details``, streams without ``include_usage``), the drift is judged
+on the engines' own prefix-cache counters instead (``source`` "counters"): the share of
+routed prompt tokens the precise tier expected the chosen replicas to hold (Δcaptured /
+Δrouter prompt tokens) against the share of their prompt tokens the engines served from
+cache (Δdelivered / Δengine prompt tokens), as polled from their ``/metrics``. That is an
+aggregate (the engines count every request, however routed), so it warns only when the two
+shares are more than `DRIFT_THRESHOLD` apart over at least `DRIFT_MIN_PROMPT_TOKENS` routed
+prompt tokens.
 """
 
 from __future__ import annotations
@@ -26,10 +36,17 @@ DRIFT_THRESHOLD = 0.10
 """Drift (share of checked prompt tokens) over which the console warns."""
 DRIFT_MIN_REQUESTS = 20
 """Checked requests a window needs before its drift is judged."""
+DRIFT_MIN_PROMPT_TOKENS = 20_000
+"""Routed prompt tokens a window needs before drift is judged on the engines' counters."""
 
 _GAP, _PROMPT, _CHECKED = "check:gap", "check:prompt", "check:requests"
+# the reuse counters the model keeps in the same window (llmgw.tui.model._router_counters)
+_CAPTURED, _ROUTER_PROMPT = "reuse:captured", "prompt:router"
+_DELIVERED, _ENGINE_PROMPT = "reuse:delivered", "prompt:engine"
+_ADVICE = "check the tokenizer, block keys and KV event format of gateway and engines"
 
 __all__ = [
+    "DRIFT_MIN_PROMPT_TOKENS",
     "DRIFT_MIN_REQUESTS",
     "DRIFT_THRESHOLD",
     "DecisionRow",
@@ -62,6 +79,7 @@ class RoutesView:
     drift: float | None = None  # over the window; None: nothing checked in it
     checked: int = 0  # checked requests in the window
     warning: str = ""  # "" unless the drift is over the threshold (module docstring)
+    source: str = ""  # what the drift compares: "usage", "counters" or "" (nothing to judge)
     at_ms: int = 0  # the server's wall clock when it answered (decisions' ages count from it)
 
 
@@ -98,14 +116,34 @@ def drift_warning(drift: float | None, checked: int, window_s: float) -> str:
     return (
         f"reuse drift {drift:.0%}: the precise tier's predicted cache hits miss what engines "
         f"report by {drift:.0%} of prompt tokens over {window_s:.0f}s ({checked} requests); "
-        "check the tokenizer, block keys and KV event format of gateway and engines"
+        + _ADVICE
+    )
+
+
+def counter_drift(window: CounterWindow) -> tuple[float | None, str]:
+    """The drift judged on the engines' counters (module docstring), and its warning."""
+    expected = window.ratio([_CAPTURED], [_ROUTER_PROMPT])
+    served = window.ratio([_DELIVERED], [_ENGINE_PROMPT])
+    if expected is None or served is None:
+        return None, ""
+    drift = abs(expected - served)
+    if window.increase([_ROUTER_PROMPT]) < DRIFT_MIN_PROMPT_TOKENS or drift <= DRIFT_THRESHOLD:
+        return drift, ""
+    return drift, (
+        f"reuse drift {drift:.0%}: the precise tier expected {expected:.0%} of routed prompt "
+        f"tokens cached, engines served {served:.0%} of theirs from cache over "
+        f"{window.span_s():.0f}s; " + _ADVICE
     )
 
 
 def routes_view(stats: RouterStats, window: CounterWindow, shown: int = 50) -> RoutesView:
     """The newest ``shown`` decisions of ``stats`` and the window's drift."""
     recent = tuple(decision_row(d) for d in reversed(stats.recent_decisions[-shown:]))
+    checked, at_ms = window.increase([_CHECKED]), stats.at_unix_ms
+    if checked < DRIFT_MIN_REQUESTS:  # too few answers said: the engines' counters judge
+        drift, warning = counter_drift(window)
+        if drift is not None:
+            return RoutesView(recent, drift, checked, warning, "counters", at_ms)
     drift = window.ratio([_GAP], [_PROMPT])
-    checked = window.increase([_CHECKED])
     warning = drift_warning(drift, checked, window.span_s())
-    return RoutesView(recent, drift, checked, warning, stats.at_unix_ms)
+    return RoutesView(recent, drift, checked, warning, "" if drift is None else "usage", at_ms)

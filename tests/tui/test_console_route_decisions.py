@@ -114,6 +114,28 @@ def test_drift_warns_only_over_the_threshold_with_enough_checked_requests() -> N
     assert routes_after(start, stats(140, 500, 140_000, [])).drift == 0.0
 
 
+def reuse(captured: int, router: int, delivered: int, engine: int) -> RouterStats:
+    """An answer whose engines report no cached tokens: only the reuse counters move."""
+    answer = stats(0, 0, 0, [])
+    answer.reuse_captured_tokens, answer.router_prompt_tokens = captured, router
+    answer.reuse_delivered_tokens, answer.engine_prompt_tokens = delivered, engine
+    return answer
+
+
+def test_without_reported_cached_tokens_the_engines_counters_judge_the_drift() -> None:
+    start = reuse(0, 0, 0, 0)
+    agreeing = routes_after(start, reuse(27_000, 30_000, 26_000, 30_000))
+    assert agreeing.source == "counters" and agreeing.drift == pytest.approx(1 / 30)
+    assert not agreeing.warning
+    # the tier expects nothing cached while the engines serve 85 % from cache (keys differ)
+    apart = routes_after(start, reuse(0, 30_000, 25_500, 30_000))
+    assert apart.drift == pytest.approx(0.85) and apart.warning.startswith("reuse drift 85%")
+    assert "expected 0% of routed prompt tokens cached, engines served 85%" in apart.warning
+    small = routes_after(start, reuse(0, 10_000, 8_500, 10_000))  # too few tokens to judge
+    assert small.drift == pytest.approx(0.85) and not small.warning
+    assert routes_after(start, start).source == ""  # nothing moved: nothing to judge
+
+
 # --- on screen ---------------------------------------------------------------------------
 
 
@@ -171,7 +193,7 @@ async def test_the_router_view_lists_the_decisions_under_the_drift_warning() -> 
             ["30s", "precise", "chat-1", "58/62b", "928", "chat-1:58/0", "chat-2:0/2"],
         ]
         assert "precise-claimed" in text and "fallback-approximate-miss because no_blocks" in text
-        assert "reuse check: gap 75% of prompt tokens" in text
+        assert "reuse check: drift 75% (usage)" in text
 
 
 @pytest.mark.parametrize(

@@ -170,7 +170,9 @@ def decision_table(routes: RoutesView) -> Table:
     table = Table(
         *columns, box=None, padding=(0, 1), title="recent decisions", title_justify="left"
     )
-    check = "" if routes.drift is None else f"reuse check: gap {routes.drift:.0%} of prompt tokens"
+    check = (
+        "" if routes.drift is None else f"reuse check: drift {routes.drift:.0%} ({routes.source})"
+    )
     table.caption, table.caption_justify = check or None, "left"
     for row in routes.recent:
         ago = age((routes.at_ms - row.at_ms) / 1000) if row.at_ms and routes.at_ms else "-"
