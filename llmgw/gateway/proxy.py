@@ -202,7 +202,8 @@ class Exchange:
             value = _read_count(window, at + len(_CACHED_KEY))
             if value is not None:
                 self.cached_tokens = value
-        self._tail = data[-_TAIL:]
+        # the last _TAIL bytes of the body so far (several short pieces may hold them)
+        self._tail = data[-_TAIL:] if len(data) >= _TAIL else (self._tail + data)[-_TAIL:]
 
     def upstream_flush(self) -> None:
         if self._out and self.outcome is Outcome.PENDING:

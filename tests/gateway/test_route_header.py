@@ -8,15 +8,20 @@ block whose ``"cached_tokens":`` key it writes split over two pieces, with a pau
 from __future__ import annotations
 
 import asyncio
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from llmgw.gateway.apikeys import ApiKeys
 from llmgw.gateway.app import Gateway, GatewayConfig
+from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.openai import render_messages
+from llmgw.gateway.proxy import Exchange
 from llmgw.gateway.reusecheck import ReuseCheck
 from llmgw.gateway.routing.table import RoutingTable, Target
 from llmgw.gateway.stats import router_stats
@@ -188,3 +193,56 @@ def test_the_gap_is_counted_per_checked_request() -> None:
     assert 'llmgw_route_reuse_gap_ratio_bucket{tier="precise",le="0.5"} 1' in text
     assert 'llmgw_route_reuse_gap_ratio_bucket{tier="precise",le="1.0"} 2' in text
     assert 'llmgw_route_cached_tokens_total{tier="approximate"} 64' in text
+
+
+class _Client:
+    """The least of an HttpConnection an Exchange writes to."""
+
+    started = False
+    chunked_ok = True
+
+    def write(self, data: bytes) -> None:
+        pass
+
+    def connection_header(self) -> bytes:
+        return b""
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    before=st.binary(max_size=300).map(lambda b: b.replace(b'"', b"'")),
+    value=st.integers(0, 10**9),
+    spaces=st.sampled_from([b"", b" ", b"\n  "]),
+    cuts=st.lists(st.integers(0, 400), max_size=6),
+)
+async def test_the_cached_tokens_are_found_however_the_body_is_cut(
+    before: bytes, value: int, spaces: bytes, cuts: list[int]
+) -> None:
+    body = before + b'"cached_tokens":' + spaces + str(value).encode() + b"}}}"
+    exchange = Exchange(
+        _Client(),  # type: ignore[arg-type]
+        may_retry=False,
+        metrics=GatewayMetrics(),
+        model="m",
+        stream=False,
+        replica="r1",
+    )
+    exchange.upstream_head(200, [], len(body))
+    edges = sorted({0, len(body), *(c for c in cuts if c < len(body))})
+    for start, end in itertools.pairwise(edges):
+        exchange.upstream_body(body[start:end])
+    assert exchange.cached_tokens == value
+
+
+async def test_a_failed_answer_is_not_searched() -> None:
+    exchange = Exchange(
+        _Client(),  # type: ignore[arg-type]
+        may_retry=False,
+        metrics=GatewayMetrics(),
+        model="m",
+        stream=False,
+        replica="r1",
+    )
+    exchange.upstream_head(400, [], None)
+    exchange.upstream_body(b'{"error": {"message": "\\"cached_tokens\\":5"}, "cached_tokens":7}')
+    assert exchange.cached_tokens is None
