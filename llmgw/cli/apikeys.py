@@ -27,6 +27,28 @@ HELP = (
 )
 
 
+EXPLAIN_HELP = (
+    "keys (a file like the client key file) that may also see why a request went where it "
+    "did: a request with `x-llmgw-explain: 1` and one of them is answered with "
+    "`x-llmgw-route: tier=…; replica=…; matched=…; reason=…`; they are accepted as client "
+    "keys too (default: none; then only a gateway without client keys explains, to anyone)"
+)
+
+
+def add_explain_key_file_flag(p: argparse.ArgumentParser, flag: str) -> None:
+    """``flag FILE`` for the keys that may see ``x-llmgw-route``."""
+    p.add_argument(flag, type=Path, default=None, metavar="FILE", help=EXPLAIN_HELP)
+
+
+def explain_keys(path: Path | None, flag: str) -> ApiKeys:
+    """The keys in ``path`` (none without one); read and checked as client key files."""
+    from llmgw.gateway.apikeys import ApiKeys
+
+    if path is None:
+        return ApiKeys()
+    return gateway_api_keys(path, flag, {})
+
+
 def add_key_file_flag(p: argparse.ArgumentParser, flag: str) -> None:
     """``flag FILE`` for the gateway's client keys."""
     p.add_argument(flag, type=Path, default=None, metavar="FILE", help=HELP)

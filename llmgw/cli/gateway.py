@@ -28,7 +28,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from llmgw.addresses import AddressError, parse_host_port
-from llmgw.cli.apikeys import add_key_file_flag, gateway_api_keys
+from llmgw.cli.apikeys import (
+    add_explain_key_file_flag,
+    add_key_file_flag,
+    explain_keys,
+    gateway_api_keys,
+)
 from llmgw.cli.browsers import add_browser_flags, browser_access
 from llmgw.cli.errors import CliError
 from llmgw.cli.flags import (
@@ -100,6 +105,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "and bench/chaos.py; unauthenticated, never on a reachable address",
     )
     add_key_file_flag(p, "--api-key-file")
+    add_explain_key_file_flag(p, "--explain-key-file")
     add_http_limit_flags(p, "the OpenAI port")
     _add_report_flags(p)
     p.set_defaults(command=run_gateway_command)
@@ -164,6 +170,7 @@ def run_gateway_command(args: argparse.Namespace) -> int:
         port=port,
         policy=args.policy,
         api_keys=gateway_api_keys(args.api_key_file, "--api-key-file"),
+        explain_keys=explain_keys(args.explain_key_file, "--explain-key-file"),
         debug_kv_index=args.debug_kv_index,
         tls=_listen_context(args),
         tokenize_timeout_s=tokenize_timeout(args.tokenize_timeout, "--tokenize-timeout"),

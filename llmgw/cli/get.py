@@ -30,11 +30,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     """Register ``get``, ``cordon`` and ``uncordon``."""
     p = sub.add_parser(
         "get",
-        help="list nodes, GPUs, replicas, shards, deployments or profiles",
+        help="list nodes, GPUs, replicas, shards, deployments, profiles or routes",
         description="List what the control server knows, over gRPC-web.",
     )
     p.add_argument(
-        "kind", choices=["nodes", "gpus", "replicas", "shards", "deployments", "profiles"]
+        "kind",
+        choices=["nodes", "gpus", "replicas", "shards", "deployments", "profiles", "routes"],
+        help="routes: the last routing decisions, why each request went where it went",
     )
     p.add_argument(
         "-o",
@@ -56,6 +58,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run_get(args: argparse.Namespace) -> int:
+    if args.kind == "routes":
+        from llmgw.cli.routes import run_get_routes
+
+        return asyncio.run(run_get_routes(args.server, args.output))
     if args.kind in ("deployments", "profiles"):
         from llmgw.cli.apply import run_get_desired
 

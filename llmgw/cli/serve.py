@@ -27,7 +27,7 @@ from llmgw.agent.daemon import (
 from llmgw.agent.discovery import DiscoveryError
 from llmgw.agent.engines import EngineError, engine_binaries
 from llmgw.agent.shards import RestartPolicy
-from llmgw.cli.apikeys import gateway_api_keys
+from llmgw.cli.apikeys import explain_keys, gateway_api_keys
 from llmgw.cli.browsers import browser_access
 from llmgw.cli.errors import CliError
 from llmgw.cli.flags import engine_ports_flag, read_token_file, tokenize_timeout
@@ -59,6 +59,9 @@ def run_server_command(args: argparse.Namespace) -> int:
                 args.gateway_tokenize_timeout, "--gateway-tokenize-timeout"
             ),
             gateway_api_keys=gateway_api_keys(args.gateway_api_key_file, "--gateway-api-key-file"),
+            gateway_explain_keys=explain_keys(
+                args.gateway_explain_key_file, "--gateway-explain-key-file"
+            ),
             join_token=_token_file(args.join_token_file, "--join-token-file"),
             tls=listen_files(args),
             engine_ports=engine_ports_flag(args.engine_ports) or DEFAULT_ENGINE_PORTS,

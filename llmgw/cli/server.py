@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from llmgw.cli.apikeys import add_key_file_flag
+from llmgw.cli.apikeys import add_explain_key_file_flag, add_key_file_flag
 from llmgw.cli.browsers import add_browser_flags
 from llmgw.cli.flags import GATEWAY_POLICIES, add_tokenize_timeout_flag
 from llmgw.cli.httplimits import add_http_limit_flags
@@ -80,6 +80,7 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
     )
     add_tokenize_timeout_flag(p, "--gateway-tokenize-timeout")
     add_key_file_flag(p, "--gateway-api-key-file")
+    add_explain_key_file_flag(p, "--gateway-explain-key-file")
     add_http_limit_flags(p, PORTS)
 
 

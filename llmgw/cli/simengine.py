@@ -186,6 +186,19 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
         help="serve the test hooks under /sim/ (drop KV event batches on demand); "
         "never on an engine others can reach",
     )
+    _add_sim_fault_flags(p)
+
+
+def _add_sim_fault_flags(p: argparse.ArgumentParser) -> None:
+    """The ``--sim-*`` flags of what the engine tells llmgw: /tokenize and KV event formats."""
+    p.add_argument(
+        "--sim-tokenize-skew",
+        type=int,
+        default=0,
+        metavar="N",
+        help="answer /tokenize with every token id + N, as a tokenizer or chat template "
+        "that disagrees with generation would (a router's reuse check sees it; default: 0)",
+    )
     p.add_argument(
         "--sim-kv-event-encoding",
         choices=("map", "array"),
@@ -250,6 +263,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str]) -> Si
             crash_after=args.sim_crash_after,
             fail_start=args.sim_fail_start,
             test_hooks=args.sim_test_hooks,
+            tokenize_skew=args.sim_tokenize_skew,
         ),
     ).validate()
 

@@ -4,14 +4,15 @@ It runs alone (``llmgw gateway``, following a control server's router feed) or i
 control server (``llmgw server``, fed in process from the plane). Two parts:
 
 - ``llmgw.gateway.routing``: the pure routing core (table, load, policies, prefix tree, KV
-  index), no I/O;
+  index, and ``explain``: why a decision went where it did), no I/O;
 - the I/O edges, in this package: the HTTP server (``httpserver``: listening;
   ``httpconnection``: each connection; ``httprequest``: what handlers get and give) and its
   limits (``httplimits``), the upstream client (``upstream``), the proxy (``proxy``), the
   tokenize client (``tokenize``), the precise tier that uses it (``precise``), the engine
   poller (``engines``), the router feed follower (``feed``), the reporter (``reporter``, with
   the figures it sends: ``stats``), the OpenAI request reading (``openai``), client API keys
-  (``apikeys``), ``/metrics`` (``metrics``), errors (``errors``), and ``app``: the
+  (``apikeys``), ``/metrics`` (``metrics``), the last decisions (``routelog``) and the
+  precise tier's check of them (``reusecheck``), errors (``errors``), and ``app``: the
   :class:`Gateway` that puts them together;
 - ``standalone``: ``run_gateway``, the gateway as a process of its own (``llmgw gateway``):
   a `Gateway` following a server's feed and reporting to it.

@@ -29,6 +29,17 @@ bare proxy they spent less CPU per request than an ASGI server under uvicorn or 
 client did. What the whole gateway costs per request, beside vllm-router and sglang-router,
 is ``python -m bench.gateway`` (BENCHMARKS.md).
 
+Why a request went there: a request with ``x-llmgw-explain: 1`` is answered with
+``x-llmgw-route: tier=…; replica=…; matched=M/N; reason=…`` (``routing/explain.py``; in the
+head, so a stream has it before its first byte) when its key may see it: with explain keys
+(``GatewayConfig.explain_keys``, ``--explain-key-file``; also accepted as client keys) only
+a request carrying one of them; without explain keys, any request of a gateway without
+client keys (which already answers ``x-llmgw-replica`` to all), and none of a gateway with
+client keys. A request that may not see it gets its answer without the header, never an
+error. Every decision goes into a ring of the last 200 (routelog.py, for
+``GetRouterStats``); every answer's reported cached tokens are checked against the
+precise tier's prediction (reusecheck.py).
+
 The precise tier (precise.py): with the ``prefix`` policy and ``precise`` on, a
 request whose candidates publish KV events is tokenized by one of them (``/tokenize``,
 bounded by ``tokenize_timeout_s``) before the policy runs, and decided on the replicas' KV
@@ -45,6 +56,7 @@ import logging
 import ssl
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 from llmgw.gateway.apikeys import UNAUTHORIZED_BODY, ApiKeys
 from llmgw.gateway.engines import EnginePoller, PollerConfig
@@ -75,6 +87,9 @@ from llmgw.gateway.openai import (
 )
 from llmgw.gateway.precise import Fallback, PreciseRequest, PreciseTier
 from llmgw.gateway.proxy import Exchange, Outcome, encode_request
+from llmgw.gateway.reusecheck import ReuseCheck
+from llmgw.gateway.routelog import RouteLog, RouteRecord
+from llmgw.gateway.routing.explain import explain, header_value, predicted_reuse
 from llmgw.gateway.routing.kvindex import KvIndex
 from llmgw.gateway.routing.load import LoadTracker
 from llmgw.gateway.routing.policy import Decision, Policy, PrefixPolicy, RouteRequest, make_policy
@@ -93,6 +108,10 @@ BROKEN = 502
 """The status counted for a response the replica broke off after its first byte was sent."""
 
 _SESSION_HEADER = SESSION_HEADER.encode()
+EXPLAIN_HEADER = "x-llmgw-explain"
+"""A request header: ``1`` asks for ``x-llmgw-route`` on the answer (the module docstring
+says which keys may see it)."""
+_EXPLAIN_HEADER = EXPLAIN_HEADER.encode()
 _PROXIED = (COMPLETIONS_PATH, CHAT_PATH)
 _DEBUG_KV_PATH = "/debug/kv_index"
 _TEXT_TYPE = b"text/plain; charset=utf-8"
@@ -114,6 +133,7 @@ class GatewayConfig:
     tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S  # a /tokenize call for the precise tier
     engine_poll_s: float = 5.0  # how often replicas' /metrics are read (0: never)
     api_keys: ApiKeys = ApiKeys()  # clients' keys for /v1 (apikeys.py); none: open to all
+    explain_keys: ApiKeys = ApiKeys()  # keys that may also see x-llmgw-route (docstring)
     debug_kv_index: bool = False  # serve GET /debug/kv_index (see the module docstring)
     browsers: BrowserAccess = BrowserAccess()  # --cors-origin, --allowed-host (httpguard)
     tls: ssl.SSLContext | None = field(default=None, repr=False, compare=False)  # None: http
@@ -138,6 +158,9 @@ class Gateway:
         self.policy = policy if policy is not None else make_policy(config.policy)
         self.load = LoadTracker()
         self.metrics = GatewayMetrics()
+        self.route_log = RouteLog()  # the last decisions (routelog.py)
+        self.reuse = ReuseCheck()  # predicted against reported cached tokens (reusecheck.py)
+        self.metrics.add_collector(self.reuse.lines)
         self.pool = UpstreamPool(
             connect_timeout_s=config.connect_timeout_s, idle_timeout_s=config.upstream_idle_s
         )
@@ -228,7 +251,18 @@ class Gateway:
         if not keys.guards(path):
             return None  # /healthz and /metrics stay open
         authorization = next((v for k, v in headers if k == b"authorization"), None)
-        return None if keys.allows(authorization) else Refusal(401, UNAUTHORIZED_BODY)
+        if keys.allows(authorization) or self.config.explain_keys.allows(authorization):
+            return None
+        return Refusal(401, UNAUTHORIZED_BODY)
+
+    def _may_explain(self, request: Request) -> bool:
+        """Whether ``request`` asks for ``x-llmgw-route`` with a key that may see it."""
+        if (request.header(_EXPLAIN_HEADER) or b"").strip() != b"1":
+            return False
+        config = self.config
+        if config.explain_keys.required:
+            return config.explain_keys.allows(request.header(b"authorization"))
+        return not config.api_keys.required  # an open gateway explains to anyone
 
     async def _handle(self, request: Request, conn: HttpConnection) -> None:
         path = request.path
@@ -314,7 +348,8 @@ class Gateway:
     async def _route(self, request: Request, conn: HttpConnection, parsed: ParsedRequest) -> int:
         """Answer ``request``; the status sent. Raises RequestRefused to answer an error."""
         route = RouteRequest(parsed.model, parsed.text, parsed.session)
-        precise = await self._precise_request(request, parsed)
+        precise, fallback = await self._precise_request(request, parsed)
+        explaining = self._may_explain(request)
         exclude: frozenset[str] = frozenset()
         failures: list[str] = []
         for attempt in range(self.config.retries + 1):
@@ -327,8 +362,11 @@ class Gateway:
                 c.replica_id not in exclude and c.replica_id != replica_id for c in candidates
             )
             may_retry = attempt < self.config.retries and others
-            exchange = await self._attempt(decision.target, request, conn, parsed, may_retry)
+            record = self.route_log.add(parsed.model, decision, fallback)
+            why = header_value(explain(decision, fallback)) if explaining else ""
+            exchange = await self._attempt(decision.target, request, conn, parsed, may_retry, why)
             if exchange.outcome is Outcome.DONE:
+                self._check_reuse(record, exchange, precise)
                 return exchange.status
             if exchange.outcome is Outcome.BROKEN:
                 log.warning("%s failed mid-response: %s", replica_id, exchange.error)
@@ -343,15 +381,30 @@ class Gateway:
 
     async def _precise_request(
         self, request: Request, parsed: ParsedRequest
-    ) -> PreciseRequest | None:
-        """The request's tokens for the precise tier; None: the approximate tier decides."""
+    ) -> tuple[PreciseRequest | None, str]:
+        """The request's tokens for the precise tier, or None and why (the approximate tier
+        decides; "" when the precise tier is off or nothing serves the model)."""
         candidates = self.table.candidates(parsed.model)
         if self.precise is None or not candidates:
-            return None
+            return None, ""
         prepared = await self.precise.prepare(
             request.path, request.body, parsed.model, len(parsed.text), candidates, self.load
         )
-        return None if isinstance(prepared, Fallback) else prepared
+        if isinstance(prepared, Fallback):
+            return None, prepared.reason
+        return prepared, ""
+
+    def _check_reuse(
+        self, record: RouteRecord, exchange: Exchange, precise: PreciseRequest | None
+    ) -> None:
+        """The engine's reported cached tokens against the decision's prediction."""
+        cached = exchange.cached_tokens
+        if cached is None:
+            return
+        record.cached_tokens = cached
+        decision = record.decision
+        prompt_tokens = len(precise.tokens) if precise is not None else 0
+        self.reuse.answered(decision.tier, cached, predicted_reuse(decision), prompt_tokens)
 
     def _decide(
         self,
@@ -388,43 +441,42 @@ class Gateway:
         conn: HttpConnection,
         parsed: ParsedRequest,
         may_retry: bool,
+        route: str = "",
     ) -> Exchange:
-        """One attempt on ``target`` (already acquired on the load tracker, released here).
+        """One attempt on ``target`` (already acquired on the load tracker, released here);
+        ``route``: the ``x-llmgw-route`` value to answer with ("" none).
 
         A pooled connection that turns out closed before any answer (the replica dropped it
         while idle) is not the replica's fault: the request goes once more on a fresh one.
         """
+        new_exchange = partial(
+            Exchange,
+            conn,
+            may_retry=may_retry,
+            metrics=self.metrics,
+            model=parsed.model,
+            stream=parsed.stream,
+            replica=target.replica_id,
+            route=route,
+        )
         try:
             origin = self.pool.origin(target.url)
             payload = encode_request(request, origin.host_header, target.api_key)
-            replica_id = target.replica_id
-            exchange = await self._exchange(replica_id, origin, payload, conn, parsed, may_retry)
+            exchange = await self._exchange(new_exchange(), origin, payload, conn)
             if _stale_connection(exchange, conn):
-                exchange = await self._exchange(
-                    replica_id, origin, payload, conn, parsed, may_retry, fresh=True
-                )
+                exchange = await self._exchange(new_exchange(), origin, payload, conn, fresh=True)
             return exchange
         finally:
             self.load.release(target.replica_id)
 
     async def _exchange(
         self,
-        replica_id: str,
+        exchange: Exchange,
         origin: Origin,
         payload: bytes,
         conn: HttpConnection,
-        parsed: ParsedRequest,
-        may_retry: bool,
         fresh: bool = False,
     ) -> Exchange:
-        exchange = Exchange(
-            conn,
-            may_retry=may_retry,
-            metrics=self.metrics,
-            model=parsed.model,
-            stream=parsed.stream,
-            replica=replica_id,
-        )
         upstream: UpstreamConnection | None = None
         try:
             upstream = await self.pool.connection(origin, fresh=fresh)
@@ -467,4 +519,11 @@ def _stale_connection(exchange: Exchange, conn: HttpConnection) -> bool:
     )
 
 
-__all__ = ["BROKEN", "CLIENT_GONE", "TOKENIZE_TIMEOUT_S", "Gateway", "GatewayConfig"]
+__all__ = [
+    "BROKEN",
+    "CLIENT_GONE",
+    "EXPLAIN_HEADER",
+    "TOKENIZE_TIMEOUT_S",
+    "Gateway",
+    "GatewayConfig",
+]

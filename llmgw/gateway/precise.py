@@ -56,6 +56,8 @@ from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.routing.kvindex import KvIndex
 from llmgw.gateway.routing.load import LoadTracker
 from llmgw.gateway.routing.policy import (
+    TIER_PRECISE,
+    Basis,
     Decision,
     PrefixPolicy,
     RouteRequest,
@@ -80,7 +82,6 @@ __all__ = [
     "lora_adapter",
 ]
 
-TIER_PRECISE: Final = "precise"
 GROUP_TOKENS: Final = 128
 """`BlockKeyCache` remembers keys in chunks of whole blocks covering this many tokens."""
 
@@ -517,7 +518,10 @@ class PreciseTier:
             eligible, likely, loads, self.policy.config, total=total, cached=cached
         )
         chosen = decision.target.replica_id
-        decision = Decision(decision.target, TIER_PRECISE, decision.outcome, decision.matched)
+        basis = Basis(eligible, matched, loads, total, sizes, likely)
+        decision = Decision(
+            decision.target, TIER_PRECISE, decision.outcome, decision.matched, basis
+        )
         size = sizes.get(chosen, 0)
         if size:
             known = matched.get(chosen, 0) // size

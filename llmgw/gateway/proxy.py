@@ -22,7 +22,13 @@ Content-Length keeps it; any other body is sent chunked (or close-delimited to a
 client), one chunk per piece read, so server-sent events are not held back. The gateway
 adds ``x-llmgw-replica``, the replica that answered, to every forwarded head (as Envoy adds
 its upstream host): operators and load tools can tell where a request went and where it
-broke.
+broke; and ``x-llmgw-route`` (why it went there) when the gateway passes one.
+
+Reading the engine's usage: a 200 answer's body is searched, piece by piece as it is
+forwarded, for ``"cached_tokens":N`` (vLLM's ``usage.prompt_tokens_details``, in a whole
+answer or a stream's final usage chunk); nothing is buffered or parsed as JSON, and the
+last match wins (``cached_tokens``; None when the engine said nothing). The key cannot
+occur inside a JSON string: there its quotes are escaped.
 """
 
 from __future__ import annotations
@@ -52,7 +58,13 @@ _HOP_BY_HOP = frozenset(
     }
 )
 _NOT_FORWARDED_UP = _HOP_BY_HOP | {b"host", b"content-length", b"authorization", b"expect"}
-_NOT_FORWARDED_DOWN = _HOP_BY_HOP | {b"content-length", b"x-llmgw-replica"}  # ours alone
+_NOT_FORWARDED_DOWN = _HOP_BY_HOP | {
+    b"content-length",
+    b"x-llmgw-replica",
+    b"x-llmgw-route",
+}  # ours alone
+_CACHED_KEY = b'"cached_tokens":'
+_TAIL = 64  # bytes of a piece kept to find a key split between two pieces
 
 
 class Outcome(enum.Enum):
@@ -101,8 +113,12 @@ class Exchange:
         "_model",
         "_out",
         "_replica_header",
+        "_route_header",
+        "_scan",
         "_sent_at",
         "_stream",
+        "_tail",
+        "cached_tokens",
         "error",
         "head_seen",
         "outcome",
@@ -120,9 +136,14 @@ class Exchange:
         model: str,
         stream: bool,
         replica: str,
+        route: str = "",
     ) -> None:
         self._client = client
         self._replica_header = b"x-llmgw-replica: %s\r\n" % _header_value(replica)
+        self._route_header = b"x-llmgw-route: %s\r\n" % _header_value(route) if route else b""
+        self._scan = False
+        self._tail = b""
+        self.cached_tokens: int | None = None  # the engine's usage said so (module docstring)
         self._may_retry = may_retry
         self._metrics = metrics
         self._model = model
@@ -153,6 +174,7 @@ class Exchange:
             self._end(Outcome.RETRY)
             return
         self.status = status
+        self._scan = status == 200
         self._out.append(self._head(status, headers, content_length))
 
     def upstream_body(self, data: bytes) -> None:
@@ -162,10 +184,26 @@ class Exchange:
             self._body_seen = True
             if self._stream:
                 self._metrics.first_byte(self._model, time.perf_counter() - self._sent_at)
+        if self._scan:
+            self._find_cached(data)
         if self._chunked:
             self._out += (b"%x\r\n" % len(data), data, b"\r\n")
         else:
             self._out.append(data)
+
+    def _find_cached(self, data: bytes) -> None:
+        """The last ``"cached_tokens":N`` in the body so far (module docstring)."""
+        window = data
+        at = data.rfind(_CACHED_KEY)
+        if at < 0 and self._tail:  # split between the last piece and this one?
+            window = self._tail + data[:_TAIL]
+            at = window.rfind(_CACHED_KEY)
+        if at >= 0:
+            value = _read_count(window, at + len(_CACHED_KEY))
+            if value is not None:
+                self.cached_tokens = value
+        # the last _TAIL bytes of the body so far (several short pieces may hold them)
+        self._tail = data[-_TAIL:] if len(data) >= _TAIL else (self._tail + data)[-_TAIL:]
 
     def upstream_flush(self) -> None:
         if self._out and self.outcome is Outcome.PENDING:
@@ -206,6 +244,8 @@ class Exchange:
             if name not in dropped:
                 parts += (name, b": ", value, b"\r\n")
         parts.append(self._replica_header)
+        if self._route_header:
+            parts.append(self._route_header)
         if content_length is not None:
             parts.append(b"content-length: %d\r\n" % content_length)
         elif status not in (204, 304):
@@ -217,6 +257,20 @@ class Exchange:
         parts.append(client.connection_header())
         parts.append(b"\r\n")
         return b"".join(parts)
+
+
+def _read_count(data: bytes, start: int) -> int | None:
+    """The unsigned integer at ``data[start:]`` after blanks; None when there is none or it
+    may go on in the next piece."""
+    end = len(data)
+    while start < end and data[start] in b" \t\r\n":
+        start += 1
+    stop = start
+    while stop < end and 0x30 <= data[stop] <= 0x39:
+        stop += 1
+    if stop == start or stop == end:
+        return None
+    return int(data[start:stop])
 
 
 def _header_value(text: str) -> bytes:

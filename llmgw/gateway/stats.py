@@ -9,13 +9,20 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 
-from llmgw.api.llmgw.v1 import ReplicaRouterStats, RouterStats
+from llmgw.api.llmgw.v1 import ReplicaRouterStats, RouteCandidate, RouteDecision, RouterStats
 from llmgw.gateway.app import Gateway
+from llmgw.gateway.routelog import RouteRecord
+from llmgw.gateway.routing.explain import explain, predicted_reuse
+
+MAX_CANDIDATES = 8
+"""Candidates kept per reported decision: the chosen one and those holding the most."""
+_U32 = 2**32 - 1
 
 
 def router_stats(gateway: Gateway, now_ms: int) -> RouterStats:
     """``gateway``'s counters as ``RouterStats`` (cumulative), read at wall clock ``now_ms``."""
     figures = gateway.metrics.figures()
+    totals = gateway.reuse.totals()
     by_tier: dict[str, int] = {}
     for (tier, _), count in figures.decisions.items():
         by_tier[tier] = by_tier.get(tier, 0) + count
@@ -31,7 +38,49 @@ def router_stats(gateway: Gateway, now_ms: int) -> RouterStats:
         engine_prompt_tokens=figures.reuse_prompt.get("engine", 0),
         replicas=replica_rows(gateway, figures.routed),
         at_unix_ms=now_ms,
+        recent_decisions=[route_decision(r) for r in gateway.route_log.records()],
+        route_predicted_tokens=totals.predicted,
+        route_cached_tokens=totals.cached,
+        route_gap_tokens=totals.gap,
+        route_checked_requests=totals.checked,
+        route_checked_prompt_tokens=totals.prompt,
     )
+
+
+def route_decision(record: RouteRecord) -> RouteDecision:
+    """One kept decision, explained, as the wire carries it."""
+    explained = explain(record.decision, record.fallback)
+    chosen = explained.replica_id
+    ranked = sorted(
+        explained.candidates,
+        key=lambda c: (c.replica_id != chosen, -c.matched, c.in_flight, c.replica_id),
+    )[:MAX_CANDIDATES]
+    return RouteDecision(
+        at_unix_ms=record.at_ms,
+        model=record.model,
+        tier=explained.tier,
+        outcome=explained.outcome,
+        replica_id=chosen,
+        reason=explained.reason,
+        matched=min(explained.matched, _U32),
+        total=min(explained.total, _U32),
+        unit=explained.unit,
+        candidates=[
+            RouteCandidate(
+                replica_id=c.replica_id,
+                matched=min(c.matched, _U32),
+                in_flight=min(c.in_flight, _U32),
+            )
+            for c in sorted(ranked, key=lambda c: c.replica_id)
+        ],
+        fallback=record.fallback,
+        predicted_tokens=_u32(predicted_reuse(record.decision)),
+        cached_tokens=_u32(record.cached_tokens),
+    )
+
+
+def _u32(value: int | None) -> int | None:
+    return None if value is None else min(max(0, value), _U32)
 
 
 def replica_rows(gateway: Gateway, routed: Mapping[str, int]) -> list[ReplicaRouterStats]:
@@ -54,4 +103,4 @@ def replica_rows(gateway: Gateway, routed: Mapping[str, int]) -> list[ReplicaRou
     return rows
 
 
-__all__ = ["replica_rows", "router_stats"]
+__all__ = ["MAX_CANDIDATES", "replica_rows", "route_decision", "router_stats"]

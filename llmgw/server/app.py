@@ -136,6 +136,7 @@ class ServerConfig:
     gateway_policy: str = "prefix"  # llmgw.gateway.routing.policy.POLICIES
     gateway_tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S  # the precise tier's /tokenize bound
     gateway_api_keys: ApiKeys = ApiKeys()  # clients' keys for the gateway's /v1; none: open
+    gateway_explain_keys: ApiKeys = ApiKeys()  # keys that may see x-llmgw-route
     join_token: str | None = field(default=None, repr=False)  # agents' token; never logged
     tls: TlsFiles | None = None  # --tls-cert/--tls-key: TLS on every port; None: plaintext
     engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports: the engines' port range
@@ -291,6 +292,7 @@ def _gateway(
         policy=config.gateway_policy,
         tls=tls,
         api_keys=config.gateway_api_keys,
+        explain_keys=config.gateway_explain_keys,
         tokenize_timeout_s=config.gateway_tokenize_timeout_s,
         browsers=config.browsers,
         limits=config.http_limits,

@@ -2,7 +2,8 @@
 
 Pure core (no Textual, no I/O): ``rows`` (frozen rows built from wire messages),
 ``model`` (``ClusterModel``: Watch events → ``ConsoleSnapshot``; ``diff_rows``), ``rates``
-(windowed counter rates robust to resets), ``summary`` (the overview's counts), ``report``
+(windowed counter rates robust to resets), ``routes`` (the router view's last decisions
+and the reuse drift warning), ``summary`` (the overview's counts), ``report``
 (``--once`` JSON and tables), ``registry`` (the one action registry: keys, footer,
 read-only, views and ``:`` words). The worker: ``stream`` (``WatchSession``: follows Watch,
 reconnects with backoff, reports ``LinkStatus``). The app: ``app`` (``ConsoleApp``),

@@ -46,6 +46,7 @@ from llmgw.api.llmgw.v1 import (
     WatchEvent,
 )
 from llmgw.tui.rates import CounterWindow
+from llmgw.tui.routes import RoutesView, check_counters, routes_view
 from llmgw.tui.rows import (
     AuditIdentity,
     DeploymentRow,
@@ -144,6 +145,7 @@ class RouterView:
     captured_of_available: float | None = None  # Δcaptured / Δavailable
     delivered_share: float | None = None  # Δdelivered / Δengine prompt tokens
     replicas: tuple[ReplicaLoad, ...] = ()
+    routes: RoutesView = RoutesView()  # the last decisions and the check's drift (routes.py)
 
 
 @dataclass(frozen=True, slots=True)
@@ -489,6 +491,7 @@ class ClusterModel:
             captured_of_available=window.ratio(["reuse:captured"], ["reuse:available"]),
             delivered_share=window.ratio(["reuse:delivered"], ["prompt:engine"]),
             replicas=tuple(_replica_load(window, r) for r in stats.replicas),
+            routes=routes_view(stats, window),
         )
 
     # --- snapshots ---------------------------------------------------------------------
@@ -536,6 +539,7 @@ def _router_counters(stats: RouterStats) -> dict[str, int]:
     prompt = (stats.router_prompt_tokens, stats.engine_prompt_tokens)
     values.update(("prompt:" + source, n) for source, n in zip(_PROMPT, prompt, strict=True))
     values.update((_ROUTED + r.replica_id, r.requests) for r in stats.replicas)
+    values.update(check_counters(stats))
     return values
 
 

@@ -373,3 +373,13 @@ async def test_every_metric_family_is_one_vllm_0_32_exposes_with_its_type_and_he
     real_labels, our_labels = _label_names(real_text), _label_names(text)
     del our_labels["vllm:cache_config_info"]  # a subset of vLLM's many config labels
     assert {name: real_labels.get(name) for name in our_labels} == our_labels
+
+
+async def test_tokenize_skew_shifts_what_tokenize_answers_but_not_what_is_generated() -> None:
+    async with sim_client(sim_config()) as (_, plain):
+        honest = (await plain.post("/tokenize", json={"model": "m", "prompt": PROMPT})).json()
+    async with sim_client(sim_config("--sim-tokenize-skew", "7")) as (_, client):
+        skewed = (await client.post("/tokenize", json={"model": "m", "prompt": PROMPT})).json()
+        answer = await client.post("/v1/completions", json={"model": "m", "prompt": PROMPT})
+    assert skewed["tokens"] == [t + 7 for t in honest["tokens"]]
+    assert answer.json()["usage"]["prompt_tokens"] == honest["count"]

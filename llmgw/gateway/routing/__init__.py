@@ -2,7 +2,8 @@
 
 The routing table (``table``: READY replicas per model), the load on each (``load``), the
 policies that choose (``policy``), the approximate prefix tree (``prefix_tree``) and the
-precise tier's KV index (``kvindex``: which replica holds which block). Plain data and
+precise tier's KV index (``kvindex``: which replica holds which block), and why a decision
+went where it did (``explain``). Plain data and
 decisions on one event loop: no I/O. These modules import the standard library,
 ``llmgw.kvcache`` and each other only, never the gateway's I/O edges (``llmgw.gateway``'s
 other modules) nor sockets, asyncio, HTTP or gRPC; import-linter holds it (pyproject.toml).

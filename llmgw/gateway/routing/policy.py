@@ -67,7 +67,8 @@ import itertools
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import NamedTuple, Protocol
 
 from llmgw.gateway.routing.load import LoadTracker
@@ -79,6 +80,7 @@ from llmgw.gateway.routing.prefix_tree import (
 )
 from llmgw.gateway.routing.table import Target
 
+TIER_PRECISE = "precise"  # decided on the KV index (llmgw.gateway.precise)
 TIER_APPROXIMATE = "approximate"
 TIER_LOAD = "load"
 TIER_AFFINITY = "affinity"
@@ -97,12 +99,31 @@ class RouteRequest:
     session: str = ""  # affinity key: header "x-session-id" else body "user"; "" = none
 
 
+class Basis(NamedTuple):
+    """What a prefix decision weighed, kept by reference (nothing copied) so that the
+    decision can be explained later (explain.py): per candidate, what it holds of the
+    request (``matched``: characters of the text, or tokens for the precise tier) and its
+    requests in flight, out of ``total`` (the text's length or the prompt's tokens).
+    ``block_sizes`` gives each candidate's tokens per block for the precise tier (empty:
+    ``matched`` counts characters); ``claimed``, what the precise tier scored: ``matched``
+    raised by its live claims (None: ``matched`` itself)."""
+
+    candidates: Sequence[Target]
+    matched: Mapping[str, float]
+    loads: Mapping[str, int]
+    total: float
+    block_sizes: Mapping[str, int] = MappingProxyType({})
+    claimed: Mapping[str, float] | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class Decision:
     target: Target
     tier: str  # "approximate" | "load" | "affinity" | "round_robin" ("precise": precise.py)
     outcome: str  # "hit" | "miss" | "guarded" (best match refused by the hot-replica guard)
     matched: float  # share of the request's text matched at the chosen target, 0..1
+    # what the prefix scoring weighed, for explaining (None: other policies); not compared
+    basis: Basis | None = field(default=None, compare=False, repr=False)
 
 
 class Policy(Protocol):
@@ -314,11 +335,13 @@ class PrefixPolicy:
             return _by_load(_score(eligible, {}, 1.0, loads, self.config), None)
         tree = self.tree(request.model)
         served = tree.match(request.text)
+        total = len(request.text)
         decision = prefix_decision(
-            eligible, served, loads, self.config, total=len(request.text), cached=tree.replica_chars
+            eligible, served, loads, self.config, total=total, cached=tree.replica_chars
         )
         tree.insert(request.text, decision.target.replica_id, self._clock())
-        return decision
+        basis = Basis(eligible, served, loads, total)
+        return Decision(decision.target, decision.tier, decision.outcome, decision.matched, basis)
 
     def forget(self, replica_id: str) -> None:
         for tree in self._trees.values():

@@ -26,6 +26,10 @@ figures (when it runs) into the fleet's ``RouterStats``:
   kept report names that replica, so memory stays bounded; a row's own counter may then
   restart, as it does when a gateway forgets a replica that left its table.
 
+- Recent decisions (``recent_decisions``) are every kept report's, each stamped with its
+  gateway's id, and the in-server gateway's, merged by time: the last ``max_decisions``.
+  The retired total keeps none.
+
 Memory is bounded: at most ``max_gateways`` reports (a new gateway beyond that, with every
 slot live, is refused with RESOURCE_EXHAUSTED naming the limit), each checked by
 :func:`check_report` (bad input is refused with INVALID_ARGUMENT naming the field, and
@@ -35,6 +39,7 @@ them to gRPC statuses.
 
 from __future__ import annotations
 
+import copy
 import logging
 import math
 import time
@@ -44,7 +49,7 @@ from typing import TypeVar
 
 from grpclib.const import Status
 
-from llmgw.api.llmgw.v1 import ReplicaRouterStats, RouterReport, RouterStats
+from llmgw.api.llmgw.v1 import ReplicaRouterStats, RouteDecision, RouterReport, RouterStats
 from llmgw.server.errors import ServerError, quoted
 
 log = logging.getLogger(__name__)
@@ -57,6 +62,9 @@ LIVE_INTERVALS = 3
 """A report stays live for this many of its gateway's intervals."""
 MIN_LIVE_S = 1.0
 """...but never less than this (a busy server must not see a fast reporter flicker)."""
+
+MAX_DECISIONS = 200
+"""Recent decisions in one report and in the merged answer (each gateway keeps 200)."""
 
 _K = TypeVar("_K")
 
@@ -71,6 +79,8 @@ class ReportLimits:
     max_key_chars: int = 64  # characters in one tier or "tier/outcome" key
     max_id_chars: int = 320  # characters in a gateway or replica id
     max_interval_ms: int = 300_000  # a gateway's reporting interval
+    max_decisions: int = MAX_DECISIONS  # recent decisions in one report
+    max_candidates: int = 64  # candidates of one reported decision
 
 
 class ReportRefused(ServerError):
@@ -106,6 +116,7 @@ def check_report(report: RouterReport, limits: ReportLimits = ReportLimits()) ->
     if len(stats.requests_by_status) > limits.max_keys:
         raise _invalid(f"stats.requests_by_status has more than {limits.max_keys} entries")
     _check_rows(stats.replicas, limits)
+    _check_decisions(stats.recent_decisions, limits)
     return stats
 
 
@@ -143,6 +154,24 @@ def _check_rows(rows: Sequence[ReplicaRouterStats], limits: ReportLimits) -> Non
                 raise _invalid(f"{field}.{name} {share!r} is not a share between 0 and 1")
 
 
+def _check_decisions(decisions: Sequence[RouteDecision], limits: ReportLimits) -> None:
+    if len(decisions) > limits.max_decisions:
+        raise _invalid(f"stats.recent_decisions has more than {limits.max_decisions} entries")
+    for i, decision in enumerate(decisions):
+        field = f"stats.recent_decisions[{i}]"
+        _check_id(f"{field}.replica_id", decision.replica_id, limits)
+        for name in ("model", "tier", "outcome", "reason", "unit", "fallback"):
+            value = getattr(decision, name)
+            if len(value) > limits.max_id_chars or not value.isprintable():
+                raise _invalid(
+                    f"{field}.{name} must be printable and at most {limits.max_id_chars} characters"
+                )
+        if len(decision.candidates) > limits.max_candidates:
+            raise _invalid(f"{field}.candidates has more than {limits.max_candidates} entries")
+        for j, candidate in enumerate(decision.candidates):
+            _check_id(f"{field}.candidates[{j}].replica_id", candidate.replica_id, limits)
+
+
 # --- adding figures up (pure) --------------------------------------------------------------
 
 
@@ -153,6 +182,7 @@ class StatsPart:
     stats: RouterStats  # never changed once made a part
     live: bool  # its gauges and rows count now (else only its counters)
     fresh_s: float  # when it was read (monotonic; larger is fresher)
+    gateway_id: str = ""  # who reported it ("" the in-server gateway, the retired total)
 
 
 def _summed(maps: Iterable[Mapping[_K, int]]) -> dict[_K, int]:
@@ -179,6 +209,11 @@ def sum_counters(stats: Sequence[RouterStats]) -> RouterStats:
         reuse_delivered_tokens=_sum(stats, lambda s: s.reuse_delivered_tokens),
         router_prompt_tokens=_sum(stats, lambda s: s.router_prompt_tokens),
         engine_prompt_tokens=_sum(stats, lambda s: s.engine_prompt_tokens),
+        route_predicted_tokens=_sum(stats, lambda s: s.route_predicted_tokens),
+        route_cached_tokens=_sum(stats, lambda s: s.route_cached_tokens),
+        route_gap_tokens=_sum(stats, lambda s: s.route_gap_tokens),
+        route_checked_requests=_sum(stats, lambda s: s.route_checked_requests),
+        route_checked_prompt_tokens=_sum(stats, lambda s: s.route_checked_prompt_tokens),
     )
 
 
@@ -200,13 +235,31 @@ def fold(retired: RouterStats, gone: RouterStats, keep: set[str] | None = None) 
     return total
 
 
-def combine(parts: Sequence[StatsPart], now_ms: int) -> RouterStats:
+def combine(
+    parts: Sequence[StatsPart], now_ms: int, max_decisions: int = MAX_DECISIONS
+) -> RouterStats:
     """The fleet's ``RouterStats`` read at wall clock ``now_ms``: every part's counters,
-    the live parts' rows merged by replica id (module docstring)."""
+    the live parts' rows merged by replica id, the last decisions of all (module
+    docstring)."""
     total = sum_counters([part.stats for part in parts])
     total.replicas = _merged_rows(parts)
+    total.recent_decisions = merged_decisions(parts, max_decisions)
     total.at_unix_ms = now_ms
     return total
+
+
+def merged_decisions(parts: Sequence[StatsPart], limit: int) -> list[RouteDecision]:
+    """Every part's recent decisions, stamped with its gateway id, the last ``limit`` by
+    time (oldest first; a tie keeps each part's own order)."""
+    stamped: list[RouteDecision] = []
+    for part in parts:
+        for decision in part.stats.recent_decisions:
+            if part.gateway_id:  # a shallow copy: the kept report stays as received
+                decision = copy.copy(decision)
+                decision.gateway_id = part.gateway_id
+            stamped.append(decision)
+    stamped.sort(key=lambda d: d.at_unix_ms)
+    return stamped[-limit:] if limit > 0 else []
 
 
 def _merged_rows(parts: Sequence[StatsPart]) -> list[ReplicaRouterStats]:
@@ -254,6 +307,11 @@ _SCALARS: tuple[Callable[[RouterStats], int], ...] = (
     lambda s: s.reuse_delivered_tokens,
     lambda s: s.router_prompt_tokens,
     lambda s: s.engine_prompt_tokens,
+    lambda s: s.route_predicted_tokens,
+    lambda s: s.route_cached_tokens,
+    lambda s: s.route_gap_tokens,
+    lambda s: s.route_checked_requests,
+    lambda s: s.route_checked_prompt_tokens,
 )
 
 
@@ -345,7 +403,9 @@ class RouterReports:
         """Every kept report and the retired total, as parts for :func:`combine`."""
         now = self._clock()
         parts = [StatsPart(self._retired, live=False, fresh_s=-math.inf)]
-        parts.extend(StatsPart(k.stats, k.live(now), k.received_s) for k in self._kept.values())
+        parts.extend(
+            StatsPart(k.stats, k.live(now), k.received_s, k.gateway_id) for k in self._kept.values()
+        )
         return parts
 
     def _check_same_gateway(self, before: _Kept, report: RouterReport, now: float) -> None:
@@ -383,6 +443,7 @@ __all__ = [
     "check_report",
     "combine",
     "fold",
+    "merged_decisions",
     "sum_counters",
     "went_back",
 ]

@@ -157,6 +157,9 @@ class SimServer:
                 raise RequestError(400, "prompt must be a string", "prompt")
             text = prompt
         tokens = tokenizer.encode(text)
+        skew = self.config.sim.tokenize_skew
+        if skew:  # --sim-tokenize-skew: a /tokenize that disagrees with generation
+            tokens = [max(0, t + skew) for t in tokens]
         strs = [tokenizer.piece(t) for t in tokens] if body.get("return_token_strs") else None
         return Response.json(
             {

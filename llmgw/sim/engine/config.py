@@ -168,6 +168,9 @@ class SimBehaviour:
     crash_after: int | None = None
     fail_start: bool = False
     test_hooks: bool = False  # the /sim/* fault routes (llmgw.sim.engine.testhooks)
+    # /tokenize answers each token id + this: a /tokenize that disagrees with what
+    # generation caches (as a chat template or tokenizer mismatch would); 0: they agree
+    tokenize_skew: int = 0
 
 
 @dataclass(frozen=True, slots=True)

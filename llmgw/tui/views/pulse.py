@@ -5,7 +5,9 @@ Router figures come from ``GetRouterStats``; while the server does not give them
 views say so in words, with the server's reason, instead of drawing zeros. A server that
 gives the detailed figures adds each tier's hit share, the reuse ratios (available and
 captured out of the routed prompt tokens, delivered out of the engines' prompt tokens) and
-a row per replica (in flight, request rate, its engine's own prefix-cache hit ratio).
+a row per replica (in flight, request rate, its engine's own prefix-cache hit ratio); the
+router view lists the last decisions, newest first, under a warning when the precise tier's
+predictions drift from what the engines report cached (``llmgw.tui.routes``).
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from textual.widget import Widget
 from textual.widgets import Label, Sparkline, Static
 
 from llmgw.tui.model import ConsoleSnapshot, ReplicaLoad, RouterStatus, RouterView
+from llmgw.tui.routes import RoutesView
 from llmgw.tui.summary import Overview, summarize
-from llmgw.tui.widgets.cells import NOT_REPORTED, GiB, percent, shard_state_cell, shown
+from llmgw.tui.widgets.cells import NOT_REPORTED, GiB, age, percent, shard_state_cell, shown
 
 __all__ = ["OverviewView", "RouterPanel", "overview_text", "router_text"]
 
@@ -56,6 +59,8 @@ def overview_text(overview: Overview, router: RouterView, server: str) -> Render
     for label, line in _shortfalls(overview):
         grid.add_row(label, line)
     grid.add_row("requests", _requests(router))
+    if router.routes.warning:  # the precise tier's check drifts (llmgw.tui.routes)
+        grid.add_row("routing", Text(f"⚠ DRIFT {router.routes.warning}", style="bold yellow"))
     return grid
 
 
@@ -126,7 +131,9 @@ def router_text(router: RouterView) -> RenderableType:
         return Group(_requests(router), Text(""), _missing())
     if router.detailed:
         parts = (_tier_table(router), Text(""), _reuse(router), Text(""), _replica_table(router))
-        return Group(_requests(router), Text(""), *parts)
+        warning = _drift_warning(router.routes)
+        decisions = (Text(""), decision_table(router.routes))
+        return Group(*warning, _requests(router), Text(""), *parts, *decisions)
     tiers = Table("TIER", "DECISIONS", "RATE", box=None, padding=(0, 2))
     rates = dict(router.tier_rates)
     for tier, total in router.by_tier:
@@ -172,6 +179,38 @@ def _replica_table(router: RouterView) -> Table:
         table.add_row(*_replica_cells(row))
     if not router.replicas:
         table.add_row(Text("(no replicas in the routing table)", style="dim"), "", "", "", "")
+    return table
+
+
+def _drift_warning(routes: RoutesView) -> tuple[Text, ...]:
+    if not routes.warning:
+        return ()
+    return (Text(f"⚠ DRIFT {routes.warning}", style="bold yellow"), Text(""))
+
+
+def decision_table(routes: RoutesView) -> Table:
+    """The last decisions, newest first: age, tier, replica, match, cached, candidates, why."""
+    columns = ("AGO", "TIER", "REPLICA", "MATCHED", "CACHED", "CANDIDATES", "REASON")
+    table = Table(
+        *columns, box=None, padding=(0, 1), title="recent decisions", title_justify="left"
+    )
+    check = (
+        "" if routes.drift is None else f"reuse check: drift {routes.drift:.0%} ({routes.source})"
+    )
+    table.caption, table.caption_justify = check or None, "left"
+    for row in routes.recent:
+        ago = age((routes.at_ms - row.at_ms) / 1000) if row.at_ms and routes.at_ms else "-"
+        table.add_row(
+            Text(ago),
+            Text(row.tier),
+            Text(row.replica_id, no_wrap=True, overflow="ellipsis"),
+            Text(row.matched or "-"),
+            Text("-" if row.cached_tokens is None else str(row.cached_tokens)),
+            Text(row.candidates or "-", overflow="ellipsis"),
+            Text(row.reason),
+        )
+    if not routes.recent:
+        table.add_row(Text("(no decisions yet)", style="dim"), *[""] * 6)
     return table
 
 

@@ -4,12 +4,19 @@ reports, and fleet totals that never go backwards across restarts and departures
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 
 import pytest
 from grpclib.const import Status
 
-from llmgw.api.llmgw.v1 import ReplicaRouterStats, RouterReport, RouterStats
+from llmgw.api.llmgw.v1 import (
+    ReplicaRouterStats,
+    RouteCandidate,
+    RouteDecision,
+    RouterReport,
+    RouterStats,
+)
 from llmgw.server.wire.routerreports import (
     DEFAULT_LIVE_S,
     ReportLimits,
@@ -287,3 +294,73 @@ def test_nothing_reported_yet() -> None:
     assert totals(store) == RouterStats(at_unix_ms=1)
     store.take(report("g", 0))
     assert store.ever_reported
+
+
+# --- recent decisions and the precise tier's check ----------------------------------------
+
+
+def decision(at_ms: int, replica_id: str = "r1", **fields: object) -> RouteDecision:
+    made = RouteDecision(at_unix_ms=at_ms, model="m", tier="precise", replica_id=replica_id)
+    for name, value in fields.items():
+        setattr(made, name, value)
+    return made
+
+
+def test_recent_decisions_of_every_gateway_merge_by_time_stamped_with_their_gateway() -> None:
+    clock = Clock()
+    reports = RouterReports(clock=clock)
+    for gateway_id, times in (("gw-a", (10, 30)), ("gw-b", (20, 40))):
+        message = report(gateway_id, 2)
+        assert message.stats is not None
+        message.stats.recent_decisions = [decision(t, f"{gateway_id}-r") for t in times]
+        reports.take(message)
+    own = stats(1)
+    own.recent_decisions = [decision(35, "local")]
+    parts = [*reports.parts(), StatsPart(own, live=True, fresh_s=math.inf)]
+    merged = combine(parts, 0, max_decisions=4).recent_decisions
+    assert [(d.at_unix_ms, d.gateway_id, d.replica_id) for d in merged] == [
+        (20, "gw-b", "gw-b-r"),
+        (30, "gw-a", "gw-a-r"),
+        (35, "", "local"),
+        (40, "gw-b", "gw-b-r"),
+    ]
+    again = combine(reports.parts(), 0).recent_decisions  # the kept reports stay unstamped
+    assert {d.gateway_id for d in again} == {"gw-a", "gw-b"}
+    assert all(not d.gateway_id for p in reports.parts() for d in p.stats.recent_decisions)
+
+
+def test_the_check_counters_add_up_over_gateways() -> None:
+    one, two = stats(1), stats(2)
+    for figures, n in ((one, 1), (two, 2)):
+        figures.route_predicted_tokens, figures.route_cached_tokens = 100 * n, 90 * n
+        figures.route_gap_tokens, figures.route_checked_requests = 10 * n, n
+        figures.route_checked_prompt_tokens = 200 * n
+    parts = [StatsPart(one, live=True, fresh_s=1.0), StatsPart(two, live=False, fresh_s=0.0)]
+    total = combine(parts, 0)
+    assert (total.route_predicted_tokens, total.route_cached_tokens) == (300, 270)
+    assert (total.route_gap_tokens, total.route_checked_requests) == (30, 3)
+    assert total.route_checked_prompt_tokens == 600
+
+
+@pytest.mark.parametrize(
+    ("bad", "field"),
+    [
+        ([decision(1, "")], "recent_decisions[0].replica_id is required"),
+        ([decision(1, reason="a\nb")], "recent_decisions[0].reason must be printable"),
+        ([decision(i) for i in range(201)], "recent_decisions has more than 200"),
+        (
+            [decision(1, candidates=[RouteCandidate(replica_id="")])],
+            "recent_decisions[0].candidates[0].replica_id is required",
+        ),
+    ],
+)
+def test_a_report_with_bad_decisions_is_refused_naming_the_field(
+    bad: list[RouteDecision], field: str
+) -> None:
+    reports = RouterReports()
+    message = report("gw", 1)
+    assert message.stats is not None
+    message.stats.recent_decisions = bad
+    with pytest.raises(ReportRefused, match=re.escape(field)) as caught:
+        reports.take(message)
+    assert caught.value.status is Status.INVALID_ARGUMENT and len(reports) == 0

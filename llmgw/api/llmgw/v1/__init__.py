@@ -61,6 +61,8 @@ __all__ = (
     "ReplicaRequest",
     "ReplicaRouterStats",
     "ReprofileReplicaRequest",
+    "RouteCandidate",
+    "RouteDecision",
     "RouteTarget",
     "RouterFeedEvent",
     "RouterFeedRequest",
@@ -1623,6 +1625,100 @@ default_message_pool.register_message(
 
 
 @dataclass(eq=False, repr=False)
+class RouteCandidate(betterproto2.Message):
+    replica_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    matched: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    in the decision's unit
+    """
+
+    in_flight: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    its requests in flight at the decision
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "RouteCandidate", RouteCandidate)
+
+
+@dataclass(eq=False, repr=False)
+class RouteDecision(betterproto2.Message):
+    """
+    Why one request went where it went (llmgw.gateway.routing.explain).
+    """
+
+    at_unix_ms: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+    """
+    the gateway's wall clock at the decision
+    """
+
+    model: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    tier: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    precise, approximate, load, affinity, round_robin
+    """
+
+    outcome: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    hit, miss, guarded
+    """
+
+    replica_id: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    the chosen replica
+    """
+
+    reason: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    precise-hit, approximate-miss, fallback-approximate-hit because no_blocks, …
+    """
+
+    matched: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
+    """
+    the chosen replica's match, in unit
+    """
+
+    total: "int" = betterproto2.field(8, betterproto2.TYPE_UINT32)
+    """
+    the request's whole, in unit
+    """
+
+    unit: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
+    """
+    blocks (precise), chars (approximate), "" (none)
+    """
+
+    candidates: "list[RouteCandidate]" = betterproto2.field(
+        10, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+
+    fallback: "str" = betterproto2.field(11, betterproto2.TYPE_STRING)
+    """
+    why the precise tier did not decide ("" it did)
+    """
+
+    predicted_tokens: "int | None" = betterproto2.field(12, betterproto2.TYPE_UINT32, optional=True)
+    """
+    the precise tier's expected cached tokens
+    """
+
+    cached_tokens: "int | None" = betterproto2.field(13, betterproto2.TYPE_UINT32, optional=True)
+    """
+    what the engine reported cached, when it did
+    """
+
+    gateway_id: "str" = betterproto2.field(14, betterproto2.TYPE_STRING)
+    """
+    the reporting gateway ("" the in-server one)
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "RouteDecision", RouteDecision)
+
+
+@dataclass(eq=False, repr=False)
 class RouterFeedEvent(betterproto2.Message):
     """
 
@@ -1799,6 +1895,30 @@ class RouterStats(betterproto2.Message):
     """
     the server's wall clock when these were read
     """
+
+    recent_decisions: "list[RouteDecision]" = betterproto2.field(
+        20, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    The last routing decisions, oldest first (each gateway keeps its last 200; the server
+    merges every gateway's by time and answers the last 200).
+    """
+
+    route_predicted_tokens: "int" = betterproto2.field(21, betterproto2.TYPE_UINT64)
+    """
+    The precise tier checking itself, over its decisions whose engine answered with
+    usage.prompt_tokens_details.cached_tokens: the tokens it predicted the chosen engine
+    would find cached, the tokens the engine reported cached, the sum of |predicted -
+    cached| per request, how many requests were checked and their prompt tokens.
+    """
+
+    route_cached_tokens: "int" = betterproto2.field(22, betterproto2.TYPE_UINT64)
+
+    route_gap_tokens: "int" = betterproto2.field(23, betterproto2.TYPE_UINT64)
+
+    route_checked_requests: "int" = betterproto2.field(24, betterproto2.TYPE_UINT64)
+
+    route_checked_prompt_tokens: "int" = betterproto2.field(25, betterproto2.TYPE_UINT64)
 
 
 default_message_pool.register_message("llmgw.v1", "RouterStats", RouterStats)
