@@ -32,24 +32,31 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p.add_argument("target", metavar=metavar)
         if verb == "reprofile":
             p.add_argument("--profile", required=True, metavar="NAME", help="a stored profile")
+        if verb == "drain-node":
+            p.add_argument(
+                "--dry-run",
+                action="store_true",
+                help="change nothing: print where placement would move each replica now",
+            )
         add_client_flags(p)
         p.set_defaults(command=_run, verb=verb)
 
 
 def _run(args: argparse.Namespace) -> int:
-    return asyncio.run(
-        run_action(args.server, args.verb, args.target, getattr(args, "profile", ""))
-    )
+    profile, dry_run = getattr(args, "profile", ""), getattr(args, "dry_run", False)
+    return asyncio.run(run_action(args.server, args.verb, args.target, profile, dry_run=dry_run))
 
 
-async def run_action(server: str, verb: str, target: str, profile: str = "") -> int:
-    """Send one action and print its outcome."""
+async def run_action(
+    server: str, verb: str, target: str, profile: str = "", *, dry_run: bool = False
+) -> int:
+    """Send one action and print its outcome (``dry_run``: drain-node only)."""
 
     async def act(client: ControlClient) -> ActionResult:
         if verb == "drain":
             return await client.drain_replica(target)
         if verb == "drain-node":
-            return await client.drain_node(target)
+            return await client.drain_node(target, dry_run=dry_run)
         deployments = {d.name for d in (await client.get_cluster()).deployments}
         deployment, replica = (target, "") if target in deployments else ("", target)
         if verb == "start":
