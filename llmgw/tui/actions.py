@@ -149,8 +149,7 @@ def _replica_words(row: ReplicaRow) -> str:
 
 def _node_words(row: NodeRow) -> str:
     state = "CORDONED" if row.cordoned else row.state.name
-    gpus = f"{row.devices}×{row.gpu_classes}" if row.devices else "no GPU"
-    return f"node {row.node_id}: {state}, {gpus}"
+    return f"node {row.node_id}: {state}, {row.gpu_words}"
 
 
 def _is_open(row: NodeRow) -> bool:

@@ -1,6 +1,7 @@
 """Topology: node → NUMA → GPU → MIG slice, one row per GPU, a row per node above its GPUs.
 
-A node's row carries its state (glyph + word) and GPU count; each GPU row its NUMA node,
+A node's row carries its state (glyph + word) and its physical GPUs with their MIG slices
+counted apart (``4×A100 (12 MIG slices)``); each GPU row its NUMA node,
 index (a MIG slice as ``└1g.10gb`` under its parent), utilisation, memory, temperature,
 health and the shard holding it. Enter opens the detail: NVLink peers and links, NIC paths,
 the NVLink fabric clique, MIG placement; on a node row, the host, fabrics and IMEX.
@@ -52,7 +53,7 @@ def _numa(row: TopologyRow, now_ms: int) -> Hashable:
 
 def _gpu(row: TopologyRow, now_ms: int) -> Hashable:
     if isinstance(row, NodeRow):
-        return f"{row.devices}×{row.gpu_classes}" if row.devices else "no GPU"
+        return row.gpu_words
     info = row.info
     if info.is_mig:
         return f"└{info.mig_profile}"
