@@ -4,7 +4,8 @@ A key (``d``, ``s``, ``p``, ``C``, ``U``, ``D``; ``llmgw.tui.registry``) names a
 selected replica, deployment or node); a ``plan_*`` function turns it into an
 ``Operation`` against a ``ConsoleSnapshot``, the whole model and not the rows a filter
 leaves on screen: the exact targets in words and the impact (the READY capacity it takes,
-the in-flight requests that finish first, the replicas that move). The confirmation
+the in-flight requests that finish first, the replicas that move, and where a node drain
+would move them: the server's own dry run of it, never a count made here). The confirmation
 (``llmgw.tui.modals``) shows it; ``send`` makes the one RPC it stands for. The server
 decides: what it refuses comes back as its message, and its audit record arrives through
 Watch like every other change.
@@ -22,16 +23,18 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llmgw.api.llmgw.v1 import ActionResult, EngineProfile, Health, NodeState, ShardState
+from llmgw.api.llmgw.v1 import ActionResult, EngineProfile, NodeState, ShardState
 from llmgw.client import ControlClient
 from llmgw.tui.model import ConsoleSnapshot
 from llmgw.tui.rows import NodeRow, ReplicaRow
 
 __all__ = [
     "ActionUnavailable",
+    "DrainPlacement",
     "Operation",
     "ProfileChoice",
     "Verb",
+    "drain_placement",
     "plan_cordon",
     "plan_drain",
     "plan_drain_node",
@@ -321,8 +324,25 @@ def plan_uncordon(snapshot: ConsoleSnapshot, node_id: str) -> Operation:
     )
 
 
-def plan_drain_node(snapshot: ConsoleSnapshot, node_id: str) -> Operation:
-    """Cordon the node and move each replica on it elsewhere: which, and where there is room."""
+@dataclass(frozen=True, slots=True)
+class DrainPlacement:
+    """Where a node drain would move each replica: the server's dry run of it
+    (``DrainNode`` with ``dry_run``, computed by its placement rules), or why there is none."""
+
+    lines: tuple[str, ...] = ()  # one per replica, as the server words it
+    unknown: str = ""  # why the server's answer is missing ("" when it answered)
+
+
+def drain_placement(message: str) -> DrainPlacement:
+    """The server's dry-run answer (a head line, then one line per replica)."""
+    return DrainPlacement(tuple(line for line in message.splitlines()[1:] if line.strip()))
+
+
+def plan_drain_node(
+    snapshot: ConsoleSnapshot, node_id: str, placement: DrainPlacement | None = None
+) -> Operation:
+    """Cordon the node and move each replica on it elsewhere: which, and where the server's
+    placement would put each now (``placement``; the console guesses no room itself)."""
     row = _node(snapshot, node_id)
     moving = _running_on(snapshot, node_id)
     targets = [_node_words(row)]
@@ -336,7 +356,7 @@ def plan_drain_node(snapshot: ConsoleSnapshot, node_id: str) -> Operation:
             f"starts and becomes READY before it drains, and its in-flight requests finish "
             f"first."
         )
-        impact.append(_room_elsewhere(snapshot, node_id, moving))
+        impact.extend(_where(placement or DrainPlacement(unknown="not asked")))
     return Operation(
         Verb.DRAIN_NODE,
         node_id,
@@ -347,24 +367,12 @@ def plan_drain_node(snapshot: ConsoleSnapshot, node_id: str) -> Operation:
     )
 
 
-def _room_elsewhere(snapshot: ConsoleSnapshot, node_id: str, moving: list[str]) -> str:
-    needed = sum(snapshot.replicas[r].gpus for r in moving)
-    open_ids = {n.node_id for n in snapshot.nodes.values() if _is_open(n)} - {node_id}
-    free = sum(
-        1
-        for g in snapshot.gpus.values()
-        if g.node_id in open_ids
-        and not g.info.mig_enabled
-        and not g.shard_id
-        and g.health is not Health.UNHEALTHY
-    )
-    text = (
-        f"The moving replicas use {_count(needed, 'GPU')}; the other open nodes have "
-        f"{_count(free, 'free GPU')}."
-    )
-    if free < needed:
-        text += " Not all can move now: those left wait on the node until there is room."
-    return text
+def _where(placement: DrainPlacement) -> list[str]:
+    if placement.unknown or not placement.lines:
+        why = placement.unknown or "the server named none"
+        return [f"Where they would go is not known ({why}): the server places them."]
+    head = "Where the server's placement would put them now (a dry run, nothing changed):"
+    return [head, *placement.lines]
 
 
 # --- sending -------------------------------------------------------------------------------

@@ -34,7 +34,9 @@ from textual.widgets import ContentSwitcher, Footer, Input, Static
 from llmgw.client import ClientError, ControlClient
 from llmgw.tui.actions import (
     ActionUnavailable,
+    DrainPlacement,
     Operation,
+    drain_placement,
     plan_cordon,
     plan_drain,
     plan_drain_node,
@@ -466,5 +468,18 @@ class ConsoleApp(App[None]):
             self._propose(lambda: plan_uncordon(*selected))
 
     def action_drain_node(self) -> None:
+        """``D``: the confirmation says where the server's placement would move each
+        replica (a dry run of the drain, asked first)."""
         if (selected := self._selected_node()) is not None:
-            self._propose(lambda: plan_drain_node(*selected))
+            self.run_worker(self._drain_node(*selected), group="operate")
+
+    async def _drain_node(self, snapshot: ConsoleSnapshot, node_id: str) -> None:
+        placement = DrainPlacement(unknown="this console has no connection to the server")
+        if self.client is not None:
+            try:
+                answer = await self.client.drain_node(node_id, dry_run=True)
+            except ClientError as exc:
+                placement = DrainPlacement(unknown=f"the server's dry run failed: {exc}")
+            else:
+                placement = drain_placement(answer.message)
+        self._propose(lambda: plan_drain_node(snapshot, node_id, placement))
