@@ -314,6 +314,12 @@ def plan_uncordon(snapshot: ConsoleSnapshot, node_id: str) -> Operation:
             f"New replicas may be placed on {node_id} again; nothing running moves.",
             f"Nodes open for placement: {open_now} → {after} of {total}.",
         )
+        if running := _running_on(snapshot, node_id):
+            stay = "stays on {} under its id" if len(running) == 1 else "stay on {} under their ids"
+            impact += (
+                f"A drain of {node_id} not finished yet is cancelled: {_names(running)} "
+                f"{stay.format(node_id)}.",
+            )
     return Operation(
         Verb.UNCORDON,
         node_id,

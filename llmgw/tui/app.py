@@ -6,8 +6,9 @@ hands over frozen snapshots; the app applies the newest one to the view on scree
 loop turn, so keys are never stuck behind a backlog of updates. ``space`` pauses: the
 worker keeps following, the screen stays still until it is resumed.
 
-Keys, the footer, ``?`` help, the ctrl+p palette (``llmgw.tui.help``) and what read-only
-hides come from ``llmgw.tui.registry``; an action is an ``action_<name>`` method here. The
+Keys, the footer (``KeyFooter``: hints fitted to the width, whole ones dropped), ``?``
+help, the ctrl+p palette (``llmgw.tui.help``) and what read-only hides come from
+``llmgw.tui.registry``; an action is an ``action_<name>`` method here. The
 operator verbs plan an ``Operation`` against the selected row's view snapshot (the whole
 model, not the filtered rows; ``llmgw.tui.actions``) and confirm it in a modal before
 sending it (``llmgw.tui.modals``). ``/`` filters the view on screen (``llmgw.tui.filter``);
@@ -29,7 +30,7 @@ from textual.binding import BindingType
 from textual.command import Provider
 from textual.containers import Horizontal
 from textual.widget import Widget
-from textual.widgets import ContentSwitcher, Footer, Input, Static
+from textual.widgets import ContentSwitcher, Input, Static
 
 from llmgw.client import ClientError, ControlClient
 from llmgw.tui.actions import (
@@ -59,6 +60,7 @@ from llmgw.tui.views.topology import TopologyView
 from llmgw.tui.widgets.badge import LinkBadge
 from llmgw.tui.widgets.cells import shown
 from llmgw.tui.widgets.detail import DetailScreen
+from llmgw.tui.widgets.footer import KeyFooter
 from llmgw.tui.widgets.prompt import JumpPrompt
 
 __all__ = ["GC_THRESHOLDS", "ConsoleApp", "ConsoleView", "pick_theme"]
@@ -153,7 +155,7 @@ class ConsoleApp(App[None]):
             yield from self._views.values()
         yield self._filter
         yield self._prompt
-        yield Footer()
+        yield KeyFooter(id="footer")
 
     def on_mount(self) -> None:
         self._prompt.display = False

@@ -208,6 +208,9 @@ def test_node_plans_say_what_keeps_running_what_moves_and_where_there_is_room() 
     cordoned = fleet_snapshot(a2_cordoned=True)
     assert plan_cordon(cordoned, "a2").impact == ("a2 is cordoned already: nothing changes.",)
     assert plan_uncordon(cordoned, "a2").impact[1] == "Nodes open for placement: 2 → 3 of 3."
+    assert plan_uncordon(cordoned, "a2").impact[2] == (
+        "A drain of a2 not finished yet is cancelled: chat-3 stays on a2 under its id."
+    )
     assert plan_cordon(cordoned, "a2").targets == ("node a2: CORDONED, 4×H100",)
 
 

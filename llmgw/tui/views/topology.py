@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar
 
+from rich.cells import cell_len
 from rich.console import RenderableType
 from rich.text import Text
 
@@ -116,14 +117,23 @@ class TopologyView(TableView[TopologyRow]):
 
     TITLE = "Nodes"
     COLUMNS: ClassVar = (
-        Column("node", "NODE", 12, _node, _render_node, sort=lambda r: r.node_id),
+        Column(
+            "node",
+            "NODE",
+            12,
+            _node,
+            _render_node,
+            sort=lambda r: r.node_id,
+            flex=True,
+            measure=lambda v: cell_len(v[1]),
+        ),
         Column("numa", "N", 1, _numa),
-        Column("gpu", "GPU", 9, _gpu),
+        Column("gpu", "GPU", 9, _gpu, flex=True),
         Column("util", "UTIL", 8, _util, _render_util),
-        Column("memory", "MEM", 7, _memory, _render_memory, sort=lambda r: _memory(r, 0)),
+        Column("memory", "MEM", 8, _memory, _render_memory, sort=lambda r: _memory(r, 0)),
         Column("temp", "TEMP", 4, _temperature, _render_temperature),
         Column("health", "HEALTH", 11, _health, _render_health, sort=_health_order),
-        Column("shard", "SHARD", 12, _shard),
+        Column("shard", "SHARD", 12, _shard, flex=True),
     )
 
     def rows_of(self, snapshot: ConsoleSnapshot) -> Mapping[str, TopologyRow]:
