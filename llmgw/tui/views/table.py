@@ -154,6 +154,15 @@ class TableView(Widget, Generic[R]):
             if not widths[width]:
                 del widths[width]
 
+    def _recount(self, i: int, old: Hashable, new: Hashable) -> None:
+        widths, measure = self._cell_widths[i], self.COLUMNS[i].measure
+        before, after = measure(old), measure(new)
+        if before != after:
+            widths[after] += 1
+            widths[before] -= 1
+            if not widths[before]:
+                del widths[before]
+
     def _measure(self) -> bool:
         """The width each flexible column wants for the rows shown; whether one changed."""
         changed = False
@@ -279,9 +288,9 @@ class TableView(Widget, Generic[R]):
         if old == values:
             return
         self._values[key] = values
-        if self._flexing:
-            self._count(old, -1)
-            self._count(values, 1)
+        for i in self._flexing:  # only the flexible cells that changed are measured again
+            if old[i] != values[i]:
+                self._recount(i, old[i], values[i])
         for column, before, after in zip(self.COLUMNS, old, values, strict=True):
             if before != after:
                 cells.append((key, column.key, LazyCell(column.render, after)))
