@@ -142,6 +142,19 @@ def _node(snapshot: ConsoleSnapshot, node_id: str) -> NodeRow:
     return row
 
 
+def _devices(snapshot: ConsoleSnapshot, row: ReplicaRow) -> str:
+    """``2 GPUs``, ``1 MIG slice``: what the replica's shards hold, slices apart."""
+    shards = set(row.shard_ids)
+    held = [g for g in snapshot.gpus.values() if g.shard_id in shards]
+    slices = sum(1 for g in held if g.info.is_mig)
+    if not held:
+        return _count(row.gpus, "GPU")
+    if slices == len(held):
+        return _count(slices, "MIG slice")
+    whole = _count(len(held) - slices, "GPU")
+    return whole if not slices else f"{whole} and {_count(slices, 'MIG slice')}"
+
+
 def _replica_words(row: ReplicaRow) -> str:
     where = f"on {_names(row.nodes)}, {_count(row.gpus, 'GPU')}" if row.nodes else "not placed"
     return (
@@ -181,7 +194,7 @@ def plan_drain(snapshot: ConsoleSnapshot, replica_id: str) -> Operation:
         f"{max(0, count - 1)}; nothing replaces {replica_id}."
     )
     if row.gpus:
-        impact.append(f"Frees {_count(row.gpus, 'GPU')} on {_names(row.nodes)}.")
+        impact.append(f"Frees {_devices(snapshot, row)} on {_names(row.nodes)}.")
     return Operation(
         Verb.DRAIN,
         replica_id,

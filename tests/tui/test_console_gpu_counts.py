@@ -9,12 +9,13 @@ from llmgw.api.llmgw.v1 import (
     Node,
     NodeInfo,
     NodeState,
+    Replica,
     Shard,
     ShardState,
     ShardStatus,
     WatchEvent,
 )
-from llmgw.tui.actions import plan_cordon
+from llmgw.tui.actions import plan_cordon, plan_drain
 from llmgw.tui.model import ClusterModel, ConsoleSnapshot
 from llmgw.tui.report import snapshot_tables
 from llmgw.tui.summary import GpuCounts, gpu_counts, summarize
@@ -33,7 +34,7 @@ def _holding(replica: str, info: NodeInfo, uuids: list[str]) -> Shard:
     return Shard(shard_id=f"{replica}.0", replica_id=replica, node_id=info.node_id, status=status)
 
 
-def _snapshot() -> ConsoleSnapshot:
+def _shards() -> list[Shard]:
     """Shards on two 1g slices of GPU 0, the 3g slice of GPU 1, the whole GPU 3 and two
     H100s; GPU 2 (one 7g slice) and six H100s free."""
     mig, dgx = _info("a100-mig", "mig-1"), _info("dgx-h100", "dgx-1")
@@ -47,6 +48,12 @@ def _snapshot() -> ConsoleSnapshot:
         _holding("c-1", mig, [whole.uuid]),
         _holding("d-1", dgx, [dgx.gpus[0].uuid, dgx.gpus[1].uuid]),
     ]
+    return shards
+
+
+def _snapshot() -> ConsoleSnapshot:
+    mig, dgx = _info("a100-mig", "mig-1"), _info("dgx-h100", "dgx-1")
+    shards = _shards()
     nodes = [Node(info=i, state=NodeState.READY, connected=True) for i in (mig, dgx)]
     model = ClusterModel()
     model.apply(WatchEvent(revision=1, snapshot=Cluster(nodes=nodes, shards=shards)), T0)
@@ -83,3 +90,22 @@ def test_tables_and_dialogs_count_the_same_way() -> None:
     assert by_id["mig-1"][2:5] == ["4", "3", "3/12"]
     assert by_id["dgx-1"][2:5] == ["8", "2", "-"]
     assert plan_cordon(snapshot, "mig-1").targets == ("node mig-1: READY, 4×A100 (12 MIG slices)",)
+
+
+def test_draining_a_slice_replica_frees_a_slice_not_a_gpu() -> None:
+    replicas = [
+        Replica(replica_id=r, deployment=r[0], profile="p", model="m", state=ShardState.READY,
+                shard_ids=[f"{r}.0"])
+        for r in ("b-1", "d-1")
+    ]  # fmt: skip
+    model = ClusterModel()
+    cluster = Cluster(
+        nodes=[Node(info=i, state=NodeState.READY, connected=True)
+               for i in (_info("a100-mig", "mig-1"), _info("dgx-h100", "dgx-1"))],
+        shards=_shards(),
+        replicas=replicas,
+    )  # fmt: skip
+    model.apply(WatchEvent(revision=1, snapshot=cluster), T0)
+    snapshot = model.snapshot(T0)
+    assert plan_drain(snapshot, "b-1").impact[-1] == "Frees 1 MIG slice on mig-1."
+    assert plan_drain(snapshot, "d-1").impact[-1] == "Frees 2 GPUs on dgx-1."
