@@ -3,7 +3,8 @@
 Each prints the server's one line of outcome; a refusal or an unreachable server is one
 line on stderr and exit status 1 (``CliError``). ``start`` and ``reprofile`` take a
 deployment or a replica: a name that is a deployment's is the deployment, anything else
-is taken as a replica id (``DEPLOYMENT-N``).
+is taken as a replica id (``DEPLOYMENT-N``). ``drain-node --dry-run`` prints a line per
+replica on the node and exits 1 when one of them could not move now.
 """
 
 from __future__ import annotations
@@ -65,4 +66,4 @@ async def run_action(
 
     result: ActionResult = await call(server, act)
     sys.stdout.write(f"{result.message}\n")
-    return 0
+    return 0 if result.ok or not dry_run else 1  # a dry run: 1 when a replica cannot move

@@ -77,14 +77,16 @@ def _start(fleet: Cluster, tmp_path: Path) -> None:
 
 def _dry_runs(fleet: Cluster) -> None:
     """The server's placement answers: H100s are needed, the L4s do not count."""
-    out = fleet.cli("drain-node", "a1", "--dry-run").stdout.splitlines()
+    dry = fleet.cli("drain-node", "a1", "--dry-run", check=False)
+    assert dry.returncode == 1  # a replica cannot move
+    out = dry.stdout.splitlines()
     assert (
         out[0] == "dry run: drain node a1: 1 replica to move, 0 can move now; nothing was changed"
     )
     assert out[1].startswith("chat-1: cannot move (") and "H100" in out[1]
     assert out[1].endswith("it keeps running on a1 until there is room")
     # The L4 replica has no other L4 to go to either, and the free H100s do not take it.
-    out = fleet.cli("drain-node", "l4-1", "--dry-run").stdout.splitlines()
+    out = fleet.cli("drain-node", "l4-1", "--dry-run", check=False).stdout.splitlines()
     assert out[1].startswith("embed-1: cannot move (") and "L4" in out[1]
     assert fleet.node_states()["a1"] == "NODE_STATE_READY"  # nothing was changed
     assert "drain-node" not in fleet.cli("events").stdout

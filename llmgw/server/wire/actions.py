@@ -162,9 +162,10 @@ async def drain_node(plane: ControlPlane, node_id: str, *, actor: str) -> str:
     return f"node {node_id} cordoned; replacing {', '.join(moving)} elsewhere, one at a time"
 
 
-def drain_preview(plane: ControlPlane, node_id: str) -> str:
+def drain_preview(plane: ControlPlane, node_id: str) -> tuple[str, bool]:
     """Where a drain of ``node_id`` would move each of its replicas now, by the placement
-    rules (``llmgw.server.core.drainplan``), in words; nothing is changed."""
+    rules (``llmgw.server.core.drainplan``), in words, and whether every one can move;
+    nothing is changed."""
     inventory, now = plane.inventory, time.monotonic()
     if node_id not in inventory.nodes:
         raise ActionRefused(Status.NOT_FOUND, f"no node named {quoted(node_id)}")
@@ -179,7 +180,8 @@ def drain_preview(plane: ControlPlane, node_id: str) -> str:
         unusable=frozenset(n.node_id for n in nodes if not n.schedulable),
         taken=_holding(plane),
     )
-    return drain_text(node_id, moves, nodes)
+    movable = all(isinstance(m.placed, ReplicaPlan) for m in moves)
+    return drain_text(node_id, moves, nodes), movable
 
 
 def _holding(plane: ControlPlane) -> list[ReplicaPlan]:

@@ -217,13 +217,12 @@ class ControlService(ControlServiceBase):
         return await self._act("reprofile", target, work)
 
     async def drain_node(self, message: NodeRequest) -> ActionResult:
-        if message.dry_run:  # changes nothing: no audit record
+        if message.dry_run:  # changes nothing: no audit record; ok: every replica can move
             try:
-                return ActionResult(
-                    ok=True, message=actions.drain_preview(self.plane, message.node_id)
-                )
+                text, movable = actions.drain_preview(self.plane, message.node_id)
             except actions.ActionRefused as exc:
                 raise GRPCError(exc.status, exc.why) from exc
+            return ActionResult(ok=movable, message=text)
         work = actions.drain_node(self.plane, message.node_id, actor=current_actor())
         return await self._act("drain-node", f"node/{message.node_id[:64]}", work)
 

@@ -78,7 +78,10 @@ def _node_of(fleet: Fleet, replica_id: str) -> str:
 
 async def _dry_run(fleet: Fleet, node_id: str) -> list[str]:
     result = await fleet.svc.drain_node(NodeRequest(node_id=node_id, dry_run=True))
-    return result.message.splitlines()
+    lines = result.message.splitlines()
+    movable = sum(1 for line in lines[1:] if "cannot move" not in line)
+    assert result.ok == (movable == len(lines) - 1)  # ok: every replica can move
+    return lines
 
 
 async def test_dry_run_moves_each_replica_to_a_gpu_of_its_own_class(mixed: Fleet) -> None:

@@ -1143,7 +1143,7 @@ class NodeRequest(betterproto2.Message):
     dry_run: "bool" = betterproto2.field(10, betterproto2.TYPE_BOOL)
     """
     DrainNode only: change nothing; ActionResult.message says where each replica on the
-    node would go, as placement decides now (one line per replica).
+    node would go, as placement decides now (one line per replica); ok: every one can move.
     """
 
 
