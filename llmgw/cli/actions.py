@@ -3,7 +3,8 @@
 Each prints the server's one line of outcome; a refusal or an unreachable server is one
 line on stderr and exit status 1 (``CliError``). ``start`` and ``reprofile`` take a
 deployment or a replica: a name that is a deployment's is the deployment, anything else
-is taken as a replica id (``DEPLOYMENT-N``).
+is taken as a replica id (``DEPLOYMENT-N``). ``drain-node --dry-run`` prints a line per
+replica on the node and exits 1 when one of them could not move now.
 """
 
 from __future__ import annotations
@@ -32,24 +33,31 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         p.add_argument("target", metavar=metavar)
         if verb == "reprofile":
             p.add_argument("--profile", required=True, metavar="NAME", help="a stored profile")
+        if verb == "drain-node":
+            p.add_argument(
+                "--dry-run",
+                action="store_true",
+                help="change nothing: print where placement would move each replica now",
+            )
         add_client_flags(p)
         p.set_defaults(command=_run, verb=verb)
 
 
 def _run(args: argparse.Namespace) -> int:
-    return asyncio.run(
-        run_action(args.server, args.verb, args.target, getattr(args, "profile", ""))
-    )
+    profile, dry_run = getattr(args, "profile", ""), getattr(args, "dry_run", False)
+    return asyncio.run(run_action(args.server, args.verb, args.target, profile, dry_run=dry_run))
 
 
-async def run_action(server: str, verb: str, target: str, profile: str = "") -> int:
-    """Send one action and print its outcome."""
+async def run_action(
+    server: str, verb: str, target: str, profile: str = "", *, dry_run: bool = False
+) -> int:
+    """Send one action and print its outcome (``dry_run``: drain-node only)."""
 
     async def act(client: ControlClient) -> ActionResult:
         if verb == "drain":
             return await client.drain_replica(target)
         if verb == "drain-node":
-            return await client.drain_node(target)
+            return await client.drain_node(target, dry_run=dry_run)
         deployments = {d.name for d in (await client.get_cluster()).deployments}
         deployment, replica = (target, "") if target in deployments else ("", target)
         if verb == "start":
@@ -58,4 +66,4 @@ async def run_action(server: str, verb: str, target: str, profile: str = "") -> 
 
     result: ActionResult = await call(server, act)
     sys.stdout.write(f"{result.message}\n")
-    return 0
+    return 0 if result.ok or not dry_run else 1  # a dry run: 1 when a replica cannot move

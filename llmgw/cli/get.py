@@ -127,13 +127,14 @@ def _node_rows(cluster: Cluster) -> list[list[str]]:
         info = node.info
         if info is None:
             continue
-        devices = [g for g in info.gpus if not g.mig_enabled]
-        classes = sorted({g.gpu_class for g in devices if g.gpu_class})
+        physical = [g for g in info.gpus if g.mig is None]  # MIG slices counted apart
+        slices = len(info.gpus) - len(physical)
+        classes = sorted({g.gpu_class for g in physical if g.gpu_class})
         rows.append(
             [
                 info.node_id,
                 node.state.name or str(node.state),
-                str(len(devices)),
+                f"{len(physical)} ({slices} MIG slices)" if slices else str(len(physical)),
                 ",".join(classes) or "-",
                 str(len(info.fabrics)),
                 info.discovery or "-",

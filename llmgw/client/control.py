@@ -89,8 +89,10 @@ class ControlClient:
     async def uncordon_node(self, node_id: str) -> ActionResult:
         return await self._act("UncordonNode", NodeRequest(node_id=node_id))
 
-    async def drain_node(self, node_id: str) -> ActionResult:
-        return await self._act("DrainNode", NodeRequest(node_id=node_id))
+    async def drain_node(self, node_id: str, *, dry_run: bool = False) -> ActionResult:
+        """With ``dry_run`` the server changes nothing and says where each replica would go
+        (still refused when read-only, like every action)."""
+        return await self._act("DrainNode", NodeRequest(node_id=node_id, dry_run=dry_run))
 
     async def apply_deployment(self, request: ApplyDeploymentRequest) -> ActionResult:
         """Refused when read-only even with ``dry_run``: a read-only client sends no action."""

@@ -4,7 +4,8 @@ A key (``d``, ``s``, ``p``, ``C``, ``U``, ``D``; ``llmgw.tui.registry``) names a
 selected replica, deployment or node); a ``plan_*`` function turns it into an
 ``Operation`` against a ``ConsoleSnapshot``, the whole model and not the rows a filter
 leaves on screen: the exact targets in words and the impact (the READY capacity it takes,
-the in-flight requests that finish first, the replicas that move). The confirmation
+the in-flight requests that finish first, the replicas that move, and where a node drain
+would move them: the server's own dry run of it, never a count made here). The confirmation
 (``llmgw.tui.modals``) shows it; ``send`` makes the one RPC it stands for. The server
 decides: what it refuses comes back as its message, and its audit record arrives through
 Watch like every other change.
@@ -22,16 +23,18 @@ import enum
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from llmgw.api.llmgw.v1 import ActionResult, EngineProfile, Health, NodeState, ShardState
+from llmgw.api.llmgw.v1 import ActionResult, EngineProfile, NodeState, ShardState
 from llmgw.client import ControlClient
 from llmgw.tui.model import ConsoleSnapshot
 from llmgw.tui.rows import NodeRow, ReplicaRow
 
 __all__ = [
     "ActionUnavailable",
+    "DrainPlacement",
     "Operation",
     "ProfileChoice",
     "Verb",
+    "drain_placement",
     "plan_cordon",
     "plan_drain",
     "plan_drain_node",
@@ -139,6 +142,19 @@ def _node(snapshot: ConsoleSnapshot, node_id: str) -> NodeRow:
     return row
 
 
+def _devices(snapshot: ConsoleSnapshot, row: ReplicaRow) -> str:
+    """``2 GPUs``, ``1 MIG slice``: what the replica's shards hold, slices apart."""
+    shards = set(row.shard_ids)
+    held = [g for g in snapshot.gpus.values() if g.shard_id in shards]
+    slices = sum(1 for g in held if g.info.is_mig)
+    if not held:
+        return _count(row.gpus, "GPU")
+    if slices == len(held):
+        return _count(slices, "MIG slice")
+    whole = _count(len(held) - slices, "GPU")
+    return whole if not slices else f"{whole} and {_count(slices, 'MIG slice')}"
+
+
 def _replica_words(row: ReplicaRow) -> str:
     where = f"on {_names(row.nodes)}, {_count(row.gpus, 'GPU')}" if row.nodes else "not placed"
     return (
@@ -149,8 +165,7 @@ def _replica_words(row: ReplicaRow) -> str:
 
 def _node_words(row: NodeRow) -> str:
     state = "CORDONED" if row.cordoned else row.state.name
-    gpus = f"{row.devices}×{row.gpu_classes}" if row.devices else "no GPU"
-    return f"node {row.node_id}: {state}, {gpus}"
+    return f"node {row.node_id}: {state}, {row.gpu_words}"
 
 
 def _is_open(row: NodeRow) -> bool:
@@ -179,7 +194,7 @@ def plan_drain(snapshot: ConsoleSnapshot, replica_id: str) -> Operation:
         f"{max(0, count - 1)}; nothing replaces {replica_id}."
     )
     if row.gpus:
-        impact.append(f"Frees {_count(row.gpus, 'GPU')} on {_names(row.nodes)}.")
+        impact.append(f"Frees {_devices(snapshot, row)} on {_names(row.nodes)}.")
     return Operation(
         Verb.DRAIN,
         replica_id,
@@ -312,6 +327,12 @@ def plan_uncordon(snapshot: ConsoleSnapshot, node_id: str) -> Operation:
             f"New replicas may be placed on {node_id} again; nothing running moves.",
             f"Nodes open for placement: {open_now} → {after} of {total}.",
         )
+        if running := _running_on(snapshot, node_id):
+            stay = "stays on {} under its id" if len(running) == 1 else "stay on {} under their ids"
+            impact += (
+                f"A drain of {node_id} not finished yet is cancelled: {_names(running)} "
+                f"{stay.format(node_id)}.",
+            )
     return Operation(
         Verb.UNCORDON,
         node_id,
@@ -322,8 +343,25 @@ def plan_uncordon(snapshot: ConsoleSnapshot, node_id: str) -> Operation:
     )
 
 
-def plan_drain_node(snapshot: ConsoleSnapshot, node_id: str) -> Operation:
-    """Cordon the node and move each replica on it elsewhere: which, and where there is room."""
+@dataclass(frozen=True, slots=True)
+class DrainPlacement:
+    """Where a node drain would move each replica: the server's dry run of it
+    (``DrainNode`` with ``dry_run``, computed by its placement rules), or why there is none."""
+
+    lines: tuple[str, ...] = ()  # one per replica, as the server words it
+    unknown: str = ""  # why the server's answer is missing ("" when it answered)
+
+
+def drain_placement(message: str) -> DrainPlacement:
+    """The server's dry-run answer (a head line, then one line per replica)."""
+    return DrainPlacement(tuple(line for line in message.splitlines()[1:] if line.strip()))
+
+
+def plan_drain_node(
+    snapshot: ConsoleSnapshot, node_id: str, placement: DrainPlacement | None = None
+) -> Operation:
+    """Cordon the node and move each replica on it elsewhere: which, and where the server's
+    placement would put each now (``placement``; the console guesses no room itself)."""
     row = _node(snapshot, node_id)
     moving = _running_on(snapshot, node_id)
     targets = [_node_words(row)]
@@ -337,7 +375,7 @@ def plan_drain_node(snapshot: ConsoleSnapshot, node_id: str) -> Operation:
             f"starts and becomes READY before it drains, and its in-flight requests finish "
             f"first."
         )
-        impact.append(_room_elsewhere(snapshot, node_id, moving))
+        impact.extend(_where(placement or DrainPlacement(unknown="not asked")))
     return Operation(
         Verb.DRAIN_NODE,
         node_id,
@@ -348,24 +386,12 @@ def plan_drain_node(snapshot: ConsoleSnapshot, node_id: str) -> Operation:
     )
 
 
-def _room_elsewhere(snapshot: ConsoleSnapshot, node_id: str, moving: list[str]) -> str:
-    needed = sum(snapshot.replicas[r].gpus for r in moving)
-    open_ids = {n.node_id for n in snapshot.nodes.values() if _is_open(n)} - {node_id}
-    free = sum(
-        1
-        for g in snapshot.gpus.values()
-        if g.node_id in open_ids
-        and not g.info.mig_enabled
-        and not g.shard_id
-        and g.health is not Health.UNHEALTHY
-    )
-    text = (
-        f"The moving replicas use {_count(needed, 'GPU')}; the other open nodes have "
-        f"{_count(free, 'free GPU')}."
-    )
-    if free < needed:
-        text += " Not all can move now: those left wait on the node until there is room."
-    return text
+def _where(placement: DrainPlacement) -> list[str]:
+    if placement.unknown or not placement.lines:
+        why = placement.unknown or "the server named none"
+        return [f"Where they would go is not known ({why}): the server places them."]
+    head = "Where the server's placement would put them now (a dry run, nothing changed):"
+    return [head, *placement.lines]
 
 
 # --- sending -------------------------------------------------------------------------------

@@ -6,8 +6,9 @@ hands over frozen snapshots; the app applies the newest one to the view on scree
 loop turn, so keys are never stuck behind a backlog of updates. ``space`` pauses: the
 worker keeps following, the screen stays still until it is resumed.
 
-Keys, the footer, ``?`` help, the ctrl+p palette (``llmgw.tui.help``) and what read-only
-hides come from ``llmgw.tui.registry``; an action is an ``action_<name>`` method here. The
+Keys, the footer (``KeyFooter``: hints fitted to the width, whole ones dropped), ``?``
+help, the ctrl+p palette (``llmgw.tui.help``) and what read-only hides come from
+``llmgw.tui.registry``; an action is an ``action_<name>`` method here. The
 operator verbs plan an ``Operation`` against the selected row's view snapshot (the whole
 model, not the filtered rows; ``llmgw.tui.actions``) and confirm it in a modal before
 sending it (``llmgw.tui.modals``). ``/`` filters the view on screen (``llmgw.tui.filter``);
@@ -29,12 +30,14 @@ from textual.binding import BindingType
 from textual.command import Provider
 from textual.containers import Horizontal
 from textual.widget import Widget
-from textual.widgets import ContentSwitcher, Footer, Input, Static
+from textual.widgets import ContentSwitcher, Input, Static
 
 from llmgw.client import ClientError, ControlClient
 from llmgw.tui.actions import (
     ActionUnavailable,
+    DrainPlacement,
     Operation,
+    drain_placement,
     plan_cordon,
     plan_drain,
     plan_drain_node,
@@ -58,6 +61,7 @@ from llmgw.tui.views.topology import TopologyView
 from llmgw.tui.widgets.badge import LinkBadge
 from llmgw.tui.widgets.cells import shown
 from llmgw.tui.widgets.detail import DetailScreen
+from llmgw.tui.widgets.footer import KeyFooter
 from llmgw.tui.widgets.logpane import TAIL, LogPane
 from llmgw.tui.widgets.prompt import JumpPrompt
 
@@ -154,7 +158,7 @@ class ConsoleApp(App[None]):
             yield from self._views.values()
         yield self._filter
         yield self._prompt
-        yield Footer()
+        yield KeyFooter(id="footer")
 
     def on_mount(self) -> None:
         self._prompt.display = False
@@ -481,5 +485,18 @@ class ConsoleApp(App[None]):
             self._propose(lambda: plan_uncordon(*selected))
 
     def action_drain_node(self) -> None:
+        """``D``: the confirmation says where the server's placement would move each
+        replica (a dry run of the drain, asked first)."""
         if (selected := self._selected_node()) is not None:
-            self._propose(lambda: plan_drain_node(*selected))
+            self.run_worker(self._drain_node(*selected), group="operate")
+
+    async def _drain_node(self, snapshot: ConsoleSnapshot, node_id: str) -> None:
+        placement = DrainPlacement(unknown="this console has no connection to the server")
+        if self.client is not None:
+            try:
+                answer = await self.client.drain_node(node_id, dry_run=True)
+            except ClientError as exc:
+                placement = DrainPlacement(unknown=f"the server's dry run failed: {exc}")
+            else:
+                placement = drain_placement(answer.message)
+        self._propose(lambda: plan_drain_node(snapshot, node_id, placement))

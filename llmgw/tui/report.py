@@ -15,7 +15,7 @@ from typing import Any
 
 from llmgw.tui.model import ConsoleSnapshot
 from llmgw.tui.rows import GpuRow, NodeRow
-from llmgw.tui.summary import summarize
+from llmgw.tui.summary import gpu_counts, summarize
 from llmgw.tui.widgets.cells import NOT_REPORTED, GiB, age
 
 __all__ = ["snapshot_json", "snapshot_tables"]
@@ -77,7 +77,7 @@ def snapshot_tables(snapshot: ConsoleSnapshot) -> list[tuple[str, Rows]]:
     pulse: Rows = [
         ["WHAT", "VALUE"],
         ["nodes", f"{overview.nodes_ready}/{overview.nodes_total} ready"],
-        ["gpus", f"{overview.gpus_used}/{overview.gpus_total} used"],
+        ["gpus", overview.gpus.words],
         ["replicas", f"{overview.replicas_total} ({states})"],
         ["out of date", str(overview.replicas_out_of_date)],
         ["router", _router_words(snapshot)],
@@ -106,20 +106,21 @@ def _router_words(snapshot: ConsoleSnapshot) -> str:
 
 
 def _node_rows(snapshot: ConsoleSnapshot) -> Rows:
-    rows: Rows = [["NODE", "STATE", "GPUS", "USED", "MEMORY", "REASON"]]
+    rows: Rows = [["NODE", "STATE", "GPUS", "USED", "SLICES", "MEMORY", "REASON"]]
     by_node: dict[str, list[GpuRow]] = {}
     for gpu in snapshot.gpus.values():
-        if not gpu.info.mig_enabled:
-            by_node.setdefault(gpu.node_id, []).append(gpu)
+        by_node.setdefault(gpu.node_id, []).append(gpu)
     for node in snapshot.nodes.values():
         gpus = by_node.get(node.node_id, [])
-        used = sum(g.memory_used_bytes for g in gpus) / GiB
-        total = sum(g.info.memory_total_bytes for g in gpus) / GiB
+        devices = [g for g in gpus if not g.info.mig_enabled]  # memory: where engines run
+        used = sum(g.memory_used_bytes for g in devices) / GiB
+        total = sum(g.info.memory_total_bytes for g in devices) / GiB
         state = node.state.name + (" (cordoned)" if node.cordoned else "")
-        held = sum(1 for g in gpus if g.shard_id)
+        counts = gpu_counts(gpus)
+        slices = f"{counts.slices_used}/{counts.slices}" if counts.slices else "-"
         rows.append(
-            [node.node_id, state, str(len(gpus)), str(held), f"{used:.0f}/{total:.0f}GiB",
-             node.reason]
+            [node.node_id, state, str(counts.gpus), str(counts.gpus_used), slices,
+             f"{used:.0f}/{total:.0f}GiB", node.reason]
         )  # fmt: skip
     return rows
 

@@ -289,16 +289,28 @@ class NodeRow:
     connected: bool
     reason: str
     discovery: str
-    gpu_classes: str  # "H100" or "A100,L4"
+    gpu_classes: str  # of its physical GPUs: "H100" or "A100,L4"
     devices: int  # GPUs and MIG devices placement may use (MIG parents excluded)
     last_heartbeat_ms: int
     memory_available_bytes: int
     peer: str
     detail: NodeDetail
+    gpus: int = 0  # physical GPUs, MIG parents included
+    mig_slices: int = 0  # MIG devices carved from them
 
     @property
     def key(self) -> str:
         return self.node_id
+
+    @property
+    def gpu_words(self) -> str:
+        """``8×H100``, ``4×A100 (12 MIG slices)``, ``no GPU``: physical GPUs, slices apart."""
+        if not self.gpus:
+            return "no GPU"
+        words = f"{self.gpus}×{self.gpu_classes or 'GPU'}"
+        if self.mig_slices:
+            words += f" ({self.mig_slices} MIG slice{'' if self.mig_slices == 1 else 's'})"
+        return words
 
     @property
     def ready(self) -> bool:
@@ -309,6 +321,7 @@ def node_row(node: Node, detail: NodeDetail | None = None) -> NodeRow:
     """A node's row; ``detail`` reuses the static part of an earlier row of the same info."""
     info = node.info or NodeInfo()
     devices = [g for g in info.gpus if not g.mig_enabled]
+    physical = [g for g in info.gpus if g.mig is None]
     memory = node.telemetry.memory if node.telemetry and node.telemetry.memory else info.memory
     return NodeRow(
         node_id=info.node_id,
@@ -317,12 +330,14 @@ def node_row(node: Node, detail: NodeDetail | None = None) -> NodeRow:
         connected=node.connected,
         reason=node.state_reason,
         discovery=info.discovery,
-        gpu_classes=",".join(sorted({g.gpu_class for g in devices if g.gpu_class})),
+        gpu_classes=",".join(sorted({g.gpu_class for g in physical if g.gpu_class})),
         devices=len(devices),
         last_heartbeat_ms=node.last_heartbeat_unix_ms,
         memory_available_bytes=memory.available_bytes if memory else 0,
         peer=node.peer,
         detail=detail or node_detail(info),
+        gpus=len(physical),
+        mig_slices=len(info.gpus) - len(physical),
     )
 
 

@@ -95,6 +95,8 @@ def test_get_tables_and_unreachable_server(cluster: Cluster) -> None:
     wait_for(lambda: cluster.node_states() == {"mig": "NODE_STATE_READY"}, 30, "mig READY")
     table = cluster.cli("get", "gpus").stdout
     assert "mig" in table and "3g.40gb" in table
-    assert cluster.cli("get", "nodes").stdout.splitlines()[0].split()[:2] == ["NODE", "STATE"]
+    header, mig = cluster.cli("get", "nodes").stdout.splitlines()[:2]
+    assert header.split()[:2] == ["NODE", "STATE"]
+    assert "4 (12 MIG slices)" in mig and "A100" in mig  # 4 GPUs, their slices apart
     missing = cluster.cli("cordon", "nope", check=False)
     assert missing.returncode == 1 and "NOT_FOUND" in missing.stderr

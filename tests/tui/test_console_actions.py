@@ -55,8 +55,10 @@ from llmgw.client import ClientError, ControlClient, GrpcWebChannel
 from llmgw.tui import app as app_module
 from llmgw.tui.actions import (
     ActionUnavailable,
+    DrainPlacement,
     Operation,
     Verb,
+    drain_placement,
     plan_cordon,
     plan_drain,
     plan_drain_node,
@@ -184,9 +186,21 @@ def test_node_plans_say_what_keeps_running_what_moves_and_where_there_is_room() 
     drain = plan_drain_node(snap, "a1")
     assert drain.targets == ("node a1: READY, 4×H100", "replicas moving: chat-1, chat-2")
     assert drain.impact[-1] == (
-        "The moving replicas use 4 GPUs; the other open nodes have 1 free GPU. Not all can "
-        "move now: those left wait on the node until there is room."
+        "Where they would go is not known (not asked): the server places them."
     )
+    answer = (
+        "dry run: drain node a1: 2 replicas to move, 1 can move now; nothing was changed\n"
+        "chat-1: → chat-5 on a3 GPUs 0,1 (H100)\n"
+        "chat-2: cannot move (no node has 2 H100 free); it keeps running on a1 until there is room"
+    )
+    placed = plan_drain_node(snap, "a1", drain_placement(answer))
+    assert placed.impact[-3:] == (
+        "Where the server's placement would put them now (a dry run, nothing changed):",
+        "chat-1: → chat-5 on a3 GPUs 0,1 (H100)",
+        "chat-2: cannot move (no node has 2 H100 free); it keeps running on a1 until there is room",
+    )
+    failed = plan_drain_node(snap, "a1", DrainPlacement(unknown="the server's dry run failed"))
+    assert "not known (the server's dry run failed)" in failed.impact[-1]
     moving_a2 = plan_drain_node(snap, "a2").targets
     assert moving_a2[1] == "replicas moving: chat-3"  # chat-4 is DRAINING already
     assert plan_drain_node(fleet_snapshot(), "a3").targets[1] == "replicas moving: embed-1"
@@ -194,6 +208,9 @@ def test_node_plans_say_what_keeps_running_what_moves_and_where_there_is_room() 
     cordoned = fleet_snapshot(a2_cordoned=True)
     assert plan_cordon(cordoned, "a2").impact == ("a2 is cordoned already: nothing changes.",)
     assert plan_uncordon(cordoned, "a2").impact[1] == "Nodes open for placement: 2 → 3 of 3."
+    assert plan_uncordon(cordoned, "a2").impact[2] == (
+        "A drain of a2 not finished yet is cancelled: chat-3 stays on a2 under its id."
+    )
     assert plan_cordon(cordoned, "a2").targets == ("node a2: CORDONED, 4×H100",)
 
 

@@ -292,7 +292,7 @@ def test_mig_slices_sort_under_their_parent() -> None:
     rows = sorted(model.snapshot(T0).gpus.values(), key=lambda g: g.order)
     assert [g.info.label for g in rows] == ["0", "0/mig1:1g.10gb", "0/mig2:1g.10gb", "1"]
     overview = summarize(model.snapshot(T0))
-    assert overview.gpus_total == 3  # the MIG parent is not a device of its own
+    assert (overview.gpus.gpus, overview.gpus.slices) == (2, 2)  # slices apart from GPUs
 
 
 def test_summary_counts() -> None:
@@ -300,7 +300,7 @@ def test_summary_counts() -> None:
     model.apply(WatchEvent(replica=replica("chat-2", ShardState.FAILED, out_of_date=True)), T0)
     o = summarize(model.snapshot(T0))
     assert (o.nodes_total, o.nodes_ready, o.nodes_cordoned) == (2, 1, 1)
-    assert (o.gpus_total, o.gpus_used, o.replicas_total, o.replicas_out_of_date) == (8, 2, 2, 1)
+    assert (o.gpus.gpus, o.gpus.gpus_used, o.replicas_total, o.replicas_out_of_date) == (8, 2, 2, 1)
     assert dict(o.replicas_by_state)[ShardState.FAILED] == 1
 
 
@@ -446,7 +446,7 @@ def test_once_json_is_plain_json_of_the_console_view() -> None:
     model = primed()
     model.router_unavailable("no router stats yet")
     out = json.loads(json.dumps(snapshot_json(model.snapshot(T0), "http://s:8080")))
-    assert out["overview"]["nodesReady"] == 2 and out["overview"]["gpusUsed"] == 2
+    assert out["overview"]["nodesReady"] == 2 and out["overview"]["gpus"]["gpusUsed"] == 2
     assert out["overview"]["replicasByState"]["READY"] == 1
     assert out["router"] == {**out["router"], "status": "UNAVAILABLE", "requestRate": None}
     assert [g["info"]["uuid"] for g in out["gpus"]][:2] == ["GPU-a1-0", "GPU-a1-1"]

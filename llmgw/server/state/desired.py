@@ -392,6 +392,16 @@ class DesiredState:
         await self._store.save_requests([(r, "replace") for r in replica_ids])
         self.replace.update(replica_ids)
 
+    async def cancel_replace(self, replica_ids: Sequence[str]) -> list[str]:
+        """Forget, durably, the replace requests of these replicas (an uncordon cancels a
+        node drain): they stay where they run. The ids whose request was dropped, sorted;
+        a retire request (an operator's drain) is kept."""
+        cancelled = sorted(self.replace.intersection(replica_ids) - self.retire)
+        if cancelled:
+            await self._store.forget_requests(cancelled)
+            self.replace.difference_update(cancelled)
+        return cancelled
+
     async def keep_requests(self, live: set[str]) -> None:
         """Forget (here and in the store) the requests of replicas no longer ACTIVE or SURGE."""
         done = sorted((self.retire | self.replace) - live)

@@ -12,7 +12,11 @@ durably, before it answers) and leaves the replacing to the reconciler:
   READY never drops below the count;
 - **drain a node**: the node is cordoned and each of its live replicas is marked for
   replacement (``DesiredState.replace``): the same surge places a replacement elsewhere,
-  waits until it is READY, then retires the old replica.
+  waits until it is READY, then retires the old replica; a dry run changes nothing and
+  says where placement would put each replacement now (``drain_preview``);
+- **uncordon a node**: a drain of it that has not finished is cancelled (its replace
+  requests are forgotten): the replicas still running there keep their ids, and a
+  replacement not yet READY is retired as one replica too many.
 
 A refusal raises :class:`ActionRefused` and changes nothing; every action, refused or not,
 is audited by :class:`~llmgw.server.wire.controlsvc.ControlService`.
@@ -20,11 +24,17 @@ is audited by :class:`~llmgw.server.wire.controlsvc.ControlService`.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 from grpclib.const import Status
 
-from llmgw.api.llmgw.v1 import Deployment
+from llmgw.api.llmgw.v1 import Deployment, ShardState
+from llmgw.server.core.capacity import node_capacity
+from llmgw.server.core.drainplan import drain_text, moving_replicas, plan_node_drain
+from llmgw.server.core.fingerprint import profile_fingerprint
+from llmgw.server.core.placement import FleetPlacer
+from llmgw.server.core.plan import ReplicaPlan
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.errors import ActionRefused, UnknownNode, quoted
 from llmgw.server.state.plane import ControlPlane
@@ -33,9 +43,11 @@ __all__ = [
     "ActionRefused",
     "delete_node",
     "drain_node",
+    "drain_preview",
     "drain_replica",
     "reprofile",
     "start_replica",
+    "uncordon_node",
 ]
 
 _LIVE = (Lifecycle.ACTIVE, Lifecycle.SURGE)
@@ -142,16 +154,71 @@ async def drain_node(plane: ControlPlane, node_id: str, *, actor: str) -> str:
         await plane.set_cordoned(node_id, True, actor=actor)
     except UnknownNode as exc:
         raise ActionRefused(Status.NOT_FOUND, str(exc)) from exc
-    moving = sorted(
-        r.replica_id
-        for r in plane.replicas.values()
-        if r.lifecycle in _LIVE and node_id in r.plan.nodes
-    )
+    moving = [r.replica_id for r in moving_replicas(plane.replicas, node_id)]
     await plane.desired.request_replace(moving)
     plane.reconcile_soon()
     if not moving:
         return f"node {node_id} cordoned; no replica runs there"
     return f"node {node_id} cordoned; replacing {', '.join(moving)} elsewhere, one at a time"
+
+
+def drain_preview(plane: ControlPlane, node_id: str) -> tuple[str, bool]:
+    """Where a drain of ``node_id`` would move each of its replicas now, by the placement
+    rules (``llmgw.server.core.drainplan``), in words, and whether every one can move;
+    nothing is changed."""
+    inventory, now = plane.inventory, time.monotonic()
+    if node_id not in inventory.nodes:
+        raise ActionRefused(Status.NOT_FOUND, f"no node named {quoted(node_id)}")
+    nodes = [node_capacity(inventory.node_view(r, now)) for r in inventory.nodes.values()]
+    placer = FleetPlacer(nodes, profile_fingerprint)
+    moves = plan_node_drain(
+        node_id,
+        plane.replicas,
+        plane.desired.deployments,
+        plane.desired.profiles,
+        placer,
+        unusable=frozenset(n.node_id for n in nodes if not n.schedulable),
+        taken=_holding(plane),
+    )
+    movable = all(isinstance(m.placed, ReplicaPlan) for m in moves)
+    return drain_text(node_id, moves, nodes), movable
+
+
+def _holding(plane: ControlPlane) -> list[ReplicaPlan]:
+    """The plans holding devices: every replica not RETIRED, and RETIRED ones whose shards
+    still run (as the reconciler counts them)."""
+    shards = plane.inventory.shards
+
+    def running(record: ReplicaRecord) -> bool:
+        reported = (shards.get(p.shard_id) for p in record.plan.shards)
+        return any(
+            s is not None and s.status is not None and s.status.state != ShardState.STOPPED
+            for s in reported
+        )
+
+    return [
+        r.plan
+        for _, r in sorted(plane.replicas.items())
+        if r.lifecycle is not Lifecycle.RETIRED or running(r)
+    ]
+
+
+async def uncordon_node(plane: ControlPlane, node_id: str, *, actor: str) -> str:
+    """Uncordon a node; a drain of it still under way is cancelled: the replicas it was
+    moving stay on it under their ids, and replacements not yet READY are retired by the
+    reconciler (their deployments have one replica too many)."""
+    try:
+        await plane.set_cordoned(node_id, False, actor=actor)
+    except UnknownNode as exc:
+        raise ActionRefused(Status.NOT_FOUND, str(exc)) from exc
+    staying = await plane.desired.cancel_replace(
+        [r.replica_id for r in plane.replicas.values() if node_id in r.plan.nodes]
+    )
+    plane.reconcile_soon()
+    if not staying:
+        return f"node {node_id} uncordoned"
+    verb = "stays" if len(staying) == 1 else "stay"
+    return f"node {node_id} uncordoned; drain cancelled: {', '.join(staying)} {verb} on {node_id}"
 
 
 async def delete_node(plane: ControlPlane, node_id: str, *, force: bool) -> str:

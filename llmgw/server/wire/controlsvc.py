@@ -126,18 +126,21 @@ class ControlService(ControlServiceBase):
             yield lines
 
     async def cordon_node(self, message: NodeRequest) -> ActionResult:
-        return await self._cordon(message.node_id, True)
-
-    async def uncordon_node(self, message: NodeRequest) -> ActionResult:
-        return await self._cordon(message.node_id, False)
-
-    async def _cordon(self, node_id: str, cordoned: bool) -> ActionResult:
-        verb = "cordoned" if cordoned else "uncordoned"
+        node_id = message.node_id
         try:
-            await self.plane.set_cordoned(node_id, cordoned, actor=current_actor())
+            await self.plane.set_cordoned(node_id, True, actor=current_actor())
         except UnknownNode as exc:
             raise GRPCError(Status.NOT_FOUND, str(exc)) from exc
-        return ActionResult(ok=True, message=f"node {node_id} {verb}")
+        return ActionResult(ok=True, message=f"node {node_id} cordoned")
+
+    async def uncordon_node(self, message: NodeRequest) -> ActionResult:
+        """Uncordon; a drain of the node under way is cancelled (``actions.uncordon_node``).
+        Audited by the plane as ``uncordon``, like a cordon."""
+        try:
+            text = await actions.uncordon_node(self.plane, message.node_id, actor=current_actor())
+        except actions.ActionRefused as exc:
+            raise GRPCError(exc.status, exc.why) from exc
+        return ActionResult(ok=True, message=text)
 
     async def apply_deployment(self, message: ApplyDeploymentRequest) -> ActionResult:
         async with self._applying:
@@ -231,6 +234,12 @@ class ControlService(ControlServiceBase):
         return await self._act("reprofile", target, work)
 
     async def drain_node(self, message: NodeRequest) -> ActionResult:
+        if message.dry_run:  # changes nothing: no audit record; ok: every replica can move
+            try:
+                text, movable = actions.drain_preview(self.plane, message.node_id)
+            except actions.ActionRefused as exc:
+                raise GRPCError(exc.status, exc.why) from exc
+            return ActionResult(ok=movable, message=text)
         work = actions.drain_node(self.plane, message.node_id, actor=current_actor())
         return await self._act("drain-node", f"node/{message.node_id[:64]}", work)
 

@@ -144,7 +144,7 @@ def node_detail(node: NodeRow, snapshot: ConsoleSnapshot) -> tuple[str, Renderab
         ("driver", _text(f"{d.driver_version or 'none'}, CUDA {d.cuda_version or NOT_REPORTED}")),
         (
             "GPUs",
-            _text(f"{node.devices} × {node.gpu_classes or 'none'}, {len(held)} shards on them"),
+            _text(f"{node.gpu_words}, {len(held)} shards on them"),
         ),  # fmt: skip
         ("shards", _text(", ".join(held))),
         ("labels", _text(", ".join(f"{k}={v}" for k, v in d.labels))),

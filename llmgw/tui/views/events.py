@@ -36,9 +36,9 @@ class EventsView(TableView[EventRow]):
         Column("when", "TIME", 8, lambda e, now: clock(e.at_ms), sort=lambda e: e.seq),
         Column("kind", "KIND", 7, lambda e, now: e.kind, _render_kind),
         Column("action", "ACTION", 8, lambda e, now: e.action),
-        Column("target", "TARGET", 14, lambda e, now: e.target),
-        Column("result", "RESULT", 60, lambda e, now: e.result, _render_result),
-        Column("actor", "ACTOR", 10, lambda e, now: e.actor),
+        Column("target", "TARGET", 14, lambda e, now: e.target, flex=True),
+        Column("result", "RESULT", 60, lambda e, now: e.result, _render_result, flex=True),
+        Column("actor", "ACTOR", 10, lambda e, now: e.actor, flex=True),
     )
 
     def rows_of(self, snapshot: ConsoleSnapshot) -> Mapping[str, EventRow]:

@@ -87,7 +87,9 @@ def _shortfalls(overview: Overview) -> list[tuple[str, Text]]:
 
 
 def _gpus(overview: Overview) -> Text:
-    text = Text(f"{overview.gpus_used}/{overview.gpus_total} used, ")
+    counts = overview.gpus
+    slices = f" · MIG slices {counts.slices_used}/{counts.slices} used" if counts.slices else ""
+    text = Text(f"{counts.gpus_used}/{counts.gpus} used{slices}, ")
     text.append(
         f"{overview.gpus_unhealthy} unhealthy", "bold red" if overview.gpus_unhealthy else ""
     )

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar
 
+from rich.cells import cell_len
 from rich.console import RenderableType
 
 from llmgw.api.llmgw.v1 import ShardState
@@ -56,6 +57,11 @@ def _render_profile(value: tuple[str, bool]) -> RenderableType:
     return text
 
 
+def _profile_width(value: tuple[str, bool]) -> int:
+    profile, out_of_date = value
+    return cell_len(profile) + (len(" ↻old") if out_of_date else 0)
+
+
 def _render_optional_int(value: int | None) -> RenderableType:
     return plain(NOT_REPORTED, "dim") if value is None else plain(value)
 
@@ -70,13 +76,13 @@ class ReplicasView(TableView[ReplicaRow]):
     TITLE = "Replicas"
     COLUMNS: ClassVar = (
         Column("replica", "REPLICA", 14, lambda r, now: r.replica_id,
-               sort=lambda r: _id_order(r.replica_id)),
+               sort=lambda r: _id_order(r.replica_id), flex=True),
         Column("state", "STATE", 10, lambda r, now: r.state, _render_state,
                sort=lambda r: _STATE_ORDER[r.state]),
-        Column("model", "MODEL", 12, lambda r, now: r.model),
+        Column("model", "MODEL", 12, lambda r, now: r.model, flex=True),
         Column("profile", "PROFILE", 14, lambda r, now: (r.profile, r.out_of_date),
-               _render_profile),
-        Column("nodes", "NODES", 10, lambda r, now: ",".join(r.nodes)),
+               _render_profile, flex=True, measure=_profile_width),
+        Column("nodes", "NODES", 10, lambda r, now: ",".join(r.nodes), flex=True),
         Column("gpus", "GPU", 3, lambda r, now: r.gpus),
         Column("up", "AGE", 4, lambda r, now: _age_since(r.since_ms, now),
                sort=lambda r: -r.since_ms, ticks=True),
@@ -110,16 +116,16 @@ class ShardsView(TableView[ShardRow]):
     TITLE = "Shards"
     COLUMNS: ClassVar = (
         Column("shard", "SHARD", 14, lambda s, now: s.shard_id,
-               sort=lambda s: _id_order(s.shard_id)),
+               sort=lambda s: _id_order(s.shard_id), flex=True),
         Column("state", "STATE", 10, lambda s, now: s.state, _render_state,
                sort=lambda s: _STATE_ORDER[s.state]),
-        Column("node", "NODE", 12, lambda s, now: s.node_id),
+        Column("node", "NODE", 12, lambda s, now: s.node_id, flex=True),
         Column("rank", "R", 1, lambda s, now: s.rank),
         Column("gpus", "GPU", 3, _gpus_of),
         Column("up", "AGE", 4, lambda s, now: _age_since(s.since_ms, now),
                sort=lambda s: -s.since_ms, ticks=True),
         Column("restarts", "RST", 3, lambda s, now: s.restarts),
-        Column("reason", "REASON", 40, lambda s, now: s.reason),
+        Column("reason", "REASON", 40, lambda s, now: s.reason, flex=True),
     )  # fmt: skip
 
     def rows_of(self, snapshot: ConsoleSnapshot) -> Mapping[str, ShardRow]:

@@ -18,23 +18,30 @@ columns left out), kept per row object so an update renders only the rows that c
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
 from typing import Any, ClassVar, Generic, TypeVar
 
+from rich.cells import cell_len
 from rich.console import RenderableType
 from rich.text import Text
 from textual.app import ComposeResult
+from textual.events import Resize
 from textual.widget import Widget
 from textual.widgets import DataTable
 
+from llmgw.tui.columns import ColumnFit, fit_columns
 from llmgw.tui.filter import RowFilter, RowTexts
 from llmgw.tui.model import ConsoleSnapshot, diff_rows
 from llmgw.tui.widgets.cells import LazyCell, plain
 from llmgw.tui.widgets.keyed_table import KeyedTable
 
-__all__ = ["Column", "TableView"]
+__all__ = ["FLEX_FLOOR", "Column", "TableView"]
+
+FLEX_FLOOR = 8
+"""The fewest cells a flexible column is cut to (its label's width when that is more)."""
 
 R = TypeVar("R")
 
@@ -47,10 +54,18 @@ def _plain_text(cell: RenderableType) -> str:
     return cell.plain if isinstance(cell, Text) else str(cell)
 
 
+def _text_width(value: Any) -> int:
+    return cell_len(value if isinstance(value, str) else "" if value is None else str(value))
+
+
 @dataclass(frozen=True, slots=True)
 class Column(Generic[R]):
     """A column: ``value(row, now_ms)`` is what the cell shows (compared to skip updates),
-    ``render(value)`` how, ``sort(row)`` what ``o`` orders by (default: the value)."""
+    ``render(value)`` how, ``sort(row)`` what ``o`` orders by (default: the value).
+
+    A ``flex`` column (a name or an id) is as wide as its widest cell, ``measure(value)``
+    cells (default: the value as text), and the one that gives way when the terminal is
+    too narrow (``llmgw.tui.columns``); any other keeps ``width``, which fits its cells."""
 
     key: str
     label: str
@@ -59,6 +74,8 @@ class Column(Generic[R]):
     render: Callable[[Any], RenderableType] = _render_plain
     sort: Callable[[R], Any] | None = None
     ticks: bool = False  # depends on the clock: recomputed every snapshot
+    flex: bool = False
+    measure: Callable[[Any], int] = _text_width
 
     def sort_key(self, row: R, now_ms: int) -> tuple[bool, Any]:
         value = self.sort(row) if self.sort is not None else self.value(row, now_ms)
@@ -88,6 +105,10 @@ class TableView(Widget, Generic[R]):
         self._values: dict[str, tuple[Hashable, ...]] = {}
         self._snapshot = ConsoleSnapshot.empty()
         self._ticking = [i for i, c in enumerate(self.COLUMNS) if c.ticks]
+        self._flexing = [i for i, c in enumerate(self.COLUMNS) if c.flex]
+        self._wants = {i: cell_len(self.COLUMNS[i].label) for i in self._flexing}
+        # per flexible column: how many shown cells are how wide (kept as rows come and go)
+        self._cell_widths: dict[int, Counter[int]] = {i: Counter() for i in self._flexing}
 
     # --- what subclasses say ------------------------------------------------------------
 
@@ -117,6 +138,59 @@ class TableView(Widget, Generic[R]):
         if self._shown:
             shown, self._shown = self._shown, MappingProxyType({})
             self._apply(shown, self._snapshot.taken_ms)
+        self._fit()
+
+    def on_resize(self, event: Resize) -> None:
+        self._fit()
+
+    # --- widths -------------------------------------------------------------------------
+
+    def _count(self, values: tuple[Hashable, ...], sign: int) -> None:
+        """Count a row's flexible cells in (``sign`` 1) or out (-1) of the widths shown."""
+        for i in self._flexing:
+            widths = self._cell_widths[i]
+            width = self.COLUMNS[i].measure(values[i])
+            widths[width] += sign
+            if not widths[width]:
+                del widths[width]
+
+    def _recount(self, i: int, old: Hashable, new: Hashable) -> None:
+        widths, measure = self._cell_widths[i], self.COLUMNS[i].measure
+        before, after = measure(old), measure(new)
+        if before != after:
+            widths[after] += 1
+            widths[before] -= 1
+            if not widths[before]:
+                del widths[before]
+
+    def _measure(self) -> bool:
+        """The width each flexible column wants for the rows shown; whether one changed."""
+        changed = False
+        for i in self._flexing:
+            wants = max(max(self._cell_widths[i], default=0), cell_len(self.COLUMNS[i].label))
+            changed = changed or wants != self._wants[i]
+            self._wants[i] = wants
+        return changed
+
+    def _fit(self) -> None:
+        """Set the column widths for the width the table has now (``fit_columns``)."""
+        # Room for a vertical scrollbar is kept whether one shows yet or not: one appearing
+        # later (rows added) would otherwise cover the last column's end.
+        table = self.table
+        available = (table.size.width or self.size.width) - table.styles.scrollbar_size_vertical
+        if not self._flexing or available <= 0:
+            return
+        fits = [
+            ColumnFit(
+                c.width,
+                self._wants.get(i, 0),
+                c.flex,
+                floor=min(self._wants.get(i, 0), max(cell_len(c.label), FLEX_FLOOR)),
+            )
+            for i, c in enumerate(self.COLUMNS)
+        ]
+        widths = fit_columns(fits, available)
+        self.table.set_widths({c.key: w for c, w in zip(self.COLUMNS, widths, strict=True)})
 
     @property
     def snapshot(self) -> ConsoleSnapshot:
@@ -180,10 +254,11 @@ class TableView(Widget, Generic[R]):
         with self.app.batch_update():
             table.remove_rows(diff.removed)
             for key in diff.removed:
-                del self._values[key]
+                self._count(self._values.pop(key), -1)
             added = []
             for key in diff.added:
                 values = self._values[key] = self._compute(rows[key], now_ms)
+                self._count(values, 1)
                 cells_of = [
                     LazyCell(c.render, v) for c, v in zip(self.COLUMNS, values, strict=True)
                 ]
@@ -195,6 +270,8 @@ class TableView(Widget, Generic[R]):
                 self._tick(rows, set(diff.added) | set(diff.changed), now_ms, cells)
             table.update_cells(cells)
             self._shown = rows
+            if self._flexing and self._measure():
+                self._fit()
             if reorder:
                 self._reorder(now_ms)
             if selected is not None:
@@ -211,6 +288,9 @@ class TableView(Widget, Generic[R]):
         if old == values:
             return
         self._values[key] = values
+        for i in self._flexing:  # only the flexible cells that changed are measured again
+            if old[i] != values[i]:
+                self._recount(i, old[i], values[i])
         for column, before, after in zip(self.COLUMNS, old, values, strict=True):
             if before != after:
                 cells.append((key, column.key, LazyCell(column.render, after)))

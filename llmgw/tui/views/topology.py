@@ -1,6 +1,7 @@
 """Topology: node → NUMA → GPU → MIG slice, one row per GPU, a row per node above its GPUs.
 
-A node's row carries its state (glyph + word) and GPU count; each GPU row its NUMA node,
+A node's row carries its state (glyph + word) and its physical GPUs with their MIG slices
+counted apart (``4×A100 (12 MIG slices)``); each GPU row its NUMA node,
 index (a MIG slice as ``└1g.10gb`` under its parent), utilisation, memory, temperature,
 health and the shard holding it. Enter opens the detail: NVLink peers and links, NIC paths,
 the NVLink fabric clique, MIG placement; on a node row, the host, fabrics and IMEX.
@@ -11,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import Any, ClassVar
 
+from rich.cells import cell_len
 from rich.console import RenderableType
 from rich.text import Text
 
@@ -52,7 +54,7 @@ def _numa(row: TopologyRow, now_ms: int) -> Hashable:
 
 def _gpu(row: TopologyRow, now_ms: int) -> Hashable:
     if isinstance(row, NodeRow):
-        return f"{row.devices}×{row.gpu_classes}" if row.devices else "no GPU"
+        return row.gpu_words
     info = row.info
     if info.is_mig:
         return f"└{info.mig_profile}"
@@ -115,14 +117,23 @@ class TopologyView(TableView[TopologyRow]):
 
     TITLE = "Nodes"
     COLUMNS: ClassVar = (
-        Column("node", "NODE", 12, _node, _render_node, sort=lambda r: r.node_id),
+        Column(
+            "node",
+            "NODE",
+            12,
+            _node,
+            _render_node,
+            sort=lambda r: r.node_id,
+            flex=True,
+            measure=lambda v: cell_len(v[1]),
+        ),
         Column("numa", "N", 1, _numa),
-        Column("gpu", "GPU", 9, _gpu),
+        Column("gpu", "GPU", 9, _gpu, flex=True),
         Column("util", "UTIL", 8, _util, _render_util),
-        Column("memory", "MEM", 7, _memory, _render_memory, sort=lambda r: _memory(r, 0)),
+        Column("memory", "MEM", 8, _memory, _render_memory, sort=lambda r: _memory(r, 0)),
         Column("temp", "TEMP", 4, _temperature, _render_temperature),
         Column("health", "HEALTH", 11, _health, _render_health, sort=_health_order),
-        Column("shard", "SHARD", 12, _shard),
+        Column("shard", "SHARD", 12, _shard, flex=True),
     )
 
     def rows_of(self, snapshot: ConsoleSnapshot) -> Mapping[str, TopologyRow]:

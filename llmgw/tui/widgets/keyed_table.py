@@ -3,7 +3,7 @@ and batched adds, removals and cell updates (one re-index or repaint per batch).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from itertools import zip_longest
 from typing import Any
 
@@ -13,6 +13,7 @@ from textual.widgets import DataTable
 from textual.widgets.data_table import (
     CellDoesNotExist,
     CellKey,
+    ColumnKey,
     DuplicateKey,
     Row,
     RowDoesNotExist,
@@ -37,6 +38,21 @@ class KeyedTable(DataTable[RenderableType]):
             show_row_labels=False,
             fixed_columns=fixed_columns,
         )
+
+    def set_widths(self, widths: Mapping[str, int]) -> bool:
+        """Give the columns (by key) these fixed widths; whether any changed (then the
+        table is laid out again and redrawn)."""
+        changed = False
+        for key, width in widths.items():
+            column = self.columns.get(ColumnKey(key))
+            if column is not None and column.width != width:
+                column.width = width
+                changed = True
+        if changed:
+            self._clear_caches()
+            self._require_update_dimensions = True
+            self.refresh()
+        return changed
 
     def selected_key(self) -> str | None:
         """The id of the row under the cursor, None when the table is empty."""

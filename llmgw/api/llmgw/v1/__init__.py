@@ -1402,6 +1402,12 @@ default_message_pool.register_message("llmgw.v1", "NodeInfo", NodeInfo)
 class NodeRequest(betterproto2.Message):
     node_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
 
+    dry_run: "bool" = betterproto2.field(10, betterproto2.TYPE_BOOL)
+    """
+    DrainNode only: change nothing; ActionResult.message says where each replica on the
+    node would go, as placement decides now (one line per replica); ok: every one can move.
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "NodeRequest", NodeRequest)
 
