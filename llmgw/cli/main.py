@@ -25,6 +25,7 @@ from llmgw.cli import (
     desired,
     gateway,
     get,
+    history,
     server,
     simengine,
     token,
@@ -41,6 +42,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], 
     get.register,  # get, cordon, uncordon
     actions.register,  # start, drain, reprofile, drain-node
     desired.register,  # apply, delete, events
+    history.register,  # describe, scale, rollout
     demo_command.register,  # demo
     simengine.register,  # sim-engine
     gateway.register,  # gateway
