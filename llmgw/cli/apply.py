@@ -179,6 +179,9 @@ def _deployment_rows(
     return rows
 
 
+deployment_rows = _deployment_rows  # ``llmgw get deployments --watch`` prints the same table
+
+
 def _profile_rows(profiles: Sequence[EngineProfile]) -> list[list[str]]:
     rows = [["NAME", "ENGINE", "CLASS", "TP/PP/NODES", "MODEL", "FINGERPRINT"]]
     for p in profiles:
