@@ -139,8 +139,8 @@ def _rollout(fleet: Cluster, tmp_path: Path) -> None:
         lowest = min(lowest, len([r for r in _replicas(fleet) if r.get("state") == READY]))
         time.sleep(0.2)
     assert lowest >= 2  # never fewer READY than desired at any poll: a surge of one
-    history = fleet.cli("rollout", "history", "chat").stdout
-    assert "rollout undo to revision 1" in history and "3*" in history
+    listed = fleet.cli("rollout", "history", "chat").stdout
+    assert "rollout undo to revision 1" in listed and "3*" in listed
     refused = fleet.cli("rollout", "undo", "chat", "--to-revision", "9", check=False)
     assert refused.returncode == 1 and "has no revision 9" in refused.stderr
 
