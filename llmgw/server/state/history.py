@@ -144,20 +144,21 @@ def revise(
     fingerprint) differs from its latest revision's (or that has none)."""
     actor, cause = ACTING.get()
     out = []
-    fingerprints: dict[str, str] = {}  # a profile many deployments use is hashed once
+    seen: dict[str, tuple[str, bytes]] = {}  # a profile many deployments use: encoded once
     for deployment in deployments:
         profile = profiles.get(deployment.profile)
         if profile is None:
             continue
-        fingerprint = fingerprints.get(profile.name) or profile_fingerprint(profile)
-        fingerprints[profile.name] = fingerprint
+        if profile.name not in seen:
+            seen[profile.name] = (profile_fingerprint(profile), bytes(profile))
+        fingerprint, content = seen[profile.name]
         last = latest.get(deployment.name)
         if last is not None and (last.profile, last.fingerprint) == (profile.name, fingerprint):
             continue
         number = last.revision + 1 if last is not None else 1
         out.append(
             RevisionRecord(
-                deployment.name, number, profile.name, fingerprint, bytes(profile), at_ms,
+                deployment.name, number, profile.name, fingerprint, content, at_ms,
                 actor, cause,
             )
         )  # fmt: skip

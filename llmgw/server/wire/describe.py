@@ -7,7 +7,8 @@ or node, and its recent events.
 - **replica**: the same for one replica, RETIRED ones too (its profile is the one it was
   placed with);
 - **node**: its registration (GPUs, MIG slices, host), state and reason, cordon, the latest
-  telemetry of each GPU, and the shards it runs.
+  telemetry of each GPU, the replicas placed on it and the shards it runs (whose events
+  are shown with its own).
 
 The events (``llmgw.server.state.history``) are those of the object and of what it holds:
 a deployment's are its own, its replicas' (the newest ``_REPLICAS_FOLLOWED``, RETIRED ones
@@ -118,13 +119,14 @@ async def _node(plane: ControlPlane, name: str) -> Description:
         ),
         key=lambda r: r.replica_id,
     )
+    shards = sorted(plane.inventory.shards_of(name), key=lambda s: s.shard_id)
     return Description(
         kind="node",
         name=name,
         node=described,
         replicas=[_described(plane, r) for r in on_node],
-        shards=sorted(plane.inventory.shards_of(name), key=lambda s: s.shard_id),
-        events=await _events(plane, [f"node/{name}", name]),
+        shards=shards,
+        events=await _events(plane, [f"node/{name}", name, *(s.shard_id for s in shards)]),
     )
 
 
