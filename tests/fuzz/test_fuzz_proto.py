@@ -106,7 +106,7 @@ def test_every_request_type_is_covered() -> None:
         "AgentMessage", "ApplyDeploymentRequest", "NodeRequest", "RouterFeedRequest",
         "ReprofileReplicaRequest", "WatchRequest",
     }  # fmt: skip
-    assert len(HANDLERS) == 16
+    assert len(HANDLERS) == 20
 
 
 @examples(300)
