@@ -105,7 +105,9 @@ async def test_describe_tells_spec_replicas_shards_and_events(fleet: Fleet) -> N
     assert ("reconciler", "reconcile") in reasons
     assert any(actor.startswith("node/") and reason == "READY" for actor, reason in reasons)
     placed = [e.message for e in d.events if e.actor == "reconciler"]
-    assert any(m.startswith("placed active replica chat-1 of chat on") for m in placed)
+    (first,) = [m for m in placed if m.startswith("placed active replica chat-1 of chat on n")]
+    (shard,) = next(r for r in d.replicas if r.replica and r.replica.replica_id == "chat-1").planned
+    assert f"({shard.gpu_uuids[0][:12]}; port {shard.port})" in first  # where, on which GPUs
     node = await fleet.svc.describe(DescribeRequest(kind="node", name="n1"))
     assert node.node is not None and node.node.state == "READY" and node.node.info is not None
     assert node.events[0].reason == "Registered"
