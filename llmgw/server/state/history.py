@@ -25,7 +25,7 @@ same name with other content: another fingerprint) records a revision (``revise`
 number (1, 2, … per deployment), the profile's name, fingerprint and content as they were,
 when, who and the cause. ``ACTING`` carries who acts and why: the control service sets it
 for each call; changes made with it unset are recorded as by ``unknown``. The store keeps
-the newest ``llmgw.server.state.store.REVISIONS_KEPT`` (20) of each deployment.
+the newest ``llmgw.server.state.storehistory.REVISIONS_KEPT`` (20) of each deployment.
 """
 
 from __future__ import annotations

@@ -27,6 +27,9 @@ that caused them answers (an apply's profiles and deployment in one transaction,
 lowered count and its retire request in one); replica records are
 written, one round's in one transaction, before any command of that round is sent.
 
+The event history and the profile revisions are read and written by ``HistoryRows``
+(``llmgw.server.state.storehistory``), which ``Store`` is.
+
 Writes run one at a time through ``Store.health`` (``llmgw.server.state.storehealth``): one that
 sqlite refuses because the disk is full or read-only (or an I/O error) is rolled back and
 raises StoreUnwritable, and ``health`` says so until a write commits again.
@@ -57,27 +60,23 @@ from llmgw.server.state.statefile import (
     unreadable_row,
 )
 from llmgw.server.state.storehealth import WriteHealth
+from llmgw.server.state.storehistory import HistoryRows, put_revisions
 from llmgw.server.state.storeschema import (
     COLUMNS_6,
     MIGRATIONS,
     REQUEST_KINDS,
     SCHEMA_VERSION,
     AuditRecord,
-    EventRecord,
     RevisionRecord,
     StoredDeployment,
     StoredNode,
     StoredProfile,
     add_columns,
-    audit_warning,
 )
 from llmgw.server.state.tokens import Role, StoredToken
 from llmgw.statefiles import owner_only_umask, private_dir, private_files, sidecars
 
 log = logging.getLogger(__name__)
-
-REVISIONS_KEPT = 20
-"""Profile revisions kept per deployment (the newest); older ones are pruned as new come."""
 
 
 def now_ms() -> int:
@@ -103,7 +102,7 @@ def _write(
     return write
 
 
-class Store:
+class Store(HistoryRows):
     """The SQLite file behind the control server. Use as an async context manager.
 
     Every write goes through ``health`` (``llmgw.server.state.storehealth.WriteHealth``): a disk
@@ -388,7 +387,7 @@ class Store:
         db = self._conn
         try:
             await self._put_requests(db, requests)
-            await self._put_revisions(db, revisions)
+            await put_revisions(db, revisions)
             await db.executemany(
                 "INSERT OR REPLACE INTO profiles (name, profile, fingerprint, updated)"
                 " VALUES (?, ?, ?, ?)",
@@ -412,84 +411,6 @@ class Store:
         await db.executemany(
             "INSERT OR REPLACE INTO replica_requests (replica_id, kind, at) VALUES (?, ?, ?)", rows
         )
-
-    @staticmethod
-    async def _put_revisions(db: aiosqlite.Connection, revisions: Sequence[RevisionRecord]) -> None:
-        await db.executemany(
-            "INSERT OR REPLACE INTO revisions (deployment, revision, profile, fingerprint,"
-            " content, at, actor, cause) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
-            [
-                (r.deployment, r.revision, r.profile, r.fingerprint, r.content, r.at_ms, r.actor,
-                 r.cause)
-                for r in revisions
-            ],
-        )  # fmt: skip
-        await db.executemany(  # the newest REVISIONS_KEPT of each deployment stay
-            "DELETE FROM revisions WHERE deployment = ? AND revision <= ?",
-            [(r.deployment, r.revision - REVISIONS_KEPT) for r in revisions],
-        )
-
-    async def load_revisions(self, deployment: str | None = None) -> list[RevisionRecord]:
-        """The stored profile revisions (of one deployment, or all), by deployment and number."""
-        query = (
-            "SELECT deployment, revision, profile, fingerprint, content, at, actor, cause"
-            " FROM revisions" + (" WHERE deployment = ?" if deployment is not None else "")
-        )
-        params = (deployment,) if deployment is not None else ()
-        async with self._conn.execute(query + " ORDER BY deployment, revision", params) as cur:
-            rows = await cur.fetchall()
-        return [
-            RevisionRecord(r[0], int(r[1]), r[2], r[3], bytes(r[4]), int(r[5]), r[6], r[7])
-            for r in rows
-        ]
-
-    # --- event history (llmgw.server.state.history) -------------------------------------
-
-    @_write
-    async def append_events(self, records: Sequence[EventRecord], *, keep: int) -> None:
-        """Append events and drop the oldest beyond the newest ``keep``, in one transaction."""
-        if not records:
-            return
-        db = self._conn
-        try:
-            await db.executemany(
-                "INSERT INTO events (at, object, actor, reason, message, warning)"
-                " VALUES (?, ?, ?, ?, ?, ?)",
-                [(e.at_ms, e.object, e.actor, e.reason, e.message, int(e.warning))
-                 for e in records],
-            )  # fmt: skip
-            await db.execute(
-                "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?", (keep,)
-            )
-            await db.commit()
-        except BaseException:
-            await db.rollback()
-            raise
-
-    async def events_of(self, objects: Sequence[str], limit: int) -> list[EventRecord]:
-        """The newest ``limit`` events and audit records about ``objects``, oldest first
-        (an audit record as an event: its action the reason, its result the message)."""
-        if not objects:
-            return []
-        marks = ",".join("?" * len(objects))
-        query = (
-            f"SELECT at, target, actor, action, result, -1, id FROM audit WHERE target IN ({marks})"
-            " UNION ALL SELECT at, object, actor, reason, message, warning, id FROM events"
-            f" WHERE object IN ({marks}) ORDER BY 1 DESC, 7 DESC LIMIT ?"
-        )
-        async with self._conn.execute(query, (*objects, *objects, limit)) as cursor:
-            rows = await cursor.fetchall()
-        return [
-            EventRecord(int(at), obj, actor, reason, message,
-                        bool(warn) if warn >= 0 else audit_warning(reason, message))
-            for at, obj, actor, reason, message, warn, _ in reversed(list(rows))
-        ]  # fmt: skip
-
-    async def count_events(self) -> int:
-        """How many rows the event history holds."""
-        async with self._conn.execute("SELECT COUNT(*) FROM events") as cursor:
-            row = await cursor.fetchone()
-        return int(row[0]) if row else 0
 
     @_write
     async def save_requests(self, requests: Iterable[tuple[str, str]]) -> None:

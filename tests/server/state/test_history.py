@@ -11,7 +11,8 @@ from llmgw.api.llmgw.v1 import Deployment, EngineProfile, Shard, ShardState, Sha
 from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.errors import StoreUnwritable
 from llmgw.server.state.history import ACTING, PENDING_MAX, History, affected, revise
-from llmgw.server.state.store import REVISIONS_KEPT, Store
+from llmgw.server.state.store import Store
+from llmgw.server.state.storehistory import REVISIONS_KEPT
 from llmgw.server.state.storeschema import AuditRecord, RevisionRecord, StoredDeployment
 
 
