@@ -152,12 +152,12 @@ async def run_get_desired(server: str, kind: str, output: str) -> int:
     if output == "json":
         sys.stdout.write(json.dumps({kind: [i.to_dict() for i in items]}, indent=2) + "\n")
         return 0
-    rows = _profile_rows(profiles) if kind == "profiles" else _deployment_rows(deployments)
+    rows = _profile_rows(profiles) if kind == "profiles" else deployment_rows(deployments)
     sys.stdout.write(render_table(rows) + "\n")
     return 0
 
 
-def _deployment_rows(deployments: Sequence[Deployment]) -> list[list[str]]:
+def deployment_rows(deployments: Sequence[Deployment]) -> list[list[str]]:
     """One row per deployment, its status as the server computed it (``DeploymentStatus``)."""
     rows = [["NAME", "PROFILE", "DESIRED", "READY", "UP-TO-DATE", "AVAILABLE", "REASON"]]
     for d in deployments:

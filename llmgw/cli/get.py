@@ -1,7 +1,8 @@
 """``llmgw get …`` and ``llmgw cordon|uncordon``: operator reads and writes over gRPC-web.
 
 Tables are for people (fixed columns, one row per thing, control characters escaped);
-``-o json`` prints the proto3 JSON of the messages, for scripts. ``get deployments`` and
+``-o json`` prints the proto3 JSON of the messages, for scripts; ``--watch`` prints the
+table and then a row for each change (``llmgw.cli.getwatch``). ``get deployments`` and
 ``get profiles`` are the desired state's (``llmgw.cli.apply``, imported when they run).
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 import betterproto2
 
 from llmgw.api.llmgw.v1 import Cluster, Gpu, GpuHealth, GpuTelemetry, Node, Shard
+from llmgw.cli.errors import CliError
 from llmgw.cli.rpc import add_client_flags, call
 from llmgw.cli.tables import render_table
 from llmgw.client import ControlClient
@@ -45,6 +47,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         default="table",
         help="table (default) or the proto3 JSON of the messages",
     )
+    p.add_argument(
+        "-w",
+        "--watch",
+        action="store_true",
+        help="(nodes, replicas, shards, deployments) print the table, then a row for each "
+        "change, until Ctrl-C",
+    )
     add_client_flags(p)
     p.set_defaults(command=_run_get)
     for verb, text in (
@@ -58,6 +67,12 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run_get(args: argparse.Namespace) -> int:
+    if args.watch:
+        from llmgw.cli.getwatch import WATCHED, run_watch
+
+        if args.kind not in WATCHED or args.output != "table":
+            raise CliError(f"--watch prints tables of {', '.join(WATCHED)} only")
+        return asyncio.run(run_watch(args.server, args.kind, _TABLES.get(args.kind)))
     if args.kind == "routes":
         from llmgw.cli.routes import run_get_routes
 

@@ -25,6 +25,7 @@ from llmgw.cli import (
     desired,
     gateway,
     get,
+    history,
     logs,
     server,
     simengine,
@@ -43,6 +44,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], 
     actions.register,  # start, drain, reprofile, drain-node
     logs.register,  # logs
     desired.register,  # apply, delete, events
+    history.register,  # describe, scale, rollout
     demo_command.register,  # demo
     simengine.register,  # sim-engine
     gateway.register,  # gateway

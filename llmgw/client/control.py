@@ -12,6 +12,8 @@ from llmgw.api.llmgw.v1 import (
     Cluster,
     DeleteDeploymentRequest,
     DeleteNodeRequest,
+    DescribeRequest,
+    Description,
     EngineProfile,
     GetClusterRequest,
     GetRouterStatsRequest,
@@ -22,7 +24,11 @@ from llmgw.api.llmgw.v1 import (
     NodeRequest,
     ReplicaRequest,
     ReprofileReplicaRequest,
+    RolloutHistoryRequest,
+    RolloutHistoryResponse,
+    RolloutUndoRequest,
     RouterStats,
+    ScaleRequest,
     WatchEvent,
     WatchRequest,
 )
@@ -81,6 +87,16 @@ class ControlClient:
         path = _SERVICE + "GetRouterStats"
         return await self._channel.unary(path, GetRouterStatsRequest(), RouterStats)
 
+    async def describe(self, kind: str, name: str) -> Description:
+        """Everything the server knows about a deployment, replica or node, with its events."""
+        request = DescribeRequest(kind=kind, name=name)
+        return await self._channel.unary(_SERVICE + "Describe", request, Description)
+
+    async def rollout_history(self, deployment: str) -> RolloutHistoryResponse:
+        request = RolloutHistoryRequest(deployment=deployment)
+        path = _SERVICE + "RolloutHistory"
+        return await self._channel.unary(path, request, RolloutHistoryResponse)
+
     # --- writes ----------------------------------------------------------------------------
 
     async def cordon_node(self, node_id: str) -> ActionResult:
@@ -119,6 +135,14 @@ class ControlClient:
             replica_id=replica_id, deployment=deployment, profile=profile
         )
         return await self._act("ReprofileReplica", request)
+
+    async def scale_deployment(self, deployment: str, replicas: int) -> ActionResult:
+        request = ScaleRequest(deployment=deployment, replicas=replicas)
+        return await self._act("ScaleDeployment", request)
+
+    async def rollout_undo(self, deployment: str, *, to_revision: int = 0) -> ActionResult:
+        request = RolloutUndoRequest(deployment=deployment, to_revision=to_revision)
+        return await self._act("RolloutUndo", request)
 
     async def _act(self, method: str, request: betterproto2.Message) -> ActionResult:
         if self._read_only:

@@ -5,10 +5,11 @@ for agents and operator clients, and gRPC-web plus ``/healthz`` (HTTP/1.1, asgih
 console, browsers and ``llmgw get``. The router feed (``llmgw.server.wire.routersvc``, carrying
 API keys) is on the native port only. Unless turned off, the OpenAI gateway
 (``llmgw.gateway``) serves on a third port, fed in process from the plane. SIGINT and
-SIGTERM stop every port, flush heartbeat times and close the database. The reconciler
-(``llmgw.server.reconcile_loop``) runs in the same loop, unless turned off or test hooks are
-on. The gRPC-web port also serves the server's own Prometheus metrics on ``/metrics``
-(``llmgw.server.wire.metrics``: agents' KV event counters, the KV block store).
+SIGTERM stop every port, flush heartbeat times and the event history and close the
+database. The reconciler (``llmgw.server.reconcile_loop``) runs in the same loop, unless
+turned off or test hooks are on. The gRPC-web port also serves the server's own Prometheus
+metrics on ``/metrics`` (``llmgw.server.wire.metrics``: agents' KV event counters, the KV
+block store).
 
 The native port drops a connection that sends no HTTP/2 preface within a handshake timeout,
 closes one with no open stream for an idle timeout, and caps connections in all and per
@@ -245,7 +246,7 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
             await asyncio.sleep(0)  # let the streams send their trailers
             grpc.close()
             await grpc.wait_closed()
-            await plane.flush(now=True)
+            await plane.flush(now=True)  # the event history too
     log.info("llmgw server stopped")
 
 

@@ -25,6 +25,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, ClassVar
 
 from rich.markup import escape
+from rich.text import Text
 from textual.app import App, ComposeResult
 from textual.binding import BindingType
 from textual.command import Provider
@@ -53,6 +54,7 @@ from llmgw.tui.model import ConsoleSnapshot
 from llmgw.tui.registry import VIEWS, ConsoleAction, action_named, bindings, resolve_view
 from llmgw.tui.stream import Feed, LinkStatus
 from llmgw.tui.views.deployments import DeploymentsView
+from llmgw.tui.views.details import history_section
 from llmgw.tui.views.events import EventsView
 from llmgw.tui.views.pulse import OverviewView, RouterPanel
 from llmgw.tui.views.replicas import ReplicasView, ShardsView
@@ -297,8 +299,25 @@ class ConsoleApp(App[None]):
         if not isinstance(view, TableView) or key is None:
             return
         content = view.detail(key, view.snapshot)
-        if content is not None:
-            self.push_screen(DetailScreen(*content))
+        if content is None:
+            return
+        screen = DetailScreen(*content)
+        self.push_screen(screen)
+        described = view.described(key)
+        if described is not None and self.client is not None:
+            work = self._show_history(screen, self.client, *described)
+            self.run_worker(work, group="detail", exclusive=True)
+
+    async def _show_history(
+        self, screen: DetailScreen, client: ControlClient, kind: str, name: str
+    ) -> None:
+        """Add the object's recent events (``Describe``) under its open detail."""
+        try:
+            description = await client.describe(kind, name)
+        except ClientError as exc:
+            screen.add_section(Text(f"Recent events: not available ({exc})"))
+            return
+        screen.add_section(history_section(description.events))
 
     def action_copy_id(self) -> None:
         view = self.view()

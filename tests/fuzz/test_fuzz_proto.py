@@ -106,7 +106,7 @@ def test_every_request_type_is_covered() -> None:
         "AgentMessage", "ApplyDeploymentRequest", "NodeRequest", "RouterFeedRequest",
         "ReprofileReplicaRequest", "WatchRequest",
     }  # fmt: skip
-    assert len(HANDLERS) == 17
+    assert len(HANDLERS) == 21
 
 
 @examples(300)

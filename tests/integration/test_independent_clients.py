@@ -79,9 +79,10 @@ def pb(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     try:
         control = importlib.import_module(f"{GENERATED_PACKAGE}.v1.control_pb2")
         control_grpc = importlib.import_module(f"{GENERATED_PACKAGE}.v1.control_pb2_grpc")
+        history = importlib.import_module(f"{GENERATED_PACKAGE}.v1.history_pb2")
     finally:
         sys.path.remove(str(out))
-    return SimpleNamespace(control=control, grpc=control_grpc)
+    return SimpleNamespace(control=control, grpc=control_grpc, history=history)
 
 
 def _grpcio_nodes(stub: Any, pb: SimpleNamespace) -> dict[str, Any]:
@@ -137,6 +138,10 @@ def test_grpcio_client_reads_the_cluster_and_the_statuses(
         result = stub.CordonNode(pb.control.NodeRequest(node_id="a1"), timeout=5)
         assert result.ok and result.message == "node a1 cordoned"
         assert _grpcio_nodes(stub, pb)["a1"].state == pb.control.NODE_STATE_CORDONED
+
+        described = stub.Describe(pb.history.DescribeRequest(kind="node", name="a1"), timeout=5)
+        assert described.node.cordoned and described.node.info.node_id == "a1"
+        assert {"Registered", "cordon"} <= {e.reason for e in described.events}
 
 
 # --- buf curl ----------------------------------------------------------------------------

@@ -648,3 +648,16 @@ async def test_read_only_shows_no_verb_and_its_client_refuses_a_forced_one(
     with pytest.raises(ClientError, match="read-only"):
         await ControlClient(channel, read_only=True).cordon_node("a1")
     assert await in_thread(fleet.events) == events  # nothing reached the server
+
+
+async def test_enter_on_a_replica_shows_its_recent_events_from_the_server(
+    fleet: Fleet, channel: GrpcWebChannel
+) -> None:
+    app = console(channel, fleet, "replicas")
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: len(ready_ids(app)) >= 1, 60, "a READY replica on screen")
+        chosen = table(app).selected_key()
+        await pilot.press("enter")
+        await until(pilot, lambda: "Recent events" in flat(app), 15, "the recent events")
+        text = flat(app)
+        assert "reconciler" in text and f"placed active replica {chosen}" in text

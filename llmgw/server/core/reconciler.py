@@ -376,8 +376,8 @@ class _Round:
         api_key = self.s.api_key_for(plan.replica_id)
         self.store(ReplicaRecord(plan, profile, lifecycle, serial, api_key, old))
         self.taken.append(plan)
-        nodes = ", ".join(plan.nodes)
-        what = f"placed {lifecycle.value} replica {plan.replica_id} of {plan.deployment} on {nodes}"
+        where = "; ".join(_where(s) for s in plan.shards)
+        what = f"placed {lifecycle.value} replica {plan.replica_id} of {plan.deployment} on {where}"
         why = _placement_why(lifecycle, old)
         self.events.append(Event(plan.replica_id, what, why))
 
@@ -510,6 +510,13 @@ class _Current:
 
 def _key(record: ReplicaRecord) -> tuple[int, str]:
     return record.serial, record.replica_id
+
+
+def _where(shard: ShardPlan) -> str:
+    """``a1 (GPU-48352ab2, GPU-a9edc71a; port 20001)``: a shard's node, devices (their UUIDs'
+    first 12 characters) and port, as a placement event names them."""
+    devices = ", ".join(u[:12] for u in shard.gpu_uuids) or f"{shard.cpu_threads} CPU threads"
+    return f"{shard.node_id} ({devices}; port {shard.port})"
 
 
 def _placement_why(lifecycle: Lifecycle, old: str) -> str:

@@ -1,11 +1,12 @@
 """What the control server knows and keeps.
 
-The SQLite store (``store``, with its schema, migrations and rows: ``storeschema``, and its
-replica records as JSON: ``replicajson``) and the health of its writes (``storehealth``),
-the state file's identity (``statefile``) and its lock (``statelock``), stored tokens
-(``tokens``), the control plane in memory (``plane``: nodes, replicas, connections), the
-inventory of nodes (``inventory``, with node infos encoded once: ``encoded``), desired state
-(``desired``), the KV block store and the agents' KV event counters (``kvblocks``,
+The SQLite store (``store``, with its schema, migrations and rows: ``storeschema``, its
+replica records as JSON: ``replicajson``, and its history tables: ``storehistory``) and the
+health of its writes (``storehealth``), the state file's identity (``statefile``) and its
+lock (``statelock``), stored tokens (``tokens``), the control plane in memory (``plane``:
+nodes, replicas, connections), the inventory of nodes (``inventory``, with node infos
+encoded once: ``encoded``), desired state (``desired``), the event history and profile
+revisions (``history``), the KV block store and the agents' KV event counters (``kvblocks``,
 ``kvfollow``), and the watch fan-out (``watch``).
 
 May import: the standard library, its dependencies (aiosqlite; grpclib only for

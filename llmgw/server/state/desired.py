@@ -50,9 +50,10 @@ from llmgw.server.core.plan import ReplicaPlan, Unplaceable
 from llmgw.server.core.profiles import CPU_CLASS, Document, parse_document
 from llmgw.server.core.profiles import render_document as _render
 from llmgw.server.errors import ProfileError
+from llmgw.server.state.history import affected, revise
 from llmgw.server.state.statefile import unreadable_row
 from llmgw.server.state.store import Store, now_ms
-from llmgw.server.state.storeschema import StoredDeployment, StoredProfile
+from llmgw.server.state.storeschema import RevisionRecord, StoredDeployment, StoredProfile
 from llmgw.server.state.watch import WatchHub
 
 __all__ = [
@@ -318,6 +319,7 @@ class DesiredState:
         self.replace: set[str] = set()  # replica ids to replace by surge (a node drain)
         # How a published deployment shows (the plane adds its status); the stored one stays.
         self.shown: Callable[[Deployment], Deployment] = lambda deployment: deployment
+        self.revisions: dict[str, RevisionRecord] = {}  # deployment → its latest revision
 
     async def load(self) -> None:
         """Read the stored profiles and deployments; a row that cannot be read is a
@@ -329,6 +331,7 @@ class DesiredState:
             self.deployments[d.name] = _read(Deployment, d.deployment, path, "deployments", d.name)
         for replica_id, kind in await self._store.load_requests():
             self._requests(kind).add(replica_id)
+        self.revisions = {r.deployment: r for r in await self._store.load_revisions()}
         log.info(
             "restored %d profiles, %d deployments and %d replica requests",
             len(self.profiles),
@@ -358,9 +361,19 @@ class DesiredState:
             else:
                 rows = _rows(changes, at)
             profiles, deployments, stored_profiles, stored_deployments = rows
-            await self._store.save_desired(
-                stored_profiles, stored_deployments, [(retire, "retire")] if retire else []
+            revisions = revise(
+                self.revisions,
+                affected(deployments, profiles, self.deployments),
+                {**self.profiles, **profiles},
+                at_ms=at,
             )
+            await self._store.save_desired(
+                stored_profiles,
+                stored_deployments,
+                [(retire, "retire")] if retire else [],
+                revisions=revisions,
+            )
+            self.revisions.update((r.deployment, r) for r in revisions)
             if retire:
                 self.retire.add(retire)
             self.profiles.update(profiles)
@@ -416,6 +429,7 @@ class DesiredState:
                 return False
             await self._store.delete_deployment(name)
             del self.deployments[name]
+            self.revisions.pop(name, None)
             self._hub.publish(WatchEvent(deployment_removed=name))
             return True
 

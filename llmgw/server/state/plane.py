@@ -79,6 +79,7 @@ from llmgw.server.errors import ActionRefused, StoreUnwritable, UnknownNode
 from llmgw.server.state.deploystatus import DeploymentBoard
 from llmgw.server.state.desired import DesiredState
 from llmgw.server.state.encoded import freeze_node_info
+from llmgw.server.state.history import History
 from llmgw.server.state.inventory import Inventory, InventoryConfig, NodeRecord
 from llmgw.server.state.kvblocks import DecodedKvDelta, KvBlocks, leader_replica
 from llmgw.server.state.kvfollow import KvFollowBoard
@@ -108,6 +109,7 @@ class ControlPlane:
         self.desired = DesiredState(store, self.hub)
         self.statuses = DeploymentBoard(self.inventory, self.desired.fingerprint)
         self.desired.shown = self.statuses.shown
+        self.history = History(store)  # state changes of shards and nodes (describe)
         self._seen: dict[str, int] = {}  # node id → last heartbeat ms not yet in the store
         self._unsaved_nodes: set[str] = set()  # registrations the store could not take yet
         self._unsaved_audit: list[AuditRecord] = []  # audit records it could not take yet
@@ -274,6 +276,7 @@ class ControlPlane:
         self._publish_shards(shards)
         self.reconcile_soon()
         log.info("node %s registered from %s (%d GPUs)", node.node_id, peer, len(node.gpus))
+        self.history.note(f"node/{node.node_id}", "Registered", f"from {peer}", actor="server")
         self._note_agents_back()
         return connection
 
@@ -325,7 +328,9 @@ class ControlPlane:
             record.unadopted[status.shard_id] = status  # another cluster's: still not ours
             self._publish_node(record)
             return
+        before = self.inventory.shards.get(status.shard_id)
         shard = self.inventory.report_shard(node_id, status, now_ms=now_ms())
+        self.history.shard_changed(node_id, before, shard)
         self.kv_blocks.shard_state(shard.shard_id, read_shard_state(status.state))
         self.kv_follow.shard_state(node_id, shard.shard_id, read_shard_state(status.state))
         self._publish_shards([shard])
@@ -351,6 +356,7 @@ class ControlPlane:
         record = self.inventory.disconnect(node_id, connection, reason)
         if record is not None:
             log.warning("node %s is NOT_READY: %s", node_id, reason)
+            self.history.node_down(node_id, reason)
             self.kv_blocks.drop_node(node_id, f"its node is NOT_READY: {reason}")
             self.kv_follow.drop_node(node_id)
             self._publish_node(record)
@@ -399,6 +405,7 @@ class ControlPlane:
         expired = self.inventory.expire(now)
         for record in expired:
             log.warning("node %s is NOT_READY: %s", record.info.node_id, record.reason)
+            self.history.node_down(record.info.node_id, record.reason)
             self._publish_node(record)
         if expired:
             self.reconcile_soon()
@@ -420,9 +427,10 @@ class ControlPlane:
                 record.last_heartbeat_mono += stall
 
     async def flush(self, *, now: bool = False) -> None:
-        """Write what is only in memory (registrations, heartbeat times, audit records);
-        while the store cannot take writes, try again at most as the backoff allows (``now``:
-        regardless), and keep it. Never raises StoreUnwritable."""
+        """Write what is only in memory (registrations, heartbeat times, audit records, the
+        event history); while the store cannot take writes, try again at most as the backoff
+        allows (``now``: regardless), and keep it. Never raises StoreUnwritable."""
+        await self.history.flush(now=now)
         at = time.monotonic()
         if not now and not self._retry.due(at):
             return

@@ -27,6 +27,9 @@ that caused them answers (an apply's profiles and deployment in one transaction,
 lowered count and its retire request in one); replica records are
 written, one round's in one transaction, before any command of that round is sent.
 
+The event history and the profile revisions are read and written by ``HistoryRows``
+(``llmgw.server.state.storehistory``), which ``Store`` is.
+
 Writes run one at a time through ``Store.health`` (``llmgw.server.state.storehealth``): one that
 sqlite refuses because the disk is full or read-only (or an I/O error) is rolled back and
 raises StoreUnwritable, and ``health`` says so until a write commits again.
@@ -39,7 +42,7 @@ import functools
 import logging
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Concatenate, ParamSpec, TypeVar
@@ -57,12 +60,14 @@ from llmgw.server.state.statefile import (
     unreadable_row,
 )
 from llmgw.server.state.storehealth import WriteHealth
+from llmgw.server.state.storehistory import HistoryRows, put_revisions
 from llmgw.server.state.storeschema import (
     COLUMNS_6,
     MIGRATIONS,
     REQUEST_KINDS,
     SCHEMA_VERSION,
     AuditRecord,
+    RevisionRecord,
     StoredDeployment,
     StoredNode,
     StoredProfile,
@@ -97,7 +102,7 @@ def _write(
     return write
 
 
-class Store:
+class Store(HistoryRows):
     """The SQLite file behind the control server. Use as an async context manager.
 
     Every write goes through ``health`` (``llmgw.server.state.storehealth.WriteHealth``): a disk
@@ -375,12 +380,14 @@ class Store:
         profiles: Iterable[StoredProfile],
         deployments: Iterable[StoredDeployment],
         requests: Iterable[tuple[str, str]] = (),
+        revisions: Sequence[RevisionRecord] = (),
     ) -> None:
-        """Insert or replace profiles, deployments and replica requests (``(replica_id,
-        kind)``), all in one transaction."""
+        """Insert or replace profiles, deployments, replica requests (``(replica_id,
+        kind)``) and profile revisions, all in one transaction."""
         db = self._conn
         try:
             await self._put_requests(db, requests)
+            await put_revisions(db, revisions)
             await db.executemany(
                 "INSERT OR REPLACE INTO profiles (name, profile, fingerprint, updated)"
                 " VALUES (?, ?, ?, ?)",
@@ -438,9 +445,10 @@ class Store:
 
     @_write
     async def delete_deployment(self, name: str) -> bool:
-        """Forget a deployment; False when there was none by that name."""
+        """Forget a deployment and its revisions; False when there was none by that name."""
         async with self._conn.execute("DELETE FROM deployments WHERE name = ?", (name,)) as cur:
             deleted = cur.rowcount > 0
+        await self._conn.execute("DELETE FROM revisions WHERE deployment = ?", (name,))
         await self._conn.commit()
         return deleted
 

@@ -3,12 +3,15 @@
 Schema versions (``PRAGMA user_version``): 1 holds nodes and the audit log; 2 adds the
 profiles and deployments tables; 3 adds the replicas table (each ``ReplicaRecord`` as JSON:
 ``llmgw.server.state.replicajson``); 4 the replica requests; 5 the tokens; 6 the node ids a
-token is bound to and whether a node was ever READY. ``MIGRATIONS`` holds the script that
+token is bound to and whether a node was ever READY; 7 the event history (``events``: state
+changes of shards and nodes, bounded, ``llmgw.server.state.history``), the profile revisions
+of deployments (``revisions``) and an index of the audit log by target (what Describe reads).
+``MIGRATIONS`` holds the script that
 brings a file from each version to the next, and ``add_columns`` the columns of version 6 a
 file lacks; ``llmgw.server.state.store`` runs them when it opens a file.
 
 The rows: ``StoredNode``, ``StoredProfile``, ``StoredDeployment`` and ``AuditRecord``, and
-the kinds of replica request (``REQUEST_KINDS``).
+the kinds of replica request (``REQUEST_KINDS``), ``EventRecord`` and ``RevisionRecord``.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import aiosqlite
 
 # --- schema, by version ---------------------------------------------------------------------
 
-SCHEMA_VERSION = 6
+SCHEMA_VERSION = 7
 
 _SCHEMA_1 = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -88,6 +91,31 @@ COLUMNS_6 = (
 ones a file lacks (`add_columns`)."""
 _SCHEMA_6 = ""
 
+_SCHEMA_7 = """
+CREATE TABLE IF NOT EXISTS events (
+    id          INTEGER PRIMARY KEY AUTOINCREMENT,
+    at          INTEGER NOT NULL,       -- Unix ms
+    object      TEXT NOT NULL,          -- a replica or shard id, deployment/NAME, node/ID
+    actor       TEXT NOT NULL,
+    reason      TEXT NOT NULL,
+    message     TEXT NOT NULL,
+    warning     INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX IF NOT EXISTS events_object ON events (object, id);
+CREATE INDEX IF NOT EXISTS audit_target ON audit (target, id);
+CREATE TABLE IF NOT EXISTS revisions (
+    deployment  TEXT NOT NULL,
+    revision    INTEGER NOT NULL,
+    profile     TEXT NOT NULL,          -- the profile's name
+    fingerprint TEXT NOT NULL,
+    content     BLOB NOT NULL,          -- llmgw.v1.EngineProfile, serialized, as it was
+    at          INTEGER NOT NULL,       -- Unix ms
+    actor       TEXT NOT NULL,
+    cause       TEXT NOT NULL,
+    PRIMARY KEY (deployment, revision)
+);
+"""
+
 # The script that brings a file from version N-1 to N, by N.
 MIGRATIONS = {
     1: _SCHEMA_1,
@@ -96,6 +124,7 @@ MIGRATIONS = {
     4: _SCHEMA_4,
     5: _SCHEMA_5,
     6: _SCHEMA_6,
+    7: _SCHEMA_7,
 }
 
 
@@ -158,3 +187,35 @@ class AuditRecord:
     action: str
     target: str
     result: str
+
+
+@dataclass(frozen=True, slots=True)
+class EventRecord:
+    """One state change of an object (a shard an agent reported, a node the server saw)."""
+
+    at_ms: int
+    object: str
+    actor: str
+    reason: str
+    message: str
+    warning: bool = False
+
+
+@dataclass(frozen=True, slots=True)
+class RevisionRecord:
+    """One profile a deployment used: its number, the profile as it was, who and why."""
+
+    deployment: str
+    revision: int
+    profile: str
+    fingerprint: str
+    content: bytes  # llmgw.v1.EngineProfile, serialized
+    at_ms: int
+    actor: str
+    cause: str
+
+
+def audit_warning(action: str, result: str) -> bool:
+    """Whether an audit record, read as an event, is a warning: a refusal, a failure, or a
+    deployment that cannot be placed."""
+    return action == "unplaceable" or result.startswith(("refused", "failed"))

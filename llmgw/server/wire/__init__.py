@@ -2,8 +2,9 @@
 
 The gRPC services (``agentsvc``: agents; ``controlsvc``: operators; ``routersvc``: the router
 feed and gateway reports, kept in ``routerreports``), the operator actions behind them
-(``actions``), authentication (``auth``) and admission (``admission``), the protobuf codec
-(``codec``), the gRPC-web bridge (``grpcweb``, a call's stream, reply and run in
+(``actions``), describe (``describe``) and rollout history and undo (``rollout``),
+authentication (``auth``) and admission (``admission``), the protobuf codec (``codec``),
+the gRPC-web bridge (``grpcweb``, a call's stream, reply and run in
 ``grpcwebcall``) on the gateway's HTTP server through an ASGI bridge (``asgihttp``), the
 native port's connection limits (``grpcport``), the server's ``/metrics`` (``metrics``) and
 the test hooks (``testhooks``).

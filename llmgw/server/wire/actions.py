@@ -10,6 +10,8 @@ durably, before it answers) and leaves the replacing to the reconciler:
 - **reprofile**: the deployment (named, or the deployment of a named replica) points at
   another stored profile; the reconciler's rolling surge of one replaces its replicas, so
   READY never drops below the count;
+- **scale**: the deployment's count is set (``llmgw scale``); the reconciler starts or
+  retires replicas to meet it;
 - **drain a node**: the node is cordoned and each of its live replicas is marked for
   replacement (``DesiredState.replace``): the same surge places a replacement elsewhere,
   waits until it is READY, then retires the old replica; a dry run changes nothing and
@@ -35,6 +37,7 @@ from llmgw.server.core.drainplan import drain_text, moving_replicas, plan_node_d
 from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.core.placement import FleetPlacer
 from llmgw.server.core.plan import ReplicaPlan
+from llmgw.server.core.profiles import MAX_REPLICAS
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.errors import ActionRefused, UnknownNode, quoted
 from llmgw.server.state.plane import ControlPlane
@@ -46,6 +49,7 @@ __all__ = [
     "drain_preview",
     "drain_replica",
     "reprofile",
+    "scale",
     "start_replica",
     "uncordon_node",
 ]
@@ -83,6 +87,13 @@ def _scale(delta: int) -> Callable[[Deployment], None]:
     return edit
 
 
+def _set_count(n: int) -> Callable[[Deployment], None]:
+    def edit(deployment: Deployment) -> None:
+        deployment.replicas = n
+
+    return edit
+
+
 def _point_at(profile: str) -> Callable[[Deployment], None]:
     def edit(deployment: Deployment) -> None:
         deployment.profile = profile
@@ -111,6 +122,19 @@ async def start_replica(plane: ControlPlane, deployment: str, replica_id: str) -
     target = await _edit(plane, _named(plane, deployment, replica_id), _scale(+1))
     plane.reconcile_soon()
     return f"deployment {target.name} scaled up to {_count(target.replicas)}"
+
+
+async def scale(plane: ControlPlane, deployment: str, replicas: int) -> str:
+    """Set a deployment's replica count, durably."""
+    if replicas > MAX_REPLICAS:
+        why = f"replicas: {replicas} is more than {MAX_REPLICAS}"
+        raise ActionRefused(Status.INVALID_ARGUMENT, why)
+    named = _deployment(plane, deployment)
+    if named.replicas == replicas:
+        return f"deployment {named.name} already has {_count(replicas)}; nothing changed"
+    target = await _edit(plane, named, _set_count(replicas))
+    plane.reconcile_soon()
+    return f"deployment {target.name} scaled from {named.replicas} to {_count(target.replicas)}"
 
 
 async def drain_replica(plane: ControlPlane, replica_id: str) -> str:

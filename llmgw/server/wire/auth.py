@@ -1,10 +1,11 @@
 """Who may call what: bearer tokens with roles, checked in one place for every RPC.
 
-Roles: ``viewer`` reads (GetCluster, Watch, ListProfiles, GetRouterStats); ``operator`` is a
-viewer that also acts on replicas and nodes and reads engine logs (StreamLogs: engine
-output may hold prompts); ``admin`` is an operator that also applies and
-deletes deployments and nodes (and manages tokens, through ``llmgw token`` on the server's
-file); only an admin reads profiles' env values: other roles see their names, each value
+Roles: ``viewer`` reads (GetCluster, Watch, ListProfiles, GetRouterStats, Describe,
+RolloutHistory); ``operator`` is a viewer that also acts on replicas, deployments' counts
+and revisions (ScaleDeployment, RolloutUndo) and nodes, and reads engine logs (StreamLogs:
+engine output may hold prompts); ``admin`` is an operator that also applies and deletes
+deployments and nodes (and manages tokens, through ``llmgw token`` on the server's file);
+only an admin reads profiles' env values: other roles see their names, each value
 :data:`REDACTED` (:func:`sees_secrets`).
 ``agent`` may only join (``AgentService.Connect``; a token made with ``--node`` only as
 those node ids) and ``gateway`` may only follow the router
@@ -102,6 +103,10 @@ METHOD_ROLES: Mapping[str, Role] = {
     _CONTROL + "ApplyDeployment": Role.ADMIN,
     _CONTROL + "DeleteDeployment": Role.ADMIN,
     _CONTROL + "DeleteNode": Role.ADMIN,
+    _CONTROL + "Describe": Role.VIEWER,
+    _CONTROL + "ScaleDeployment": Role.OPERATOR,
+    _CONTROL + "RolloutHistory": Role.VIEWER,
+    _CONTROL + "RolloutUndo": Role.OPERATOR,
     "/llmgw.v1.AgentService/Connect": Role.AGENT,
     "/llmgw.v1.RouterService/Feed": Role.GATEWAY,
     "/llmgw.v1.RouterService/Report": Role.GATEWAY,

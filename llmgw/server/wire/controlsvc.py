@@ -14,7 +14,15 @@ caller's token (``llmgw.server.wire.auth.current_actor``), or ``operator`` with 
 
 ``ListProfiles`` shows profiles' env values (where HF tokens go) to admins only: any other
 caller gets each value as ``<redacted>``, its name kept (``llmgw.server.wire.auth.sees_secrets``).
-Profiles reach clients through ListProfiles only (Watch and GetCluster carry none).
+Profiles reach clients through ListProfiles and Describe only (Watch and GetCluster carry
+none), redacted alike.
+
+``Describe`` (``llmgw.server.wire.describe``) answers everything known about a deployment,
+replica or node with its recent events; ``ScaleDeployment`` sets a deployment's count (an
+action, audited as ``scale``); ``RolloutHistory`` and ``RolloutUndo``
+(``llmgw.server.wire.rollout``) list a deployment's profile revisions and go back to one
+(audited as ``rollout-undo``). Each call that changes desired state sets
+``llmgw.server.state.history.ACTING`` (the caller, the action) for the revision it records.
 
 ``StreamLogs`` reads a shard's engine output from its node's agent
 (``llmgw.server.wire.logrelay``, given as ``logs``: the one the AgentService feeds).
@@ -48,6 +56,8 @@ from llmgw.api.llmgw.v1 import (
     ControlServiceBase,
     DeleteDeploymentRequest,
     DeleteNodeRequest,
+    DescribeRequest,
+    Description,
     EngineProfile,
     GetClusterRequest,
     GetRouterStatsRequest,
@@ -58,7 +68,11 @@ from llmgw.api.llmgw.v1 import (
     NodeRequest,
     ReplicaRequest,
     ReprofileReplicaRequest,
+    RolloutHistoryRequest,
+    RolloutHistoryResponse,
+    RolloutUndoRequest,
     RouterStats,
+    ScaleRequest,
     WatchEvent,
     WatchRequest,
 )
@@ -73,10 +87,12 @@ from llmgw.server.state.desired import (
     plan_text,
     refusal,
 )
+from llmgw.server.state.history import ACTING
 from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.storeschema import AuditRecord
-from llmgw.server.wire import actions
+from llmgw.server.wire import actions, rollout
 from llmgw.server.wire.auth import ANONYMOUS_ACTOR, REDACTED, current_actor, sees_secrets
+from llmgw.server.wire.describe import describe
 from llmgw.server.wire.logrelay import LogRelay, log_targets, merged
 from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
 
@@ -147,6 +163,7 @@ class ControlService(ControlServiceBase):
             return await self._apply_deployment(message)
 
     async def _apply_deployment(self, message: ApplyDeploymentRequest) -> ActionResult:
+        ACTING.set((current_actor(), "apply"))
         if message.document and message.deployment is None and not message.profiles:
             return await self._apply_document(message)
         # Parsing a request's document takes time in proportion to its deployments (seconds
@@ -250,6 +267,7 @@ class ControlService(ControlServiceBase):
 
     async def _act(self, action: str, target: str, work: Coroutine[Any, Any, str]) -> ActionResult:
         """Run an operator action and audit it: "ok: WHAT" or "refused: WHY"."""
+        ACTING.set((current_actor(), action))
         try:
             text = await work
         except actions.ActionRefused as exc:
@@ -257,6 +275,26 @@ class ControlService(ControlServiceBase):
             raise GRPCError(exc.status, exc.why) from exc
         await self.plane.audit(current_actor(), action, target, f"ok: {text}")
         return ActionResult(ok=True, message=text)
+
+    async def describe(self, message: DescribeRequest) -> Description:
+        try:
+            return await describe(self.plane, message.kind, message.name, _shown)
+        except actions.ActionRefused as exc:
+            raise GRPCError(exc.status, exc.why) from exc
+
+    async def scale_deployment(self, message: ScaleRequest) -> ActionResult:
+        work = actions.scale(self.plane, message.deployment, message.replicas)
+        return await self._act("scale", f"deployment/{message.deployment[:64]}", work)
+
+    async def rollout_history(self, message: RolloutHistoryRequest) -> RolloutHistoryResponse:
+        try:
+            return await rollout.history(self.plane, message.deployment)
+        except actions.ActionRefused as exc:
+            raise GRPCError(exc.status, exc.why) from exc
+
+    async def rollout_undo(self, message: RolloutUndoRequest) -> ActionResult:
+        work = rollout.undo(self.plane, message.deployment, message.to_revision)
+        return await self._act("rollout-undo", f"deployment/{message.deployment[:64]}", work)
 
     async def list_profiles(self, message: ListProfilesRequest) -> ListProfilesResponse:
         profiles = self.plane.desired.profiles
@@ -274,6 +312,11 @@ class ControlService(ControlServiceBase):
         if gateway is not None:  # read now: the freshest figures there are
             parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
         return combine(parts, now_ms)
+
+
+def _shown(profile: EngineProfile) -> EngineProfile:
+    """``profile`` as the caller may see it: whole for admins, else env values redacted."""
+    return profile if sees_secrets() else _redacted(profile)
 
 
 def _redacted(profile: EngineProfile) -> EngineProfile:

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from llmgw.api.llmgw.v1 import HistoryEvent
 from llmgw.printable import escape
 from llmgw.tui.model import ConsoleSnapshot
 from llmgw.tui.rows import EventRow, GpuRow, NodeRow, ReplicaRow, ShardRow
@@ -25,7 +26,12 @@ from llmgw.tui.widgets.cells import (
     temperature,
 )
 
-__all__ = ["event_detail", "gpu_detail", "node_detail", "replica_detail", "shard_detail"]
+__all__ = [
+    "event_detail", "gpu_detail", "history_section", "node_detail", "replica_detail",
+    "shard_detail",
+]  # fmt: skip
+
+_EVENTS_SHOWN = 15  # the newest events under a detail (`llmgw describe` shows more)
 
 Line = tuple[str, RenderableType]
 
@@ -235,3 +241,21 @@ def event_detail(event: EventRow, snapshot: ConsoleSnapshot) -> tuple[str, Rende
         ("result", _text(event.result)),
     ]
     return f"Event {event.seq}", _grid(lines)
+
+
+def history_section(events: Sequence[HistoryEvent]) -> RenderableType:
+    """The object's newest events (``Describe``), oldest first: time, who, what, message."""
+    table = Table(title="Recent events", title_justify="left", box=None, padding=(0, 1),
+                  show_edge=False, expand=True)  # fmt: skip
+    table.add_column("WHEN", no_wrap=True)
+    table.add_column("BY", no_wrap=True, max_width=14, overflow="ellipsis")
+    table.add_column("WHAT", no_wrap=True, max_width=12, overflow="ellipsis")
+    table.add_column("MESSAGE", overflow="fold", ratio=1)
+    for e in events[-_EVENTS_SHOWN:]:
+        what = Text(("! " if e.warning else "") + escape(e.reason))
+        if e.warning:
+            what.stylize("bold yellow")
+        table.add_row(clock(e.at_unix_ms), shown(e.actor), what, shown(f"{e.object}: {e.message}"))
+    if not events:
+        return Text("Recent events: none kept")
+    return table

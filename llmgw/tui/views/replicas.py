@@ -105,6 +105,9 @@ class ReplicasView(TableView[ReplicaRow]):
         row = snapshot.replicas.get(key)
         return None if row is None else replica_detail(row, snapshot)
 
+    def described(self, key: str) -> tuple[str, str] | None:
+        return ("replica", key)
+
 
 def _gpus_of(row: ShardRow, now_ms: int) -> Hashable:
     return len(row.gpu_uuids)

@@ -127,6 +127,11 @@ class TableView(Widget, Generic[R]):
         """A title and body for the detail of row ``key`` (Enter); None when it has none."""
         return None
 
+    def described(self, key: str) -> tuple[str, str] | None:
+        """What ``Describe`` (kind, name) gives row ``key``'s recent events, shown under its
+        detail; None when the row has none."""
+        return None
+
     # --- the table ----------------------------------------------------------------------
 
     def compose(self) -> ComposeResult:

@@ -165,3 +165,6 @@ class TopologyView(TableView[TopologyRow]):
             return None if gpu is None else gpu_detail(gpu, snapshot)
         node = snapshot.nodes.get(key.removeprefix(NODE_PREFIX))
         return None if node is None else node_detail(node, snapshot)
+
+    def described(self, key: str) -> tuple[str, str] | None:
+        return None if key.startswith(GPU_PREFIX) else ("node", key.removeprefix(NODE_PREFIX))

@@ -39,5 +39,10 @@ class DetailScreen(ModalScreen[None]):
             box.border_subtitle = "esc: back"
             yield Static(self._body, id="detail-body")
 
+    def add_section(self, body: RenderableType) -> None:
+        """Show ``body`` under the detail (what came later: the object's recent events)."""
+        if self.is_attached:
+            self.query_one(VerticalScroll).mount(Static(body, classes="detail-section"))
+
     def action_close(self) -> None:
         self.dismiss(None)

@@ -57,7 +57,7 @@ async def test_schema_1_file_migrates_and_keeps_its_nodes(tmp_path: Path) -> Non
     with sqlite3.connect(db) as conn:
         (version,) = conn.execute("PRAGMA user_version").fetchone()
     conn.close()
-    assert version == SCHEMA_VERSION == 6
+    assert version == SCHEMA_VERSION == 7
 
 
 async def test_replica_requests_survive_reopen_until_forgotten(tmp_path: Path) -> None:

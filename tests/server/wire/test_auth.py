@@ -45,7 +45,14 @@ CONTROL = "/llmgw.v1.ControlService/"
 CONNECT = "/llmgw.v1.AgentService/Connect"
 FEED = "/llmgw.v1.RouterService/Feed"
 GATEWAY_RPCS = {FEED, "/llmgw.v1.RouterService/Report"}  # the feed, and reports (#7 follow-up)
-READS = {"GetCluster", "Watch", "ListProfiles", "GetRouterStats"}
+READS = {
+    "GetCluster",
+    "Watch",
+    "ListProfiles",
+    "GetRouterStats",
+    "Describe",
+    "RolloutHistory",
+}
 ACTIONS = {
     "StartReplica",
     "DrainReplica",
@@ -54,6 +61,8 @@ ACTIONS = {
     "UncordonNode",
     "DrainNode",
     "StreamLogs",  # a read, but engine output may hold prompts
+    "ScaleDeployment",
+    "RolloutUndo",
 }
 DESIRED = {"ApplyDeployment", "DeleteDeployment", "DeleteNode"}  # admin only
 
@@ -157,7 +166,7 @@ async def test_a_version_4_file_migrates_to_tokens(tmp_path: Path) -> None:
         await add(store, Role.ADMIN)
         assert len(await store.load_tokens()) == 1
     with sqlite3.connect(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 7
 
 
 async def test_off_without_tokens_then_on(store: Store) -> None:
