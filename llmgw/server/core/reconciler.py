@@ -53,7 +53,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmgw import engineinput
 from llmgw.api.llmgw.v1 import (
     ControlMessage,
     Deployment,
@@ -65,7 +64,15 @@ from llmgw.api.llmgw.v1 import (
     StartShard,
     StopShard,
 )
-from llmgw.protocol import read_shard_state
+from llmgw.server.core.placing import (
+    holding,
+    next_serials,
+    placement_order,
+    profile_refusal,
+    replica_id_for,
+    shard_state,
+    unusable_nodes,
+)
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
 from llmgw.server.core.reconcile_state import (
     CommandKind,
@@ -84,11 +91,6 @@ _LIVE = (Lifecycle.ACTIVE, Lifecycle.SURGE)
 _RUNNING = (ShardState.PENDING, ShardState.STARTING, ShardState.LOADING, ShardState.READY)
 
 
-def replica_id_for(deployment: str, serial: int) -> str:
-    """The id of a deployment's ``serial``-th replica: ``DEPLOYMENT-SERIAL``."""
-    return f"{deployment}-{serial}"
-
-
 def reconcile(state: ReconcileInput) -> Decision:
     """Decide one round (see the module docstring for the rules)."""
     round_ = _Round(state)
@@ -96,7 +98,7 @@ def reconcile(state: ReconcileInput) -> Decision:
     round_.retire_requested()
     for name in sorted(round_.live_deployments() - state.deployments.keys()):
         round_.retire_deleted(name)
-    for deployment in _largest_first(state):
+    for deployment in placement_order(state.deployments.values(), state.profiles):
         round_.scale(deployment)
     round_.retire_drained()
     round_.start_missing()
@@ -104,23 +106,7 @@ def reconcile(state: ReconcileInput) -> Decision:
     return round_.decision()
 
 
-def _largest_first(state: ReconcileInput) -> list[Deployment]:
-    """Deployments in the order their replicas are placed: the most devices per shard
-    first, then by name. Small shards placed first spread over every node and leave no
-    node whole for a TP=8 one; placed last they fill the gaps."""
-
-    def size(deployment: Deployment) -> int:
-        profile = state.profiles.get(deployment.profile)
-        if profile is None:
-            return 0
-        return max(1, profile.tp) * max(1, profile.pp) // max(1, profile.nodes)
-
-    named = sorted(state.deployments.items())
-    return [d for _, d in sorted(named, key=lambda item: -size(item[1]))]
-
-
-def _state(shard: Shard) -> ShardState:
-    return read_shard_state(shard.status.state) if shard.status else ShardState.FAILED
+_state = shard_state
 
 
 def _restarts(shard: Shard) -> int:
@@ -145,13 +131,8 @@ class _Round:
         self.by_deployment: dict[str, dict[str, ReplicaRecord]] = {}
         for record in self.records.values():
             self.by_deployment.setdefault(record.plan.deployment, {})[record.replica_id] = record
-        nodes = state.nodes.values()
-        self.unusable = frozenset(n.node_id for n in nodes if not n.ready or n.cordoned)
-        self.taken = [  # plans holding devices: not RETIRED, or RETIRED and still running
-            r.plan
-            for r in self.sorted_records()
-            if r.lifecycle is not Lifecycle.RETIRED or self.still_running(r)
-        ]
+        self.unusable = unusable_nodes(state.nodes)
+        self.taken = holding(self.records.values(), state.shards)
 
     # --- views ----------------------------------------------------------------------
 
@@ -289,7 +270,7 @@ class _Round:
         if profile is None:
             self.unplaceable[deployment.name] = f"profile {deployment.profile!r} is not defined"
             return
-        if why := self.refused(profile):
+        if why := profile_refusal(profile):
             self.unplaceable[deployment.name] = why
             return
         fingerprint = self.s.fingerprint(profile)
@@ -349,7 +330,7 @@ class _Round:
         if held := self.held(name):
             self.unplaceable[name] = held
             return
-        serials = self.new_serials(name, count)
+        serials = next_serials(self.records, name, count)
         ids = [replica_id_for(name, serial) for serial in serials]
         placed = self.s.place(
             deployment,
@@ -390,21 +371,6 @@ class _Round:
             held = held_reason(name, streak + failed, self.cfg)
         return held
 
-    def new_serials(self, name: str, count: int) -> list[int]:
-        """The next ``count`` serials of a deployment whose ids are not taken."""
-        used = [r.serial for r in self.by_deployment.get(name, {}).values()]
-        serial = max(used, default=0) + 1
-        serials: list[int] = []
-        while len(serials) < count:
-            if replica_id_for(name, serial) not in self.records:
-                serials.append(serial)
-            serial += 1
-        return serials
-
-    def still_running(self, record: ReplicaRecord) -> bool:
-        shards = (self.s.shards.get(p.shard_id) for p in record.plan.shards)
-        return any(s is not None and _state(s) is not ShardState.STOPPED for s in shards)
-
     # --- rule 3: retiring ---------------------------------------------------------------
 
     def retire_drained(self) -> None:
@@ -442,15 +408,8 @@ class _Round:
         shard = self.s.shards.get(plan.shard_id)
         return shard is None or _state(shard) is ShardState.STOPPED
 
-    def refused(self, profile: EngineProfile) -> str:
-        """Why no engine may run ``profile`` (see the module docstring), or ""."""
-        problems = engineinput.profile_problems(profile)
-        if not problems:
-            return ""
-        return f"profile {profile.name!r} is refused: {engineinput.describe(problems)}"
-
     def start(self, record: ReplicaRecord, plan: ShardPlan, leader_address: str) -> None:
-        if why := self.refused(record.profile):
+        if why := profile_refusal(record.profile):
             self.unplaceable.setdefault(record.plan.deployment, why)
             return
         message = start_message(record, plan, leader_address)
