@@ -191,6 +191,7 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
             grace_s=config.node_grace_s, never_ready_prune_s=config.prune_never_ready_s
         )
         plane = ControlPlane(store, inventory)
+        plane.engine_ports = config.engine_ports
         await plane.load()
         slot = _GatewaySlot()
         reports = RouterReports()  # gateways' reports: RouterService in, GetRouterStats out

@@ -71,6 +71,7 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
     WatchEvent,
 )
+from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.protocol import read_shard_state
 from llmgw.server.core.plan import ShardPlan
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
@@ -113,6 +114,7 @@ class ControlPlane:
         self._recent: deque[AuditEvent] = deque(maxlen=RECENT_AUDIT)
         self.replicas: dict[str, ReplicaRecord] = {}  # every record, RETIRED ones too
         self.reconcile_soon: Callable[[], None] = _nothing  # set by the reconcile loop
+        self.engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports, for dry runs
         self.kv_blocks = KvBlocks()
         self.kv_follow = KvFollowBoard()  # agents' KV event counters, per (node, shard)
         self._last_tick: float | None = None
