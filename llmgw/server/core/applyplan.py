@@ -8,7 +8,8 @@ rules of ``llmgw.server.core.placing``, so it names the replicas, nodes, GPUs an
 the reconciler will choose. Per deployment, replicas that are live (ACTIVE or SURGE, not
 being drained by an operator) and run its profile as it is now are kept, oldest first, up
 to the count; out-of-date ones are rolled (a replacement placed while it still runs, then
-it is retired, one at a time: the reconciler's surge of one); replicas still missing are
+it is retired, one at a time: the reconciler's surge of one, each surge placed while the
+replicas replaced before still drain, if there is room); replicas still missing are
 added; the rest are removed. Removed replicas' devices count as free (the end state), the
 other plans, of every deployment, as taken.
 
@@ -198,7 +199,9 @@ class _Planner:
         out = [r for r in live if not current(r)]
         keep = up[: deployment.replicas]
         need = deployment.replicas - len(keep)
-        split = _Split(keep, out[:need], up[len(keep) :] + out[need:], need - len(out[:need]))
+        # the reconciler retires the newest first: extras, then each rolled replica in turn
+        rolled = out[:need][::-1]
+        split = _Split(keep, rolled, up[len(keep) :] + out[need:], need - len(rolled))
         self.splits[deployment.name] = split
         gone = {r.replica_id for r in split.remove}
         self.taken = [p for p in self.taken if p.replica_id not in gone]
@@ -236,7 +239,9 @@ class _Planner:
         self, deployment: Deployment, profile: EngineProfile, ids: list[str], split: _Split
     ) -> list[PlannedReplica]:
         """The additions (all at once, as the reconciler places a shortfall), then the
-        rolls (one at a time, each while the replica it replaces still runs)."""
+        rolls, one at a time: each placed while the replica it replaces still runs, and
+        while those replaced before still drain (the reconciler places the next surge as
+        soon as it retires one), unless only their room is left: then the oldest first."""
         name = deployment.name
         changes: list[PlannedReplica] = []
         adds, rolls = ids[: split.add], ids[split.add :]
@@ -252,8 +257,12 @@ class _Planner:
                     PlannedReplica(Action.ADD, name, replica_id, profile.name, plan=placed)
                 )
         failure: Unplaceable | None = None
+        retiring: list[str] = []  # replicas rolled before: they still drain meanwhile
         for replica_id, old in zip(rolls, split.roll, strict=True):
             placed = failure or self.place(deployment, profile, [replica_id])[0]
+            while isinstance(placed, Unplaceable) and retiring:  # gone soon: room then
+                self.free(retiring.pop(0))
+                placed = self.place(deployment, profile, [replica_id])[0]
             if isinstance(placed, Unplaceable):
                 failure = placed
                 reason = f"cannot roll {old.replica_id}: {placed.reason}"
@@ -270,8 +279,11 @@ class _Planner:
                     f"replaces {old.replica_id}",
                 )
             )  # fmt: skip
-            self.taken = [p for p in self.taken if p.replica_id != old.replica_id]
+            retiring.append(old.replica_id)
         return changes
+
+    def free(self, replica_id: str) -> None:
+        self.taken = [p for p in self.taken if p.replica_id != replica_id]
 
     def place(
         self, deployment: Deployment, profile: EngineProfile, ids: list[str]

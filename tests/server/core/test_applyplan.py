@@ -131,8 +131,8 @@ def test_a_profile_change_rolls_each_replica_old_to_new() -> None:
     state = _settle(_want(_fleet("n1", "n2"), chat, a=_profile("a"), b=_profile("b")))
     plan = plan_apply(_want(state, replace(chat, profile="b")), ["chat"])
     assert [(c.action, c.from_profile, c.profile, c.reason) for c in plan.changes] == [
+        (Action.ROLL, "a", "b", "replaces chat-2"),  # the reconciler retires the newest first
         (Action.ROLL, "a", "b", "replaces chat-1"),
-        (Action.ROLL, "a", "b", "replaces chat-2"),
     ]
     assert [c.replica for c in plan.changes] == ["chat-3", "chat-4"]
 
@@ -176,3 +176,18 @@ def test_undoing_a_live_change_is_said() -> None:
     )
     (removed,) = [c for c in plan.changes if c.action is Action.REMOVE]
     assert "undoes a live scale to 3" in removed.reason
+
+
+def test_rolls_name_the_gpus_and_ports_the_rolling_replacement_takes() -> None:
+    chat = Deployment(name="chat", profile="a", replicas=3)
+    state = _settle(_want(_fleet("n1"), chat, a=_profile("a", tp=2), b=_profile("b", tp=2)))
+    wanted = _want(state, replace(chat, profile="b"))
+    plan = plan_apply(wanted, ["chat"])
+    assert [c.action for c in plan.changes] == [Action.ROLL] * 3
+    predicted = {
+        c.replica: (c.plan.leader.node_id, c.plan.leader.gpu_uuids, c.plan.leader.port)
+        for c in plan.changes
+        if c.plan is not None
+    }
+    after = _running(_settle(wanted))
+    assert {k: after[k] for k in predicted} == predicted
