@@ -54,6 +54,7 @@ from llmgw.api.llmgw.v1 import ControlMessage, NodeState
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange, format_port_range
 from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.core.reconcile_state import (
+    CrashLoop,
     Decision,
     Lifecycle,
     NodeView,
@@ -116,6 +117,7 @@ class ReconcileLoop:
         self._started = clock()
         self._down_since: dict[str, float] = {}  # node id → monotonic time it was seen down
         self.failures: dict[str, tuple[int, float]] = {}  # deployment → (in a row, last at)
+        self.crashloops: dict[str, CrashLoop] = {}  # replica id → its loop (memory only)
         self.busy_ports: dict[tuple[str, int], float] = {}  # (node, port) → held until
         self._wakeup = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -150,6 +152,10 @@ class ReconcileLoop:
             state = self.snapshot()
             decision = reconcile(state)
             self._count_failures(decision, state.now)
+            self.crashloops = dict(decision.crashloops)
+            self.plane.crash_looping = frozenset(
+                rid for rid, loop in self.crashloops.items() if not loop.restarted
+            )
             await self.plane.save_replicas(decision.replicas)
             await self.plane.desired.keep_requests(_live(self.plane.replicas))
             self.pending = dict(decision.pending)
@@ -178,6 +184,7 @@ class ReconcileLoop:
             replace=frozenset(plane.desired.replace),
             held=self._held(now),
             streak=self._streak(now),
+            crashloops=dict(self.crashloops),
         )
 
     def _busy(self, now: float) -> frozenset[tuple[str, int]]:

@@ -115,6 +115,7 @@ class ControlPlane:
         self.replicas: dict[str, ReplicaRecord] = {}  # every record, RETIRED ones too
         self.reconcile_soon: Callable[[], None] = _nothing  # set by the reconcile loop
         self.engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports, for dry runs
+        self.crash_looping: frozenset[str] = frozenset()  # replicas waiting: set by the loop
         self.kv_blocks = KvBlocks()
         self.kv_follow = KvFollowBoard()  # agents' KV event counters, per (node, shard)
         self._last_tick: float | None = None
@@ -193,11 +194,18 @@ class ControlPlane:
             profile=plan.profile,
             model=record.profile.served_model_name,
             endpoint=f"http://{_host(address)}:{plan.leader.port}",
-            state=replica_state(record, [self._on_node(p) for p in plan.shards]),
+            state=self._replica_state(record),
             shard_ids=[p.shard_id for p in plan.shards],
             out_of_date=plan.fingerprint != self.desired.fingerprint(plan.profile)
             or self._profile_changed(record),
         )
+
+    def _replica_state(self, record: ReplicaRecord) -> ShardState:
+        """As :func:`replica_state` says; FAILED while it waits to restart a crash loop."""
+        state = replica_state(record, [self._on_node(p) for p in record.plan.shards])
+        if record.replica_id in self.crash_looping and state is not ShardState.READY:
+            return ShardState.FAILED
+        return state
 
     def _profile_changed(self, record: ReplicaRecord) -> bool:
         deployment = self.desired.deployments.get(record.plan.deployment)
