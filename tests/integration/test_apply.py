@@ -85,7 +85,7 @@ def test_apply_dry_run_refuse_restart_and_events(fleet: Cluster, tmp_path: Path)
     )
     try:
         assert follow.stdout is not None
-        lines = iter(follow.stdout.readline, "")  # type: ignore[assignment]
+        lines = iter(follow.stdout.readline, "")
         assert " apply  deployment/chat" in next(ln for ln in lines if " operator " in ln)
         cluster.cli("delete", "deployment", "chat")
         assert " delete  deployment/chat  ok" in next(ln for ln in lines if " operator " in ln)

@@ -115,7 +115,7 @@ class ControlPlane:
         self.replicas: dict[str, ReplicaRecord] = {}  # every record, RETIRED ones too
         self.reconcile_soon: Callable[[], None] = _nothing  # set by the reconcile loop
         self.engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports, for dry runs
-        self.crash_looping: frozenset[str] = frozenset()  # replicas waiting: set by the loop
+        self.crash_looping: frozenset[str] = frozenset()  # set by the loop: waiting replicas
         self.kv_blocks = KvBlocks()
         self.kv_follow = KvFollowBoard()  # agents' KV event counters, per (node, shard)
         self._last_tick: float | None = None
@@ -200,12 +200,10 @@ class ControlPlane:
             or self._profile_changed(record),
         )
 
-    def _replica_state(self, record: ReplicaRecord) -> ShardState:
-        """As :func:`replica_state` says; FAILED while it waits to restart a crash loop."""
+    def _replica_state(self, record: ReplicaRecord) -> ShardState:  # FAILED in a crash loop
         state = replica_state(record, [self._on_node(p) for p in record.plan.shards])
-        if record.replica_id in self.crash_looping and state is not ShardState.READY:
-            return ShardState.FAILED
-        return state
+        looping = record.replica_id in self.crash_looping and state is not ShardState.READY
+        return ShardState.FAILED if looping else state
 
     def _profile_changed(self, record: ReplicaRecord) -> bool:
         deployment = self.desired.deployments.get(record.plan.deployment)
