@@ -273,10 +273,12 @@ class _Planner:
                     )
                 )  # fmt: skip
                 continue
+            why = f"replaces {old.replica_id}"
+            if old.plan.profile == profile.name:  # the same name, edited
+                why += f" (profile edited: {old.plan.fingerprint} → {placed.fingerprint})"
             changes.append(
                 PlannedReplica(
-                    Action.ROLL, name, replica_id, profile.name, old.plan.profile, placed,
-                    f"replaces {old.replica_id}",
+                    Action.ROLL, name, replica_id, profile.name, old.plan.profile, placed, why,
                 )
             )  # fmt: skip
             retiring.append(old.replica_id)

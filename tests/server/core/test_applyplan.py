@@ -191,3 +191,12 @@ def test_rolls_name_the_gpus_and_ports_the_rolling_replacement_takes() -> None:
     }
     after = _running(_settle(wanted))
     assert {k: after[k] for k in predicted} == predicted
+
+
+def test_an_edited_profile_of_the_same_name_rolls_saying_so() -> None:
+    chat = Deployment(name="chat", profile="a", replicas=1)
+    state = _settle(_want(_fleet("n1"), chat, a=_profile("a")))
+    edited = replace(_profile("a"), args=["--max-model-len", "4096"])
+    (roll,) = plan_apply(_want(state, chat, a=edited), ["chat"]).changes
+    assert (roll.action, roll.from_profile, roll.profile) == (Action.ROLL, "a", "a")
+    assert roll.reason.startswith("replaces chat-1 (profile edited: ")
