@@ -50,6 +50,10 @@ of a long option, every abbreviation (``--po 1234`` is ``--port 1234``) and a sh
 its value attached (``-n2``). A prefix that is itself an engine flag (vLLM's ``-dp`` and
 ``--reasoning-parser``) is kept.
 
+**What the engine can do** (:func:`engine_problems`): KV events only from vLLM and the
+simulator, no LoRA adapters on llama.cpp, llama.cpp as one process (TP, PP and nodes 1) of a
+``*.gguf`` model. The agent's adapters refuse the same, through this function.
+
 **Names and paths.** ``model_path`` (a positional argument of ``vllm serve``), the served
 model name and adapter names and paths may not start with ``-`` (argparse would read them as
 a flag) and hold no control character.
@@ -69,7 +73,8 @@ from llmgw.api.llmgw.v1 import EngineProfile
 
 __all__ = [
     "ARGPARSE_ENGINES", "ENV_DENIED", "ENV_FAMILIES", "ENV_LOADER_SUFFIXES", "ENV_NAMES",
-    "MANAGED_ENV", "Problem", "arg_problem", "describe", "env_problem", "managed_env",
+    "MANAGED_ENV", "Problem", "arg_problem", "describe", "engine_problems", "env_problem",
+    "managed_env",
     "profile_problems", "refused_flags", "text_problem",
 ]  # fmt: skip
 
@@ -282,6 +287,32 @@ def profile_problems(profile: EngineProfile, *, multinode: bool = False) -> list
         for key, text in (("name", adapter.name), ("path", adapter.path)):
             if why := _name_problem(text):
                 problems.append((("adapters", i, key), why))
+    return problems + engine_problems(profile)
+
+
+_KV_ENGINES: Final = frozenset({"vllm", "sim"})
+_ADAPTER_ENGINES: Final = frozenset({"vllm", "sim", "sglang"})
+
+
+def engine_problems(profile: EngineProfile) -> list[Problem]:
+    """What ``profile`` asks of its engine that the engine cannot do, by key path; [] when
+    none. The agent's adapters refuse exactly these (``llmgw.agent.engines``), and the
+    server refuses them at apply, so no profile is stored that no agent would start."""
+    problems: list[Problem] = []
+    engine = profile.engine
+    if profile.kv_events and engine not in _KV_ENGINES:
+        problems.append((("kv_events",), "only the vllm and sim engines publish KV events"))
+    if profile.adapters and engine not in _ADAPTER_ENGINES:
+        problems.append((("adapters",), "LoRA adapters are served by the vllm and sim engines"))
+    if engine == "llamacpp":
+        for key, value in (("tp", profile.tp), ("pp", profile.pp), ("nodes", profile.nodes)):
+            if value > 1:
+                problems.append(
+                    ((key,), f"llama.cpp runs one process on one node; must be 1, got {value}")
+                )
+        model = profile.model_path
+        if model and not model.lower().endswith(".gguf"):
+            problems.append((("model_path",), f"{model!r} is not a GGUF file (*.gguf)"))
     return problems
 
 

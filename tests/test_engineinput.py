@@ -249,3 +249,23 @@ def test_a_multinode_profile_manages_the_multinode_flags() -> None:
     double = EngineProfile(name="p", engine="vllm", model_path="/m", nodes=2, args=args)
     assert profile_problems(single) == []
     assert [p for p, _ in profile_problems(double)] == [("args", 0)]
+
+
+def test_engine_problems_name_what_the_engine_cannot_do() -> None:
+    from llmgw.api.llmgw.v1 import EngineProfile, LoraAdapter
+    from llmgw.engineinput import engine_problems, profile_problems
+
+    llama = EngineProfile(name="l", engine="llamacpp", tp=2, model_path="/m/x.bin",
+                          kv_events=True, adapters=[LoraAdapter("a", "/a")])  # fmt: skip
+    assert [path for path, _ in engine_problems(llama)] == [
+        ("kv_events",), ("adapters",), ("tp",), ("model_path",),
+    ]  # fmt: skip
+    assert all(p in profile_problems(llama) for p in engine_problems(llama))  # apply refuses them
+    sglang = EngineProfile(
+        name="s", engine="sglang", kv_events=True, adapters=[LoraAdapter("a", "/a")]
+    )
+    assert engine_problems(sglang) == [
+        (("kv_events",), "only the vllm and sim engines publish KV events")
+    ]
+    vllm = EngineProfile(name="v", engine="vllm", tp=8, kv_events=True, model_path="/m/x")
+    assert engine_problems(vllm) == []

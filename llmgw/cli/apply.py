@@ -22,15 +22,18 @@ import sys
 from collections.abc import Sequence
 from datetime import UTC, datetime
 from pathlib import Path
+from typing import Any
 
 from grpclib.const import Status
 
 from llmgw.api.llmgw.v1 import (
+    ActionResult,
     ApplyDeploymentRequest,
     AuditEvent,
     Deployment,
     DeploymentStatus,
     EngineProfile,
+    PlannedChange,
     WatchEvent,
 )
 from llmgw.cli.errors import CliError
@@ -48,7 +51,9 @@ from llmgw.server.wire.auth import REDACTED
 
 
 def run_apply(server: str, path: Path, *, dry_run: bool, output: str) -> int:
-    """``llmgw apply -f FILE``: 0 when every request was accepted."""
+    """``llmgw apply -f FILE``: 0 when every request was accepted and every replica it asks
+    for can be placed; with ``dry_run``, the server's diff against what runs now (exit 0
+    only when everything can be placed)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
@@ -57,29 +62,68 @@ def run_apply(server: str, path: Path, *, dry_run: bool, output: str) -> int:
 
 
 async def _apply(server: str, text: str, source: str, *, dry_run: bool, output: str) -> int:
-    async def apply(client: ControlClient) -> list[tuple[str, str]]:
+    async def apply(client: ControlClient) -> list[tuple[str, ActionResult]]:
         document = await _parse(client, text, source)
         requests = _requests(document, text, dry_run)  # checks the file is not empty
         whole = ApplyDeploymentRequest(dry_run=dry_run, document=text)
         try:
-            return [(f"file {source}", (await client.apply_deployment(whole)).message)]
+            return [(f"file {source}", await client.apply_deployment(whole))]
         except RpcError as exc:
             if exc.status is not Status.INVALID_ARGUMENT or _WHOLE_REFUSED not in exc.message:
                 raise
         answers = []  # a server that takes one deployment per request
         for name, request in requests:
-            answers.append((name, (await client.apply_deployment(request)).message))
+            answers.append((name, await client.apply_deployment(request)))
         return answers
 
     # A whole file is checked and stored in one call, which takes longer the larger the file:
     # the timeout grows by a second per 20 kB, enough for a slow, loaded machine.
     answers = await call(server, apply, Timeouts(call=30.0 + len(text) / 20_000))
+    if dry_run:
+        return _print_plan([result for _, result in answers], output)
     if output == "json":
-        rows = [{"target": target, "message": message} for target, message in answers]
+        rows = [
+            {"target": target, "message": r.message, "desired": r.desired,
+             "placeable": r.placeable}
+            for target, r in answers
+        ]  # fmt: skip
         sys.stdout.write(json.dumps({"applied": rows}, indent=2) + "\n")
     else:
-        sys.stdout.write("".join(f"{message}\n" for _, message in answers))
-    return 0
+        sys.stdout.write("".join(f"{r.message}\n" for _, r in answers))
+    return 0 if all(r.placeable >= r.desired for _, r in answers) else 1
+
+
+_PLAN_KEYS = ("action", "deployment", "replica", "profile", "from_profile", "node", "gpus",
+              "port", "reason")  # fmt: skip
+
+
+def _print_plan(results: Sequence[ActionResult], output: str) -> int:
+    """A dry run's diff, as a table or JSON; 0 only when every replica can be placed."""
+    changes = [c for r in results if r.plan is not None for c in r.plan.changes]
+    placeable = all(r.plan is not None and r.plan.placeable for r in results)
+    if output == "json":
+        rows = [{key: _plan_value(c, key) for key in _PLAN_KEYS} for c in changes]
+        sys.stdout.write(json.dumps({"placeable": placeable, "changes": rows}, indent=2) + "\n")
+        return 0 if placeable else 1
+    if changes:
+        table = [["DEPLOYMENT", "ACTION", "REPLICA", "PROFILE", "NODE", "GPUS", "PORT", "REASON"]]
+        table += [_plan_row(c) for c in changes]
+        sys.stdout.write(render_table(table) + "\n")
+    sys.stdout.write("".join(f"{r.message}\n" for r in results))
+    return 0 if placeable else 1
+
+
+def _plan_value(change: PlannedChange, key: str) -> Any:
+    value = getattr(change, key)
+    return list(value) if key == "gpus" else value
+
+
+def _plan_row(c: PlannedChange) -> list[str]:
+    profile = f"{c.from_profile} → {c.profile}" if c.from_profile else c.profile
+    return [
+        c.deployment, c.action, c.replica, profile, c.node or "-", ",".join(c.gpus) or "-",
+        str(c.port) if c.port else "-", c.reason or "-",
+    ]  # fmt: skip
 
 
 _MISSING_PROFILE = ".profile: no profile named"

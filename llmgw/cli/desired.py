@@ -18,11 +18,16 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "apply",
         help="apply profiles and deployments from a TOML file",
         description="Check a profiles/deployments TOML file and apply it; a bad file is "
-        "refused whole, naming every problem by its key path.",
+        "refused whole, naming every problem by its key path. Exit 1 when a replica it asks "
+        "for cannot be placed (the answer says why).",
     )
     p.add_argument("-f", "--file", type=Path, required=True, metavar="FILE")
     p.add_argument(
-        "--dry-run", action="store_true", help="print the placement plan; change nothing"
+        "--dry-run",
+        action="store_true",
+        help="print the server's diff against what runs now (keep, add, remove, roll, "
+        "unplaceable, with replica names, nodes, GPUs and ports); change nothing. Exit 1 "
+        "when something cannot be placed",
     )
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
     add_client_flags(p)

@@ -129,10 +129,18 @@ class ControlClient:
         return await self._act("DrainReplica", request)
 
     async def reprofile_replica(
-        self, replica_id: str, *, profile: str = "", deployment: str = ""
+        self,
+        replica_id: str,
+        *,
+        profile: str = "",
+        deployment: str = "",
+        allow_model_change: bool = False,
     ) -> ActionResult:
         request = ReprofileReplicaRequest(
-            replica_id=replica_id, deployment=deployment, profile=profile
+            replica_id=replica_id,
+            deployment=deployment,
+            profile=profile,
+            allow_model_change=allow_model_change,
         )
         return await self._act("ReprofileReplica", request)
 

@@ -188,13 +188,20 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
         await _serve(config, stop, tls)
 
 
+async def _loaded_plane(store: Store, config: ServerConfig) -> ControlPlane:
+    """The control plane over ``store``, with what the file holds loaded."""
+    inventory = InventoryConfig(
+        grace_s=config.node_grace_s, never_ready_prune_s=config.prune_never_ready_s
+    )
+    plane = ControlPlane(store, inventory)
+    plane.engine_ports = config.engine_ports
+    await plane.load()
+    return plane
+
+
 async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> None:
     async with Store(config.db_path) as store:
-        inventory = InventoryConfig(
-            grace_s=config.node_grace_s, never_ready_prune_s=config.prune_never_ready_s
-        )
-        plane = ControlPlane(store, inventory)
-        await plane.load()
+        plane = await _loaded_plane(store, config)
         slot = _GatewaySlot()
         reports = RouterReports()  # gateways' reports: RouterService in, GetRouterStats out
         logs = LogRelay()  # StreamLogs calls, relayed over the agents' streams

@@ -50,15 +50,13 @@ import asyncio
 import logging
 import secrets
 import time
-from collections.abc import Awaitable, Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping
 
-from llmgw.api.llmgw.v1 import ControlMessage, Deployment, EngineProfile, NodeState
+from llmgw.api.llmgw.v1 import ControlMessage, NodeState
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange, format_port_range
-from llmgw.server.core.capacity import node_capacity
 from llmgw.server.core.fingerprint import profile_fingerprint
-from llmgw.server.core.placement import FleetPlacer
-from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
 from llmgw.server.core.reconcile_state import (
+    CrashLoop,
     Decision,
     Lifecycle,
     NodeView,
@@ -71,6 +69,7 @@ from llmgw.server.core.reconcile_state import (
 )
 from llmgw.server.core.reconciler import reconcile
 from llmgw.server.errors import StoreUnwritable
+from llmgw.server.state.placer import LazyPlacer
 from llmgw.server.state.plane import ControlPlane, node_address
 from llmgw.server.state.store import now_ms
 from llmgw.server.state.storeschema import AuditRecord
@@ -120,6 +119,7 @@ class ReconcileLoop:
         self._started = clock()
         self._down_since: dict[str, float] = {}  # node id → monotonic time it was seen down
         self.failures: dict[str, tuple[int, float]] = {}  # deployment → (in a row, last at)
+        self.crashloops: dict[str, CrashLoop] = {}  # replica id → its loop (memory only)
         self.busy_ports: dict[tuple[str, int], float] = {}  # (node, port) → held until
         self._wakeup = asyncio.Event()
         self._lock = asyncio.Lock()
@@ -154,6 +154,10 @@ class ReconcileLoop:
             state = self.snapshot()
             decision = reconcile(state)
             self._count_failures(decision, state.now)
+            self.crashloops = dict(decision.crashloops)
+            self.plane.crash_looping = frozenset(
+                rid for rid, loop in self.crashloops.items() if not loop.restarted
+            )
             # Before the records show, so their statuses change once, with the reason.
             held = self._held(state.now)
             self.plane.statuses.set_verdicts(decision.unplaceable, held.keys())
@@ -174,7 +178,7 @@ class ReconcileLoop:
             deployments=dict(plane.desired.deployments),
             profiles=dict(plane.desired.profiles),
             fingerprint=profile_fingerprint,
-            place=_LazyPlacer(plane, self.port_range, now, self._busy(now)),
+            place=LazyPlacer(plane, self.port_range, now, self._busy(now)),
             replicas=dict(plane.replicas),
             shards=dict(plane.inventory.shards),
             nodes=self._nodes(now),
@@ -186,6 +190,7 @@ class ReconcileLoop:
             replace=frozenset(plane.desired.replace),
             held=self._held(now),
             streak=self._streak(now),
+            crashloops=dict(self.crashloops),
         )
 
     def _busy(self, now: float) -> frozenset[tuple[str, int]]:
@@ -274,95 +279,3 @@ def _shard_of(message: ControlMessage) -> str:
         if command is not None:
             return command.shard_id
     return ""
-
-
-class _LazyPlacer:
-    """A :class:`FleetPlacer` over the nodes as they are now, built on first use (most
-    rounds place nothing).
-
-    Nodes reached at one address (simulated agents on one host) share one port space: an
-    engine port taken on one is taken on all of them. Then replicas are placed one at a
-    time, each seeing the ports the ones before it took on its neighbours.
-    """
-
-    def __init__(
-        self,
-        plane: ControlPlane,
-        port_range: PortRange,
-        now: float,
-        busy: frozenset[tuple[str, int]] = frozenset(),
-    ) -> None:
-        self._plane = plane
-        self._port_range = port_range
-        self._now = now
-        self._busy = busy
-        self._built: tuple[FleetPlacer, dict[str, tuple[str, ...]]] | None = None
-
-    def _build(self) -> tuple[FleetPlacer, dict[str, tuple[str, ...]]]:
-        if self._built is None:
-            inventory, now = self._plane.inventory, self._now
-            records = list(inventory.nodes.values())
-            capacity = [node_capacity(inventory.node_view(r, now)) for r in records]
-            placer = FleetPlacer(capacity, profile_fingerprint, port_range=self._port_range)
-            self._built = placer, _neighbours([(r.info.node_id, node_address(r)) for r in records])
-        return self._built
-
-    def __call__(
-        self,
-        deployment: Deployment,
-        profile: EngineProfile,
-        replica_ids: Sequence[str],
-        *,
-        excluding: frozenset[str],
-        taken: Sequence[ReplicaPlan],
-    ) -> Sequence[ReplicaPlan | Unplaceable]:
-        placer, neighbours = self._build()
-        if self._busy:  # ports other processes hold: taken, on the node and its neighbours
-            busy = [
-                (n, port)
-                for node_id, port in self._busy
-                for n in (node_id, *neighbours.get(node_id, ()))
-            ]
-            shards = tuple(ShardPlan("", n, 0, (), port) for n, port in sorted(set(busy)))
-            taken = [*taken, ReplicaPlan("", "", "", "", shards)]
-        if not neighbours:
-            return placer(deployment, profile, replica_ids, excluding=excluding, taken=taken)
-        held = list(taken)
-        results: list[ReplicaPlan | Unplaceable] = []
-        for replica_id in replica_ids:
-            seen = [*held, _ports_of_neighbours(held, neighbours)]
-            (placed,) = placer(deployment, profile, [replica_id], excluding=excluding, taken=seen)
-            results.append(placed)
-            if isinstance(placed, Unplaceable):
-                return results + [placed] * (len(replica_ids) - len(results))
-            held.append(placed)
-        return results
-
-
-def _neighbours(addresses: Sequence[tuple[str, str]]) -> dict[str, tuple[str, ...]]:
-    """Node id → the other nodes at its address, for nodes that share one."""
-    by_address: dict[str, list[str]] = {}
-    for node_id, address in addresses:
-        by_address.setdefault(address, []).append(node_id)
-    return {
-        node_id: tuple(other for other in group if other != node_id)
-        for group in by_address.values()
-        if len(group) > 1
-        for node_id in group
-    }
-
-
-def _ports_of_neighbours(
-    taken: Sequence[ReplicaPlan], neighbours: Mapping[str, tuple[str, ...]]
-) -> ReplicaPlan:
-    """A plan of no deployment holding, on each node, the ports its neighbours use."""
-    used: list[tuple[str, int]] = []
-    for plan in taken:
-        ports = [(s.node_id, s.port) for s in plan.shards]
-        if plan.master_port:
-            ports.append((plan.leader.node_id, plan.master_port))
-        used.extend(
-            (other, port) for node_id, port in ports for other in neighbours.get(node_id, ())
-        )
-    shards = tuple(ShardPlan("", node_id, 0, (), port) for node_id, port in sorted(set(used)))
-    return ReplicaPlan("", "", "", "", shards)

@@ -20,7 +20,7 @@ elsewhere before retiring it.
 from __future__ import annotations
 
 import enum
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from llmgw.api.llmgw.v1 import ActionResult, EngineProfile, NodeState, ShardState
@@ -39,6 +39,7 @@ __all__ = [
     "plan_drain",
     "plan_drain_node",
     "plan_reprofile",
+    "same_model",
     "plan_start",
     "plan_uncordon",
     "profile_choice",
@@ -91,6 +92,7 @@ class ProfileChoice:
     gpu_class: str
     gpus: int  # per replica; 0 for a CPU profile
     summary: str  # "sim · 2×H100 · tp 2 · chat · --max-model-len 4096"
+    model: str = ""  # the model name it serves (served_model_name)
 
 
 def profile_choice(profile: EngineProfile) -> ProfileChoice:
@@ -105,7 +107,17 @@ def profile_choice(profile: EngineProfile) -> ProfileChoice:
     if profile.args:
         parts.append(" ".join(profile.args))
     summary = " · ".join(p for p in parts if p)
-    return ProfileChoice(profile.name, profile.engine, profile.gpu_class, gpus, summary)
+    model = profile.served_model_name
+    return ProfileChoice(profile.name, profile.engine, profile.gpu_class, gpus, summary, model)
+
+
+def same_model(profiles: Sequence[ProfileChoice], current: str) -> list[ProfileChoice]:
+    """The profiles that serve the model ``current`` serves (``current`` among them): a
+    reprofile to another model is refused by the server unless asked for explicitly."""
+    model = next((p.model for p in profiles if p.name == current), None)
+    if model is None:
+        return list(profiles)
+    return [p for p in profiles if p.model == model]
 
 
 # --- words ---------------------------------------------------------------------------------

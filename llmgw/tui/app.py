@@ -46,6 +46,7 @@ from llmgw.tui.actions import (
     plan_start,
     plan_uncordon,
     profile_choice,
+    same_model,
 )
 from llmgw.tui.filter import FilterPrompt, parse_filter
 from llmgw.tui.help import ConsoleCommands, HelpScreen, help_sections
@@ -468,29 +469,38 @@ class ConsoleApp(App[None]):
         self.run_worker(self._choose_profile(row.deployment, row.profile), group="operate")
 
     async def _choose_profile(self, deployment: str, current: str) -> None:
-        """The stored profiles (ListProfiles), the one in use not choosable; then confirm."""
+        """The stored profiles of the model the deployment serves (ListProfiles), the one in
+        use marked, highlighted and not choosable; then confirm."""
         if self.client is None:
             self.notify("this console has no connection to send actions on", severity="error")
             return
         try:
-            profiles = [profile_choice(p) for p in await self.client.list_profiles()]
+            stored = [profile_choice(p) for p in await self.client.list_profiles()]
         except ClientError as exc:
             self.notify(str(exc), title="cannot list profiles", severity="error", markup=False)
             return
+        profiles = same_model(stored, current)
         by_name = {p.name: p for p in profiles}
         if not by_name.keys() - {current}:
-            self.notify(f"no stored profile besides {current}", severity="warning", markup=False)
+            self.notify(
+                f"no stored profile of the same model besides {current}",
+                severity="warning",
+                markup=False,
+            )
             return
         choices = [
-            Choice(p.name, f"{p.name}{' (in use)' if p.name == current else ''}: {p.summary}",
-                   disabled=p.name == current)
+            Choice(p.name, f"● {p.name} (in use): {p.summary}" if p.name == current
+                   else f"  {p.name}: {p.summary}", disabled=p.name == current)
             for p in profiles
         ]  # fmt: skip
+        model = by_name[current].model if current in by_name else ""
         note = (
-            f"Deployment {deployment} uses profile {current}. Its replicas are replaced "
-            f"one at a time with the profile chosen; you confirm next."
+            f"Deployment {deployment} uses profile {current}"
+            + (f" (model {model})" if model else "")
+            + ". Its replicas are replaced one at a time with the profile chosen; "
+            "you confirm next. Only profiles of the same model are listed."
         )
-        screen = ChoiceScreen(f"Reprofile deployment {deployment}", note, choices)
+        screen = ChoiceScreen(f"Reprofile deployment {deployment}", note, choices, current)
         choose(self, screen, lambda name: self._propose(
             lambda: plan_reprofile(self.displayed, deployment, current, by_name[name])
         ))  # fmt: skip

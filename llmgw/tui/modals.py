@@ -126,11 +126,14 @@ class ChoiceScreen(ModalScreen[str | None]):
     ChoiceScreen OptionList { height: auto; max-height: 16; }
     """
 
-    def __init__(self, title: str, note: str, choices: Sequence[Choice]) -> None:
+    def __init__(
+        self, title: str, note: str, choices: Sequence[Choice], highlight: str = ""
+    ) -> None:
         super().__init__()
         self._title = title
         self._note = note
         self.choices = tuple(choices)
+        self._highlight = highlight  # the value highlighted first (the profile in use)
 
     def compose(self) -> ComposeResult:
         options = [Option(shown(c.label), id=c.value, disabled=c.disabled) for c in self.choices]
@@ -142,8 +145,9 @@ class ChoiceScreen(ModalScreen[str | None]):
 
     def on_mount(self) -> None:
         listing = self.query_one(OptionList)
+        marked = next((i for i, c in enumerate(self.choices) if c.value == self._highlight), None)
         first = next((i for i, c in enumerate(self.choices) if not c.disabled), None)
-        listing.highlighted = first
+        listing.highlighted = marked if marked is not None else first
         listing.focus()
 
     def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:

@@ -20,18 +20,20 @@ from hypothesis import strategies as st
 
 from llmgw.api.llmgw.v1 import (
     ApplyDeploymentRequest,
-    Cluster,
     Deployment,
     EngineProfile,
     LoraAdapter,
 )
+from llmgw.server.core.applyplan import Action, plan_apply
+from llmgw.server.core.fingerprint import profile_fingerprint
+from llmgw.server.core.placement import FleetPlacer
 from llmgw.server.core.profiles import Document, parse_document, render_document
+from llmgw.server.core.reconcile_state import ReconcileInput
 from llmgw.server.errors import ProfileError
 from llmgw.server.state.desired import (
     MESSAGE_LIMIT,
     check_apply,
     parse_with_profiles,
-    plan_text,
     refusal,
 )
 
@@ -170,7 +172,22 @@ def check(request: ApplyDeploymentRequest, stored: dict[str, EngineProfile]) -> 
     if change.deployment is not None:
         assert change.profile is not None
         assert change.profile.name == change.deployment.profile
-        assert plan_text(change.deployment, change.profile, Cluster())
+        assert len(_planned_on_no_nodes(change.deployment, change.profile)) == (
+            change.deployment.replicas
+        )
+
+
+def _planned_on_no_nodes(deployment: Deployment, profile: EngineProfile) -> list[str]:
+    """The dry run's diff of one deployment on a fleet of no nodes: every replica
+    unplaceable, naming why."""
+    state = ReconcileInput(
+        deployments={deployment.name: deployment}, profiles={profile.name: profile},
+        fingerprint=profile_fingerprint, place=FleetPlacer([], profile_fingerprint),
+        replicas={}, shards={}, nodes={}, pending={}, now=0.0, api_key_for=str,
+    )  # fmt: skip
+    changes = plan_apply(state, [deployment.name]).changes
+    assert all(c.action is Action.UNPLACEABLE and c.reason for c in changes)
+    return [c.replica for c in changes]
 
 
 @examples(250)

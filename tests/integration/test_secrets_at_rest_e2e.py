@@ -247,7 +247,9 @@ def test_only_admins_read_profile_env_values(cluster: Cluster, tmp_path: Path) -
     cluster.start_server()
     cluster.token = tokens["admin"]
     (tmp_path / "chat.toml").write_text(PROFILE)
-    cluster.cli("apply", "-f", str(tmp_path / "chat.toml"))
+    applied = cluster.cli("apply", "-f", str(tmp_path / "chat.toml"), check=False)
+    # stored; no node is registered, so its replica cannot be placed: exit 1, saying so
+    assert applied.returncode == 1 and "0 of 1 replicas can be placed" in applied.stdout
     shown = {"HF_TOKEN": HF_TOKEN, "VLLM_LOGGING_LEVEL": "INFO"}
     redacted = {"HF_TOKEN": "<redacted>", "VLLM_LOGGING_LEVEL": "<redacted>"}
     for role, token in tokens.items():

@@ -218,7 +218,7 @@ async def test_unplaceable_is_audited_once_and_an_unsent_command_is_retried(
     assert len(agents.starts()) == 4
 
 
-async def test_replicas_that_keep_failing_are_replaced_with_a_growing_delay(
+async def test_a_replica_that_keeps_failing_is_restarted_in_place_with_a_growing_delay(
     plane: ControlPlane,
 ) -> None:
     now = [100.0]
@@ -227,35 +227,52 @@ async def test_replicas_that_keep_failing_are_replaced_with_a_growing_delay(
     for node_id in ("a1", "a2"):
         await _register(plane, node_id)
     await _apply(plane, 1)
+    handled = [0]
 
-    def refuse_every_start() -> None:  # as an agent refusing the command does
-        for node_id, message in agents.sent:
-            start = message.start_shard
-            if start is not None and plane.replicas[start.replica_id].lifecycle.value == "active":
+    def agent_acts() -> None:  # every start fails at once, as its agent gives up; stop stops
+        for node_id, message in agents.sent[handled[0] :]:
+            start, stop = message.start_shard, message.stop_shard
+            if start is not None:
                 status = ShardStatus(
                     shard_id=start.shard_id, replica_id=start.replica_id,
-                    state=ShardState.FAILED, reason="StartShard refused: port in use", gave_up=True,
+                    state=ShardState.FAILED, reason="engine exited 1", gave_up=True,
                 )  # fmt: skip
                 plane.shard_status(node_id, status)
+            if stop is not None:
+                replica = stop.shard_id.rpartition(".")[0]
+                status = ShardStatus(shard_id=stop.shard_id, replica_id=replica,
+                                     state=ShardState.STOPPED)  # fmt: skip
+                plane.shard_status(node_id, status)
+        handled[0] = len(agents.sent)
 
-    async def at(t: float) -> int:
+    def starts() -> list[str]:
+        return [m.start_shard.shard_id for _, m in agents.sent if m.start_shard is not None]
+
+    async def at(t: float) -> list[str]:
         now[0] = t
-        refuse_every_start()
+        agent_acts()
         await loop.round()
-        return len(agents.starts())
+        return starts()
 
-    assert await at(100.0) == 1  # chat-1 placed
-    assert await at(100.0) == 2  # chat-1 failed: replaced at once by chat-2
-    assert await at(101.0) == 2  # chat-2 failed: 2 in a row, the next waits 10 s
-    assert await at(101.5) == 2
-    why = "2 replicas of chat failed in a row; waiting 10 s before placing another"
-    assert loop.unplaceable["chat"] == why
-    assert await at(110.9) == 2
-    assert await at(111.0) == 3  # chat-3, after the delay
-    assert await at(112.0) == 3 and loop.failures["chat"][0] == 3  # failed: no replacement
-    assert loop.unplaceable["chat"].startswith("3 replicas of chat failed in a row; waiting 20 s")
-    assert await at(131.9) == 3 and await at(132.0) == 4
-    assert await at(800.0) == 5  # forgiven after crash_reset_s: replaced at once again
+    assert await at(100.0) == ["chat-1.0"]
+    assert await at(100.0) == ["chat-1.0", "chat-2.0"]  # the first failure: replaced at once
+    assert await at(101.0) == ["chat-1.0", "chat-2.0"]  # chat-2 failed too: crash-looping
+    assert agents.sent[-1][1].stop_shard is not None  # stopped at once: no agent restarts
+    assert await at(101.5) == ["chat-1.0", "chat-2.0"]
+    why = loop.unplaceable["chat"]
+    assert why.startswith("replica chat-2 is crash-looping (2 failures in a row)")
+    assert "engine exited 1" in why and plane.replicas["chat-2"].lifecycle.value == "active"
+    (view,) = plane.snapshot().replicas
+    assert (view.replica_id, view.state) == ("chat-2", ShardState.FAILED)
+    assert await at(110.9) == ["chat-1.0", "chat-2.0"]  # its delay: 10 s
+    assert await at(111.0) == ["chat-1.0", "chat-2.0", "chat-2.0"]  # started again in place
+    await at(111.5)  # failed again: 3 in a row, stopped, 20 s
+    assert loop.crashloops["chat-2"].failures == 3
+    assert await at(131.4) == ["chat-1.0", "chat-2.0", "chat-2.0"]
+    assert await at(131.5) == ["chat-1.0", *["chat-2.0"] * 3]  # the same id, never a new one
+    events = [e.result for e in plane.snapshot().events if e.target == "chat-2"]
+    assert any("crash-looping (3 failures in a row)" in e for e in events)
+    assert set(plane.replicas) == {"chat-1", "chat-2"}
     assert [crash_delay(n, loop.config) for n in (0, 1, 2, 3, 20)] == [0, 5, 10, 20, 300]
 
 

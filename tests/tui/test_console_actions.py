@@ -29,7 +29,7 @@ import httpx
 import pytest
 from textual.notifications import SeverityLevel
 from textual.pilot import Pilot
-from textual.widgets import Button
+from textual.widgets import Button, OptionList
 
 from llmgw.addresses import free_port
 from llmgw.agent.process import is_running
@@ -250,7 +250,9 @@ async def test_send_makes_the_one_rpc_each_verb_stands_for() -> None:
 
 SIM_BIN = f"sim={sys.executable} -m llmgw sim-engine"
 PROFILES = Path(__file__).parents[1] / "data" / "profiles" / "good-chat-a-b.toml"
-CHAT = PROFILES.read_text() + '\n[deployments.chat]\nprofile = "chat-a"\nreplicas = 2\n'
+# a profile of another model: the reprofile list leaves it out
+PHI = '\n[profiles.phi]\nengine = "sim"\ngpu_class = "H100"\nmodel_path = "/models/phi"\n'
+CHAT = PROFILES.read_text() + PHI + '\n[deployments.chat]\nprofile = "chat-a"\nreplicas = 2\n'
 READY = "SHARD_STATE_READY"
 QUICK = WatchConfig(backoff=Backoff(first_s=0.2, max_s=1.0), idle_s=5.0, frame_s=0.1)
 
@@ -545,9 +547,14 @@ async def test_p_reprofiles_the_deployment_to_a_profile_chosen_from_the_list(
         await until(pilot, lambda: isinstance(app.screen, ChoiceScreen), 10, "the profiles")
         text = flat(app)
         assert "Reprofile deployment chat" in text
-        assert "chat-a (in use): sim · 2×H100 · tp 2 · chat" in text
+        assert "● chat-a (in use): sim · 2×H100 · tp 2 · chat" in text
         assert "chat-b: sim · 2×H100 · tp 2 · chat · --max-model-len 4096" in text
-        await pilot.press("enter")  # chat-b: the one in use cannot be chosen
+        assert "phi" not in text and "Only profiles of the same model" in text
+        listing = app.screen.query_one(OptionList)
+        assert listing.highlighted == 0  # the one in use, highlighted
+        await pilot.press("enter")  # the one in use cannot be chosen
+        assert isinstance(app.screen, ChoiceScreen)
+        await pilot.press("down", "enter")  # chat-b
         text = await confirm_shown(app, pilot)
         assert "deployment chat: profile chat-a → chat-b" in text
         assert f"replicas replaced: {', '.join(old)}" in text and "READY stays at 2" in text

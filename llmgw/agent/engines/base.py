@@ -330,6 +330,14 @@ def check_profile_args(spec: ShardSpec) -> tuple[str, ...]:
     return tuple(profile.args)
 
 
+def check_engine(spec: ShardSpec) -> None:
+    """Refuse what the engine cannot do (:func:`llmgw.engineinput.engine_problems`, the rule
+    the server applies at apply too), naming the first field."""
+    if problems := engineinput.engine_problems(spec.profile):
+        (path, why), *_ = problems
+        raise refuse(spec, str(path[0]), why)
+
+
 def check_profile(spec: ShardSpec) -> None:
     """Refuse a profile that :func:`llmgw.engineinput.profile_problems` refuses, before any
     adapter sees it: the control server checked it, and the agent checks again."""

@@ -30,6 +30,7 @@ from llmgw.agent.engines.base import (
     LaunchSpec,
     ShardSpec,
     api_key_env,
+    check_engine,
     check_port,
     check_profile_args,
     device_env,
@@ -54,8 +55,6 @@ class LlamaCppAdapter:
         _refuse_unsupported(spec)
         shard_layout(spec)
         model = model_path(spec)
-        if not model.lower().endswith(".gguf"):
-            raise refuse(spec, "model_path", f"{model!r} is not a GGUF file (*.gguf)")
         threads = spec.profile.cpu_threads
         argv = (
             *binary,
@@ -77,13 +76,6 @@ class LlamaCppAdapter:
 
 
 def _refuse_unsupported(spec: ShardSpec) -> None:
-    profile = spec.profile
-    for field, value in (("tp", profile.tp), ("pp", profile.pp), ("nodes", profile.nodes)):
-        if value > 1:
-            raise refuse(spec, field, f"{value}: llama-server runs as one process")
+    check_engine(spec)  # one process, of a GGUF file, no adapters, no KV events
     if spec.multinode is not None and spec.multinode.nnodes > 1:
         raise refuse(spec, "nodes", "llama-server runs on one node")
-    if profile.adapters:
-        raise refuse(spec, "adapters", "LoRA adapters are served by the vllm and sim engines")
-    if profile.kv_events:
-        raise refuse(spec, "kv_events", "only the vllm and sim engines publish KV events")

@@ -43,6 +43,7 @@ from llmgw.agent.engines.base import (
     Layout,
     ShardSpec,
     api_key_env,
+    check_engine,
     check_port,
     check_profile_args,
     device_env,
@@ -85,8 +86,7 @@ class SglangAdapter:
 
     def build(self, spec: ShardSpec, *, binary: Sequence[str], state_dir: Path) -> LaunchSpec:
         layout = shard_layout(spec)
-        if spec.profile.kv_events:
-            raise refuse(spec, "kv_events", "only the vllm and sim engines publish KV events")
+        check_engine(spec)  # no KV events
         key = api_key_env(spec, API_KEY_ENV, serves_http=not layout.headless)
         argv = (
             *binary,

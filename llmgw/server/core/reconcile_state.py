@@ -30,6 +30,7 @@ from llmgw.server.core.plan import ReplicaPlan, Unplaceable
 __all__ = [
     "ALLOWED_LIFECYCLE",
     "CommandKind",
+    "CrashLoop",
     "Decision",
     "Event",
     "Lifecycle",
@@ -108,6 +109,17 @@ class PendingCommand:
 
 
 @dataclass(frozen=True, slots=True)
+class CrashLoop:
+    """A replica that failed again and again, restarted in place (same id, same node) after
+    a delay that doubles per failure up to a cap (``crash_delay``), as kubelet does."""
+
+    failures: int  # in a row, counting the deployment's failures before it
+    reason: str  # the last failure's, in words
+    until: float  # monotonic seconds: not restarted before
+    restarted: bool = False  # its failed shards were stopped to start again since then
+
+
+@dataclass(frozen=True, slots=True)
 class ReconcileConfig:
     """Timing and limits of reconciliation."""
 
@@ -170,6 +182,7 @@ class ReconcileInput:
     replace: frozenset[str] = frozenset()  # replica ids to replace by surge (node drain)
     held: Mapping[str, str] = field(default_factory=dict)  # deployment → why nothing is placed
     streak: Mapping[str, int] = field(default_factory=dict)  # deployment → failures in a row
+    crashloops: Mapping[str, CrashLoop] = field(default_factory=dict)  # replica id → its loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -195,6 +208,7 @@ class Decision:
     events: tuple[Event, ...]
     unplaceable: Mapping[str, str]  # deployment → why some of its replicas have no place
     failed: Mapping[str, int] = field(default_factory=dict)  # deployment → replicas that failed
+    crashloops: Mapping[str, CrashLoop] = field(default_factory=dict)  # the whole table after
 
 
 def crash_delay(failures: int, config: ReconcileConfig) -> float:
@@ -218,4 +232,5 @@ def apply_decision(state: ReconcileInput, decision: Decision) -> ReconcileInput:
         state,
         replicas={**state.replicas, **decision.replicas},
         pending=dict(decision.pending),
+        crashloops=dict(decision.crashloops),
     )

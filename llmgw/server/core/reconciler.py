@@ -12,9 +12,15 @@ Rules, in the order a round applies them (every loop in sorted order):
    or with ``gave_up`` (its agent will not restart it, e.g. it refused the command):
    it goes RETIRED (its shards are fenced) and a new replica is placed avoiding that node.
    Replicas that fail are counted (``Decision.failed``): the first failure is replaced at
-   once; after failures in a row (``streak``) the caller holds the deployment's next
-   placements back (``held``, delays doubling as ``crash_delay`` says), so a replica that
-   cannot run anywhere is not replaced in a tight loop.
+   once, elsewhere; after failures in a row (``streak``) the caller holds the deployment's
+   next placements back (``held``, delays doubling as ``crash_delay`` says), and a replica
+   that fails while its deployment has such a streak is not replaced but **crash-looping**
+   (``Decision.crashloops``, kubelet's CrashLoopBackOff): it keeps its id and node, its
+   failed shards are stopped at once (the reason, with the failure's, is the StopShard's,
+   and ``unplaceable`` says it), and rule 4 starts them again after the delay of its
+   failures in a row. A shard
+   refused only for a port another process holds is always replaced (on another port). A
+   loop is forgotten once its replica is gone, or READY ``crash_reset_s`` past its delay.
    Then a live replica named in ``retire`` (drained by an operator) goes RETIRING.
 2. **Deployments**: a deleted deployment retires all its replicas. Otherwise replicas are
    placed until the deployment has its count, deployments with the largest shards first
@@ -53,7 +59,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from llmgw import engineinput
 from llmgw.api.llmgw.v1 import (
     ControlMessage,
     Deployment,
@@ -65,16 +70,26 @@ from llmgw.api.llmgw.v1 import (
     StartShard,
     StopShard,
 )
-from llmgw.protocol import read_shard_state
+from llmgw.server.core.placing import (
+    holding,
+    next_serials,
+    placement_order,
+    profile_refusal,
+    replica_id_for,
+    shard_state,
+    unusable_nodes,
+)
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
 from llmgw.server.core.reconcile_state import (
     CommandKind,
+    CrashLoop,
     Decision,
     Event,
     Lifecycle,
     PendingCommand,
     ReconcileInput,
     ReplicaRecord,
+    crash_delay,
     held_reason,
 )
 
@@ -84,11 +99,6 @@ _LIVE = (Lifecycle.ACTIVE, Lifecycle.SURGE)
 _RUNNING = (ShardState.PENDING, ShardState.STARTING, ShardState.LOADING, ShardState.READY)
 
 
-def replica_id_for(deployment: str, serial: int) -> str:
-    """The id of a deployment's ``serial``-th replica: ``DEPLOYMENT-SERIAL``."""
-    return f"{deployment}-{serial}"
-
-
 def reconcile(state: ReconcileInput) -> Decision:
     """Decide one round (see the module docstring for the rules)."""
     round_ = _Round(state)
@@ -96,31 +106,16 @@ def reconcile(state: ReconcileInput) -> Decision:
     round_.retire_requested()
     for name in sorted(round_.live_deployments() - state.deployments.keys()):
         round_.retire_deleted(name)
-    for deployment in _largest_first(state):
+    for deployment in placement_order(state.deployments.values(), state.profiles):
         round_.scale(deployment)
     round_.retire_drained()
     round_.start_missing()
     round_.fence()
+    round_.forget_crashloops()
     return round_.decision()
 
 
-def _largest_first(state: ReconcileInput) -> list[Deployment]:
-    """Deployments in the order their replicas are placed: the most devices per shard
-    first, then by name. Small shards placed first spread over every node and leave no
-    node whole for a TP=8 one; placed last they fill the gaps."""
-
-    def size(deployment: Deployment) -> int:
-        profile = state.profiles.get(deployment.profile)
-        if profile is None:
-            return 0
-        return max(1, profile.tp) * max(1, profile.pp) // max(1, profile.nodes)
-
-    named = sorted(state.deployments.items())
-    return [d for _, d in sorted(named, key=lambda item: -size(item[1]))]
-
-
-def _state(shard: Shard) -> ShardState:
-    return read_shard_state(shard.status.state) if shard.status else ShardState.FAILED
+_state = shard_state
 
 
 def _restarts(shard: Shard) -> int:
@@ -139,19 +134,15 @@ class _Round:
         self.pending: dict[str, PendingCommand] = {}
         self.events: list[Event] = []
         self.unplaceable: dict[str, str] = {}
+        self.crashloops: dict[str, CrashLoop] = dict(state.crashloops)
         self.failed: dict[str, int] = {}  # deployment → replicas replaced for failing
         self.avoid: dict[str, set[str]] = {}  # deployment → nodes its replacements avoid
         self.replaced: dict[str, list[str]] = {}  # deployment → replica ids to replace
         self.by_deployment: dict[str, dict[str, ReplicaRecord]] = {}
         for record in self.records.values():
             self.by_deployment.setdefault(record.plan.deployment, {})[record.replica_id] = record
-        nodes = state.nodes.values()
-        self.unusable = frozenset(n.node_id for n in nodes if not n.ready or n.cordoned)
-        self.taken = [  # plans holding devices: not RETIRED, or RETIRED and still running
-            r.plan
-            for r in self.sorted_records()
-            if r.lifecycle is not Lifecycle.RETIRED or self.still_running(r)
-        ]
+        self.unusable = unusable_nodes(state.nodes)
+        self.taken = holding(self.records.values(), state.shards)
 
     # --- views ----------------------------------------------------------------------
 
@@ -224,13 +215,68 @@ class _Round:
             if broken is None:
                 continue
             node_id, why, failed = broken
-            self.set_lifecycle(record, Lifecycle.RETIRED, why)
             name = record.plan.deployment
+            if failed and node_id and self.crash_looping(record):
+                self.restart_in_place(record, why)
+                continue
+            self.set_lifecycle(record, Lifecycle.RETIRED, why)
             if node_id:
                 self.avoid.setdefault(name, set()).add(node_id)
             self.replaced.setdefault(name, []).append(record.replica_id)
             if failed:
                 self.failed[name] = self.failed.get(name, 0) + 1
+
+    def crash_looping(self, record: ReplicaRecord) -> bool:
+        """A failed replica is restarted in place, not replaced, once it or another of its
+        deployment failed in a row before (the first failure is replaced elsewhere)."""
+        name = record.plan.deployment
+        earlier = self.s.streak.get(name, 0) + self.failed.get(name, 0)
+        return record.replica_id in self.crashloops or earlier > 0
+
+    def restart_in_place(self, record: ReplicaRecord, why: str) -> None:
+        """Count a new failure and stop the failed shards at once (its agent would restart
+        them); rule 4 starts them again on the same node, under the same id, after the
+        delay of its failures in a row."""
+        rid = record.replica_id
+        loop = self.crashloops.get(rid)
+        if loop is not None and not loop.restarted:
+            return  # stopped already, waiting for its delay
+        name = record.plan.deployment
+        count = (loop.failures if loop else self.s.streak.get(name, 0)) + 1
+        delay = crash_delay(count, self.cfg)
+        self.crashloops[rid] = CrashLoop(count, why, self.s.now + delay)
+        what = f"replica {rid} is crash-looping ({count} failures in a row)"
+        self.events.append(Event(rid, what, f"{why}; restarted in place in {delay:g} s"))
+        for plan in record.plan.shards:
+            if self.exhausted(plan):
+                self.stop(plan.node_id, plan.shard_id, f"{what}, restarted in {delay:g} s: {why}")
+
+    def waiting(self, record: ReplicaRecord) -> bool:
+        """Whether a crash-looping replica still waits for its delay (then it may start)."""
+        loop = self.crashloops.get(record.replica_id)
+        if loop is None or loop.restarted:
+            return False
+        if self.s.now >= loop.until:
+            self.crashloops[record.replica_id] = replace(loop, restarted=True)
+            return False
+        what = f"replica {record.replica_id} is crash-looping ({loop.failures} failures in a row)"
+        self.unplaceable.setdefault(
+            record.plan.deployment,
+            f"{what}: {loop.reason}; restarted in {loop.until - self.s.now:.0f} s",
+        )
+        return True
+
+    def forget_crashloops(self) -> None:
+        """Drop the loops of replicas gone, and of those READY past ``crash_reset_s``."""
+        for rid, loop in list(self.crashloops.items()):
+            record = self.records.get(rid)
+            recovered = record is not None and self.all_ready(record)
+            if (
+                record is None
+                or record.lifecycle not in _LIVE
+                or (recovered and self.s.now - loop.until > self.cfg.crash_reset_s)
+            ):
+                del self.crashloops[rid]
 
     def broken(self, record: ReplicaRecord) -> tuple[str, str, bool] | None:
         """The node to avoid ("" for none), why, and whether a shard failed (rather than its
@@ -289,7 +335,7 @@ class _Round:
         if profile is None:
             self.unplaceable[deployment.name] = f"profile {deployment.profile!r} is not defined"
             return
-        if why := self.refused(profile):
+        if why := profile_refusal(profile):
             self.unplaceable[deployment.name] = why
             return
         fingerprint = self.s.fingerprint(profile)
@@ -349,7 +395,7 @@ class _Round:
         if held := self.held(name):
             self.unplaceable[name] = held
             return
-        serials = self.new_serials(name, count)
+        serials = next_serials(self.records, name, count)
         ids = [replica_id_for(name, serial) for serial in serials]
         placed = self.s.place(
             deployment,
@@ -390,21 +436,6 @@ class _Round:
             held = held_reason(name, streak + failed, self.cfg)
         return held
 
-    def new_serials(self, name: str, count: int) -> list[int]:
-        """The next ``count`` serials of a deployment whose ids are not taken."""
-        used = [r.serial for r in self.by_deployment.get(name, {}).values()]
-        serial = max(used, default=0) + 1
-        serials: list[int] = []
-        while len(serials) < count:
-            if replica_id_for(name, serial) not in self.records:
-                serials.append(serial)
-            serial += 1
-        return serials
-
-    def still_running(self, record: ReplicaRecord) -> bool:
-        shards = (self.s.shards.get(p.shard_id) for p in record.plan.shards)
-        return any(s is not None and _state(s) is not ShardState.STOPPED for s in shards)
-
     # --- rule 3: retiring ---------------------------------------------------------------
 
     def retire_drained(self) -> None:
@@ -431,7 +462,7 @@ class _Round:
     def start_missing(self) -> None:
         for record in self.sorted_records(*_LIVE):
             leader = self.s.nodes.get(record.plan.leader.node_id)
-            if leader is None or not leader.ready:
+            if leader is None or not leader.ready or self.waiting(record):
                 continue
             for plan in record.plan.shards:
                 if self.node_ready(plan.node_id) and self.needs_start(plan):
@@ -442,15 +473,8 @@ class _Round:
         shard = self.s.shards.get(plan.shard_id)
         return shard is None or _state(shard) is ShardState.STOPPED
 
-    def refused(self, profile: EngineProfile) -> str:
-        """Why no engine may run ``profile`` (see the module docstring), or ""."""
-        problems = engineinput.profile_problems(profile)
-        if not problems:
-            return ""
-        return f"profile {profile.name!r} is refused: {engineinput.describe(problems)}"
-
     def start(self, record: ReplicaRecord, plan: ShardPlan, leader_address: str) -> None:
-        if why := self.refused(record.profile):
+        if why := profile_refusal(record.profile):
             self.unplaceable.setdefault(record.plan.deployment, why)
             return
         message = start_message(record, plan, leader_address)
@@ -491,6 +515,7 @@ class _Round:
             events=tuple(self.events),
             unplaceable=self.unplaceable,
             failed=self.failed,
+            crashloops=self.crashloops,
         )
 
 

@@ -21,7 +21,7 @@ stores (:func:`parse_with_profiles`); a profile known nowhere is refused by name
 
 :class:`DesiredState` keeps the checked state in memory, writes each change to the store
 before it is visible (and before the RPC answers), and publishes ``deployment`` and
-``deployment_removed`` Watch events. :func:`plan_text` renders a dry run's placement.
+``deployment_removed`` Watch events. A dry run's diff is ``llmgw.server.state.placer``'s.
 """
 
 from __future__ import annotations
@@ -37,16 +37,11 @@ from typing import Any
 
 from llmgw.api.llmgw.v1 import (
     ApplyDeploymentRequest,
-    Cluster,
     Deployment,
     EngineProfile,
-    ShardState,
     WatchEvent,
 )
-from llmgw.server.core.capacity import NodeCapacity, node_capacity
 from llmgw.server.core.fingerprint import profile_fingerprint
-from llmgw.server.core.placement import Taken, place_deployment
-from llmgw.server.core.plan import ReplicaPlan, Unplaceable
 from llmgw.server.core.profiles import CPU_CLASS, Document, parse_document
 from llmgw.server.core.profiles import render_document as _render
 from llmgw.server.errors import ProfileError
@@ -58,8 +53,7 @@ from llmgw.server.state.watch import WatchHub
 
 __all__ = [
     "MESSAGE_LIMIT", "Change", "DesiredState", "check_apply", "check_document",
-    "parse_with_profiles",
-    "plan_text", "refusal", "shorten",
+    "parse_with_profiles", "refusal", "shorten",
 ]  # fmt: skip
 
 log = logging.getLogger(__name__)
@@ -67,7 +61,6 @@ log = logging.getLogger(__name__)
 MESSAGE_LIMIT = 2000
 """The most characters of an ActionResult message or a gRPC error (grpcio refuses > 16 KiB)."""
 _SHOWN_PROBLEMS = 10
-_HELD = frozenset({ShardState.STOPPED, ShardState.FAILED})  # shards that hold no GPUs
 
 
 @dataclass(frozen=True, slots=True)
@@ -231,76 +224,6 @@ def refusal(exc: ProfileError) -> str:
     return shorten(text.replace("\n", " "))
 
 
-# --- dry run -----------------------------------------------------------------------------
-
-
-def plan_text(deployment: Deployment, profile: EngineProfile, cluster: Cluster) -> str:
-    """Where ``deployment``'s replicas would go now, in words; nothing is changed.
-
-    Devices and ports held by shards the agents report (other than STOPPED or FAILED ones)
-    count as taken; replica ids are ``DEPLOYMENT-N`` from 0. Each deployment is planned on
-    its own: the plans of two deployments of one file may name the same free GPUs.
-    """
-    nodes = [node_capacity(n) for n in cluster.nodes if n.info is not None]
-    devices, ports = _held(cluster)
-    fingerprint = profile_fingerprint(profile)
-    ids = [f"{deployment.name}-{i}" for i in range(deployment.replicas)]
-    placed = place_deployment(
-        nodes, profile, deployment, replica_ids=ids, fingerprint=fingerprint,
-        taken=Taken(devices=devices, ports=ports),
-    )  # fmt: skip
-    head = (
-        f"dry run: deployment {deployment.name}, profile {profile.name} ({fingerprint}), "
-        f"{deployment.replicas} replica{'' if deployment.replicas == 1 else 's'}; "
-        "nothing was changed"
-    )
-    by_id = {n.node_id: n for n in nodes}
-    lines = [head, *(_plan_line(rid, p, by_id) for rid, p in zip(ids, placed, strict=True))]
-    return shorten("\n".join(lines))
-
-
-def _held(cluster: Cluster) -> tuple[dict[str, frozenset[str]], dict[str, frozenset[int]]]:
-    devices: dict[str, set[str]] = {}
-    ports: dict[str, set[int]] = {}
-    for shard in cluster.shards:
-        status = shard.status
-        if status is None or status.state in _HELD:
-            continue
-        devices.setdefault(shard.node_id, set()).update(status.gpu_uuids)
-        port = status.endpoint.rpartition(":")[2]
-        if port.isdigit():
-            ports.setdefault(shard.node_id, set()).add(int(port))
-    return (
-        {k: frozenset(v) for k, v in devices.items()},
-        {k: frozenset(v) for k, v in ports.items()},
-    )
-
-
-def _plan_line(
-    replica_id: str, placed: ReplicaPlan | Unplaceable, nodes: Mapping[str, NodeCapacity]
-) -> str:
-    if isinstance(placed, Unplaceable):
-        return f"  {replica_id}: cannot be placed: {placed.reason}"
-    shards = "; ".join(_shard_words(s.node_id, s.gpu_uuids, s.port, s.cpu_threads, nodes)
-                       for s in placed.shards)  # fmt: skip
-    return f"  {replica_id}: {shards}"
-
-
-def _shard_words(
-    node_id: str, uuids: Sequence[str], port: int, threads: int, nodes: Mapping[str, NodeCapacity]
-) -> str:
-    node = nodes.get(node_id)
-    if not uuids:
-        return f"node {node_id}, {threads} CPU threads, port {port}"
-    index = {d.uuid: d for d in node.devices} if node is not None else {}
-    names = [
-        f"{index[u].index}/{index[u].mig_profile}" if u in index and index[u].mig_profile
-        else str(index[u].index) if u in index else u
-        for u in uuids
-    ]  # fmt: skip
-    return f"node {node_id}, GPUs {','.join(names)}, port {port}"
-
-
 # --- the state ---------------------------------------------------------------------------
 
 
@@ -314,6 +237,10 @@ class DesiredState:
         self._edit_lock = asyncio.Lock()
         self.profiles: dict[str, EngineProfile] = {}
         self.deployments: dict[str, Deployment] = {}
+        # Each deployment as last applied (llmgw apply, ApplyDeployment), before any live
+        # start, drain or reprofile edited it: a dry run says when a file undoes such an edit.
+        # In memory only: after a restart it is the stored deployment.
+        self.applied: dict[str, Deployment] = {}
         # Operator requests on replicas, stored (schema 4) and forgotten once carried out:
         self.retire: set[str] = set()  # replica ids an operator drained
         self.replace: set[str] = set()  # replica ids to replace by surge (a node drain)
@@ -329,6 +256,7 @@ class DesiredState:
             self.profiles[p.name] = _read(EngineProfile, p.profile, path, "profiles", p.name)
         for d in await self._store.load_deployments():
             self.deployments[d.name] = _read(Deployment, d.deployment, path, "deployments", d.name)
+            self.applied[d.name] = self.deployments[d.name]
         for replica_id, kind in await self._store.load_requests():
             self._requests(kind).add(replica_id)
         self.revisions = {r.deployment: r for r in await self._store.load_revisions()}
@@ -347,12 +275,15 @@ class DesiredState:
         profile = self.profiles.get(profile_name)
         return profile_fingerprint(profile) if profile is not None else ""
 
-    async def apply(self, change: Change, *, retire: str = "") -> None:
+    async def apply(self, change: Change, *, retire: str = "", live: bool = False) -> None:
         """Store ``change`` (and a request to retire replica ``retire``) durably, in one
-        transaction, then make both visible at once and publish the change."""
-        await self.apply_all([change], retire=retire)
+        transaction, then make both visible at once and publish the change. ``live``: an
+        operator's action edited the deployment (it is not what was applied)."""
+        await self.apply_all([change], retire=retire, live=live)
 
-    async def apply_all(self, changes: Sequence[Change], *, retire: str = "") -> None:
+    async def apply_all(
+        self, changes: Sequence[Change], *, retire: str = "", live: bool = False
+    ) -> None:
         """`apply` for several changes (a whole document): one transaction, visible at once."""
         async with self._lock:
             at = now_ms()
@@ -379,6 +310,8 @@ class DesiredState:
             self.profiles.update(profiles)
             for deployment in deployments:
                 self.deployments[deployment.name] = deployment
+                if not live or deployment.name not in self.applied:
+                    self.applied[deployment.name] = deployment
                 self._hub.publish(WatchEvent(deployment=self.shown(deployment)))
 
     async def update(
@@ -397,7 +330,7 @@ class DesiredState:
                 return None
             deployment = Deployment.parse(bytes(current))
             edit(deployment)
-            await self.apply(Change((), deployment, None), retire=retire)
+            await self.apply(Change((), deployment, None), retire=retire, live=True)
             return deployment
 
     async def request_replace(self, replica_ids: Sequence[str]) -> None:
@@ -430,6 +363,7 @@ class DesiredState:
             await self._store.delete_deployment(name)
             del self.deployments[name]
             self.revisions.pop(name, None)
+            self.applied.pop(name, None)
             self._hub.publish(WatchEvent(deployment_removed=name))
             return True
 

@@ -71,6 +71,7 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
     WatchEvent,
 )
+from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.protocol import read_shard_state
 from llmgw.server.core.deployment_status import replica_state
 from llmgw.server.core.plan import ShardPlan
@@ -119,6 +120,8 @@ class ControlPlane:
         self._recent: deque[AuditEvent] = deque(maxlen=RECENT_AUDIT)
         self.replicas: dict[str, ReplicaRecord] = {}  # every record, RETIRED ones too
         self.reconcile_soon: Callable[[], None] = _nothing  # set by the reconcile loop
+        self.engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports, for dry runs
+        self.crash_looping: frozenset[str] = frozenset()  # set by the loop: waiting replicas
         self.kv_blocks = KvBlocks()
         self.kv_follow = KvFollowBoard()  # agents' KV event counters, per (node, shard)
         self._last_tick: float | None = None
@@ -201,11 +204,16 @@ class ControlPlane:
             profile=plan.profile,
             model=record.profile.served_model_name,
             endpoint=f"http://{_host(address)}:{plan.leader.port}",
-            state=replica_state(record, [self._on_node(p) for p in plan.shards]),
+            state=self._replica_state(record),
             shard_ids=[p.shard_id for p in plan.shards],
             out_of_date=plan.fingerprint != self.desired.fingerprint(plan.profile)
             or self._profile_changed(record),
         )
+
+    def _replica_state(self, record: ReplicaRecord) -> ShardState:  # FAILED in a crash loop
+        state = replica_state(record, [self._on_node(p) for p in record.plan.shards])
+        looping = record.replica_id in self.crash_looping and state is not ShardState.READY
+        return ShardState.FAILED if looping else state
 
     def _profile_changed(self, record: ReplicaRecord) -> bool:
         deployment = self.desired.deployments.get(record.plan.deployment)

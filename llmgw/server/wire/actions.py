@@ -9,7 +9,8 @@ durably, before it answers) and leaves the replacing to the reconciler:
   (``DesiredState.retire``): its shards are drained, so in-flight requests finish;
 - **reprofile**: the deployment (named, or the deployment of a named replica) points at
   another stored profile; the reconciler's rolling surge of one replaces its replicas, so
-  READY never drops below the count;
+  READY never drops below the count. A profile of another model name is refused unless
+  the caller allows it, and so is one whose replicas cannot be placed;
 - **scale**: the deployment's count is set (``llmgw scale``); the reconciler starts or
   retires replicas to meet it;
 - **drain a node**: the node is cordoned and each of its live replicas is marked for
@@ -31,7 +32,7 @@ from collections.abc import Callable
 
 from grpclib.const import Status
 
-from llmgw.api.llmgw.v1 import Deployment, ShardState
+from llmgw.api.llmgw.v1 import Deployment, EngineProfile, ShardState
 from llmgw.server.core.capacity import node_capacity
 from llmgw.server.core.drainplan import drain_text, moving_replicas, plan_node_drain
 from llmgw.server.core.fingerprint import profile_fingerprint
@@ -40,11 +41,13 @@ from llmgw.server.core.plan import ReplicaPlan
 from llmgw.server.core.profiles import MAX_REPLICAS
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.errors import ActionRefused, UnknownNode, quoted
+from llmgw.server.state.placer import plan_change
 from llmgw.server.state.plane import ControlPlane
 
 __all__ = [
     "ActionRefused",
     "delete_node",
+    "deployment_of",
     "drain_node",
     "drain_preview",
     "drain_replica",
@@ -156,13 +159,38 @@ async def drain_replica(plane: ControlPlane, replica_id: str) -> str:
     )
 
 
-async def reprofile(plane: ControlPlane, deployment: str, replica_id: str, profile: str) -> str:
-    """Point a deployment at another stored profile (a rolling replacement follows)."""
-    if profile not in plane.desired.profiles:
+async def reprofile(
+    plane: ControlPlane,
+    deployment: str,
+    replica_id: str,
+    profile: str,
+    *,
+    allow_model_change: bool = False,
+) -> str:
+    """Point a deployment at another stored profile (a rolling replacement follows).
+
+    Refused (FAILED_PRECONDITION, nothing changed) when the profile serves another model
+    name than the deployment's profile, unless ``allow_model_change``, and when the rolling
+    replacement cannot place its replicas (the dry run's rule, ``state.placer``)."""
+    new = plane.desired.profiles.get(profile)
+    if new is None:
         raise ActionRefused(Status.NOT_FOUND, f"no profile named {quoted(profile)}")
     target = _named(plane, deployment, replica_id)
     if target.profile == profile:
         return f"deployment {target.name} already uses profile {profile}; nothing changed"
+    old = plane.desired.profiles.get(target.profile)
+    if old is not None and not allow_model_change:
+        _same_model(target, old, new)
+    moved = Deployment.parse(bytes(target))
+    moved.profile = profile
+    plan, _ = plan_change(plane, [moved])
+    if not plan.placeable:
+        why = "; ".join(plan.reasons())
+        raise ActionRefused(
+            Status.FAILED_PRECONDITION,
+            f"profile {profile} cannot be placed for deployment {target.name} ({why}); "
+            "nothing changed",
+        )
     target = await _edit(plane, target, _point_at(profile))
     plane.reconcile_soon()
     fingerprint = plane.desired.fingerprint(profile)
@@ -170,6 +198,26 @@ async def reprofile(plane: ControlPlane, deployment: str, replica_id: str, profi
         f"deployment {target.name} reprofiled to {profile} ({fingerprint}): "
         f"rolling replacement of {_count(target.replicas)}, one at a time"
     )
+
+
+def _same_model(target: Deployment, old: EngineProfile, new: EngineProfile) -> None:
+    if old.served_model_name == new.served_model_name:
+        return
+    raise ActionRefused(
+        Status.FAILED_PRECONDITION,
+        f"profile {new.name} serves model {quoted(new.served_model_name)}, but deployment "
+        f"{target.name} serves {quoted(old.served_model_name)} (profile {old.name}): clients "
+        f"asking for {quoted(old.served_model_name)} would get 404; pass "
+        "--allow-model-change (allow_model_change) to switch the model",
+    )
+
+
+def deployment_of(plane: ControlPlane, deployment: str, replica_id: str) -> str:
+    """The deployment a request names, directly or through one of its replicas, or ""."""
+    if deployment or not replica_id:
+        return deployment
+    record = plane.replicas.get(replica_id)
+    return record.plan.deployment if record is not None else ""
 
 
 async def drain_node(plane: ControlPlane, node_id: str, *, actor: str) -> str:

@@ -56,6 +56,7 @@ from llmgw.api.llmgw.v1 import (
     ControlServiceBase,
     DeleteDeploymentRequest,
     DeleteNodeRequest,
+    Deployment,
     DescribeRequest,
     Description,
     EngineProfile,
@@ -84,20 +85,21 @@ from llmgw.server.state.desired import (
     Change,
     check_apply,
     check_document,
-    plan_text,
     refusal,
+    shorten,
 )
 from llmgw.server.state.history import ACTING
+from llmgw.server.state.placer import plan_change
 from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.storeschema import AuditRecord
 from llmgw.server.wire import actions, rollout
 from llmgw.server.wire.auth import ANONYMOUS_ACTOR, REDACTED, current_actor, sees_secrets
 from llmgw.server.wire.describe import describe
+from llmgw.server.wire.dryrun import counted, plan_message, plan_summary
 from llmgw.server.wire.logrelay import LogRelay, log_targets, merged
 from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
 
 log = logging.getLogger(__name__)
-_PLANNED = 50  # deployments of one document a dry run plans (each walks the cluster)
 
 OPERATOR = ANONYMOUS_ACTOR
 """The actor recorded in the audit log when authentication is off."""
@@ -178,12 +180,15 @@ class ControlService(ControlServiceBase):
                 await self.plane.audit(current_actor(), "apply", target, f"refused: {text}")
             raise GRPCError(Status.INVALID_ARGUMENT, text) from exc
         if message.dry_run:
-            return ActionResult(ok=True, message=self._dry_run(change))
+            return self._dry_run([change])
         await self.plane.desired.apply(change)
         text = _applied(change)
         await self.plane.audit(current_actor(), "apply", change.target, f"ok: {text}")
         self.plane.reconcile_soon()
-        return ActionResult(ok=True, message=text)
+        result = ActionResult(ok=True)
+        line = self._counted(result, [change])
+        result.message = shorten(f"{text}\n{line}" if line else text)
+        return result
 
     async def _apply_document(self, message: ApplyDeploymentRequest) -> ActionResult:
         """A whole document: parsed once, off the event loop, stored in one transaction;
@@ -197,10 +202,7 @@ class ControlService(ControlServiceBase):
                 await self.plane.audit(current_actor(), "apply", "document", f"refused: {text}")
             raise GRPCError(Status.INVALID_ARGUMENT, text) from exc
         if message.dry_run:
-            planned = [self._dry_run(change) for change in changes[:_PLANNED]]
-            more = len(changes) - len(planned)
-            tail = [f"and {more} more deployments, not planned"] if more > 0 else []
-            return ActionResult(ok=True, message=_lines(planned + tail))
+            return self._dry_run(changes)
         await self.plane.desired.apply_all(changes)
         lines = [_applied(change) for change in changes]
         actor, at = current_actor(), int(time.time() * 1000)
@@ -211,13 +213,29 @@ class ControlService(ControlServiceBase):
             ]
         )
         self.plane.reconcile_soon()
-        return ActionResult(ok=True, message=_lines(lines))
+        result = ActionResult(ok=True)
+        line = self._counted(result, changes)
+        result.message = _lines([line, *lines] if line else lines)
+        return result
 
-    def _dry_run(self, change: Change) -> str:
-        if change.deployment is None or change.profile is None:
-            names = ", ".join(p.name for p in change.profiles)
-            return f"dry run: would store profiles {names}; nothing was changed"
-        return plan_text(change.deployment, change.profile, self.plane.snapshot())
+    def _dry_run(self, changes: Sequence[Change]) -> ActionResult:
+        """The diff of ``changes`` against what runs now (``llmgw.server.state.placer``)."""
+        deployments, profiles = _wanted(changes)
+        plan, nodes = plan_change(self.plane, deployments, profiles)
+        text = plan_summary(plan)
+        if profiles:
+            text = f"dry run: would store profiles {', '.join(p.name for p in profiles)}\n{text}"
+        result = ActionResult(ok=True, message=shorten(text), plan=plan_message(plan, nodes))
+        result.desired, result.placeable = sum(plan.desired.values()), plan.placed
+        return result
+
+    def _counted(self, result: ActionResult, changes: Sequence[Change]) -> str:
+        """Set how many replicas of the changed deployments can be placed; why not, or ""."""
+        deployments, _ = _wanted(changes)
+        if not deployments:
+            return ""
+        plan, _ = plan_change(self.plane, deployments)
+        return counted(result, plan)
 
     async def delete_deployment(self, message: DeleteDeploymentRequest) -> ActionResult:
         target = f"deployment/{message.name}"
@@ -231,11 +249,13 @@ class ControlService(ControlServiceBase):
 
     async def start_replica(self, message: ReplicaRequest) -> ActionResult:
         target = _replica_target(message.deployment, message.replica_id)
-        return await self._act(
+        name = actions.deployment_of(self.plane, message.deployment, message.replica_id)
+        result = await self._act(
             "start",
             target,
             actions.start_replica(self.plane, message.deployment, message.replica_id),
         )
+        return self._with_counts(result, name)
 
     async def drain_replica(self, message: ReplicaRequest) -> ActionResult:
         target = f"replica/{message.replica_id[:64]}"
@@ -245,10 +265,25 @@ class ControlService(ControlServiceBase):
 
     async def reprofile_replica(self, message: ReprofileReplicaRequest) -> ActionResult:
         target = _replica_target(message.deployment, message.replica_id)
+        name = actions.deployment_of(self.plane, message.deployment, message.replica_id)
         work = actions.reprofile(
-            self.plane, message.deployment, message.replica_id, message.profile
+            self.plane,
+            message.deployment,
+            message.replica_id,
+            message.profile,
+            allow_model_change=message.allow_model_change,
         )
-        return await self._act("reprofile", target, work)
+        return self._with_counts(await self._act("reprofile", target, work), name)
+
+    def _with_counts(self, result: ActionResult, name: str) -> ActionResult:
+        """``result`` saying how many replicas of deployment ``name`` can be placed now."""
+        deployment = self.plane.desired.deployments.get(name)
+        if deployment is None:
+            return result
+        plan, _ = plan_change(self.plane, [deployment])
+        if line := counted(result, plan):
+            result.message = shorten(f"{result.message}\n{line}")
+        return result
 
     async def drain_node(self, message: NodeRequest) -> ActionResult:
         if message.dry_run:  # changes nothing: no audit record; ok: every replica can move
@@ -317,6 +352,11 @@ class ControlService(ControlServiceBase):
 def _shown(profile: EngineProfile) -> EngineProfile:
     """``profile`` as the caller may see it: whole for admins, else env values redacted."""
     return profile if sees_secrets() else _redacted(profile)
+
+
+def _wanted(changes: Sequence[Change]) -> tuple[list[Deployment], list[EngineProfile]]:
+    deployments = [c.deployment for c in changes if c.deployment is not None]
+    return deployments, [p for c in changes for p in c.profiles]
 
 
 def _redacted(profile: EngineProfile) -> EngineProfile:

@@ -419,6 +419,9 @@ def valid_profiles(draw: st.DrawFn, name: str) -> EngineProfile:
     gpu_class, tp, pp, per_node, nodes, threads, memory = draw(shapes(engine))
     served = draw(MODEL_NAME)
     names = draw(st.lists(MODEL_NAME.filter(lambda n: n != served), max_size=3, unique=True))
+    llamacpp = engine == "llamacpp"  # what the engine cannot do: engineinput.engine_problems
+    model_path = draw(WORD.filter(bool)) + (".gguf" if llamacpp else "")
+    names = [] if llamacpp else names
     return EngineProfile(
         name=name,
         engine=engine,
@@ -429,10 +432,10 @@ def valid_profiles(draw: st.DrawFn, name: str) -> EngineProfile:
         nodes=nodes,
         args=draw(st.lists(WORD, max_size=4)),
         env=draw(st.dictionaries(ENV_KEY, TEXT, max_size=3)),
-        model_path=draw(WORD.filter(bool)),
+        model_path=model_path,
         served_model_name=served,
         adapters=[LoraAdapter(n, draw(WORD.filter(bool))) for n in names],
-        kv_events=draw(st.booleans()),
+        kv_events=draw(st.booleans()) and engine in ("vllm", "sim"),
         cpu_threads=threads,
         min_gpu_memory_bytes=memory,
     )

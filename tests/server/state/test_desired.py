@@ -109,22 +109,26 @@ async def test_dry_run_plans_on_the_inventory_and_changes_nothing(service: Contr
     before = await _state(service)
     result = await service.apply_deployment(_request(dry_run=True))
     assert await _state(service) == before
-    lines = result.message.splitlines()
-    assert lines[0].startswith("dry run: deployment chat") and "nothing was changed" in lines[0]
-    # two TP=2 replicas on one DGX: each on a node a1 GPU pair, different GPUs, own ports
-    assert lines[1].startswith("  chat-0: node a1, GPUs ") and lines[2].startswith(
-        "  chat-1: node a1"
-    )
-    gpus = [line.split("GPUs ")[1].split(",")[:2] for line in lines[1:3]]
-    assert len({g for pair in gpus for g in pair}) == 4
-    assert "port 20000" in lines[1] and "port 20001" in lines[2]
+    assert "nothing was changed" in result.message and result.plan is not None
+    assert result.plan.placeable and (result.desired, result.placeable) == (2, 2)
+    # two TP=2 replicas on one DGX: named as the reconciler names them, on a1, each on its
+    # own GPU pair, on its own port
+    changes = result.plan.changes
+    assert [(c.action, c.replica, c.node) for c in changes] == [
+        ("add", "chat-1", "a1"),
+        ("add", "chat-2", "a1"),
+    ]
+    assert len({g for c in changes for g in c.gpus}) == 4
+    assert [c.port for c in changes] == [20000, 20001]
 
 
 async def test_dry_run_says_why_it_cannot_place(service: ControlService) -> None:
     await _register(service, "c1", "cpu-only")
     result = await service.apply_deployment(_request(dry_run=True))
-    assert "chat-0: cannot be placed: " in result.message
-    assert "H100" in result.message
+    assert result.plan is not None and not result.plan.placeable
+    first = result.plan.changes[0]
+    assert (first.action, first.replica) == ("unplaceable", "chat-1") and "H100" in first.reason
+    assert "cannot be placed" in result.message and result.placeable == 0
 
 
 async def test_unknown_profile_is_refused_by_name_and_audited(service: ControlService) -> None:
@@ -263,10 +267,12 @@ async def test_a_whole_document_is_stored_at_once_with_a_line_and_an_audit_per_c
     result = await service.apply_deployment(ApplyDeploymentRequest(document=TWO))
     assert result.ok
     lines = result.message.splitlines()
-    assert lines[0] == "profiles spare stored"
-    assert lines[1].startswith("deployment chat applied: profile chat-tp2 (")
-    assert lines[2].startswith("deployment more applied: profile chat-tp2 (")
-    assert len(lines) == 3
+    # no node is registered: stored, and the answer says first that none can be placed
+    assert lines[0].startswith("0 of 3 replicas can be placed: deployment chat: no nodes")
+    assert lines[1] == "profiles spare stored"
+    assert lines[2].startswith("deployment chat applied: profile chat-tp2 (")
+    assert lines[3].startswith("deployment more applied: profile chat-tp2 (")
+    assert len(lines) == 4 and (result.desired, result.placeable) == (3, 0)
     stored = [Deployment.parse(d.deployment) for d in await service.plane.store.load_deployments()]
     assert {d.name: d.replicas for d in stored} == {"chat": 2, "more": 1}
     assert {p.name for p in await service.plane.store.load_profiles()} == {"chat-tp2", "spare"}
@@ -286,7 +292,10 @@ async def test_a_bad_whole_document_changes_nothing(service: ControlService) -> 
     assert await _state(service) == before
     dry = await service.apply_deployment(ApplyDeploymentRequest(document=TWO, dry_run=True))
     assert dry.message.startswith("dry run: would store profiles spare")
-    assert "dry run: deployment more" in dry.message
+    assert dry.plan is not None
+    assert [(c.action, c.replica) for c in dry.plan.changes] == [
+        ("unplaceable", "chat-1"), ("unplaceable", "chat-2"), ("unplaceable", "more-1"),
+    ]  # fmt: skip
     assert await _state(service) == before
 
 

@@ -9,6 +9,7 @@ __all__ = (
     "AgentServiceBase",
     "AgentServiceStub",
     "ApplyDeploymentRequest",
+    "ApplyPlan",
     "AuditEvent",
     "Cluster",
     "ControlMessage",
@@ -60,6 +61,7 @@ __all__ = (
     "NodeTelemetry",
     "NvLink",
     "NvLinkFabric",
+    "PlannedChange",
     "PlannedShard",
     "ProfileRevision",
     "Register",
@@ -256,6 +258,21 @@ class ActionResult(betterproto2.Message):
 
     message: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
+    plan: "ApplyPlan | None" = betterproto2.field(10, betterproto2.TYPE_MESSAGE, optional=True)
+    """
+    a dry run's diff against what runs now
+    """
+
+    desired: "int" = betterproto2.field(11, betterproto2.TYPE_UINT32)
+    """
+    replicas the changed deployments ask for
+    """
+
+    placeable: "int" = betterproto2.field(12, betterproto2.TYPE_UINT32)
+    """
+    how many of them can be placed now
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "ActionResult", ActionResult)
 
@@ -315,6 +332,23 @@ class ApplyDeploymentRequest(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "ApplyDeploymentRequest", ApplyDeploymentRequest)
+
+
+@dataclass(eq=False, repr=False)
+class ApplyPlan(betterproto2.Message):
+    """
+    What applying a document would change, per replica, against what runs now.
+    """
+
+    placeable: "bool" = betterproto2.field(1, betterproto2.TYPE_BOOL)
+    """
+    every replica asked for can be placed
+    """
+
+    changes: "list[PlannedChange]" = betterproto2.field(2, betterproto2.TYPE_MESSAGE, repeated=True)
+
+
+default_message_pool.register_message("llmgw.v1", "ApplyPlan", ApplyPlan)
 
 
 @dataclass(eq=False, repr=False)
@@ -1660,6 +1694,55 @@ default_message_pool.register_message("llmgw.v1", "NvLinkFabric", NvLinkFabric)
 
 
 @dataclass(eq=False, repr=False)
+class PlannedChange(betterproto2.Message):
+    """
+    One replica's fate: keep, add, remove, roll (to another profile) or unplaceable.
+    """
+
+    action: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    "keep", "add", "remove", "roll", "unplaceable"
+    """
+
+    deployment: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    replica: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    its id (the id it would get, when added or rolled)
+    """
+
+    profile: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+
+    from_profile: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    roll: the profile it runs now
+    """
+
+    node: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    the node (nodes, comma-separated, when multi-node)
+    """
+
+    gpus: "list[str]" = betterproto2.field(7, betterproto2.TYPE_STRING, repeated=True)
+    """
+    GPU indices on the node (IDX/MIG for slices)
+    """
+
+    port: "int" = betterproto2.field(8, betterproto2.TYPE_UINT32)
+    """
+    the leader's engine port
+    """
+
+    reason: "str" = betterproto2.field(9, betterproto2.TYPE_STRING)
+    """
+    why it cannot be placed; what else to know
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "PlannedChange", PlannedChange)
+
+
+@dataclass(eq=False, repr=False)
 class PlannedShard(betterproto2.Message):
     """
     A shard as the reconciler placed it: where it runs, on which GPUs and port.
@@ -1845,6 +1928,11 @@ class ReprofileReplicaRequest(betterproto2.Message):
     deployment: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
 
     profile: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+
+    allow_model_change: "bool" = betterproto2.field(10, betterproto2.TYPE_BOOL)
+    """
+    allow a profile that serves another model name
+    """
 
 
 default_message_pool.register_message(
