@@ -37,6 +37,7 @@ from llmgw.api.llmgw.v1 import (
     WatchEvent,
 )
 from llmgw.cli.errors import CliError
+from llmgw.cli.rollout_wait import wait_ready
 from llmgw.cli.rpc import call
 from llmgw.cli.tables import render_table
 from llmgw.client import ControlClient, RpcError, Timeouts
@@ -50,20 +51,32 @@ from llmgw.server.state.desired import parse_with_profiles
 from llmgw.server.wire.auth import REDACTED
 
 
-def run_apply(server: str, path: Path, *, dry_run: bool, output: str) -> int:
+def run_apply(
+    server: str, path: Path, *, dry_run: bool, output: str, wait_s: float | None = None
+) -> int:
     """``llmgw apply -f FILE``: 0 when every request was accepted and every replica it asks
-    for can be placed; with ``dry_run``, the server's diff against what runs now (exit 0
-    only when everything can be placed)."""
+    for can be placed (``wait_s``: and then, within it, is ready on its current profile);
+    with ``dry_run``, the server's diff against what runs now (exit 0 only when everything
+    can be placed)."""
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise CliError(f"cannot read {path}: {exc}") from exc
-    return asyncio.run(_apply(server, text, str(path), dry_run=dry_run, output=output))
+    code, names = asyncio.run(_apply(server, text, str(path), dry_run=dry_run, output=output))
+    if code or dry_run or wait_s is None or not names:
+        return code
+    return int(asyncio.run(call(server, lambda client: wait_ready(client, names, wait_s))))
 
 
-async def _apply(server: str, text: str, source: str, *, dry_run: bool, output: str) -> int:
+async def _apply(
+    server: str, text: str, source: str, *, dry_run: bool, output: str
+) -> tuple[int, list[str]]:
+    """The exit code, and the names of the file's deployments."""
+    names: list[str] = []
+
     async def apply(client: ControlClient) -> list[tuple[str, ActionResult]]:
         document = await _parse(client, text, source)
+        names.extend(document.deployments)
         requests = _requests(document, text, dry_run)  # checks the file is not empty
         whole = ApplyDeploymentRequest(dry_run=dry_run, document=text)
         try:
@@ -80,7 +93,7 @@ async def _apply(server: str, text: str, source: str, *, dry_run: bool, output: 
     # the timeout grows by a second per 20 kB, enough for a slow, loaded machine.
     answers = await call(server, apply, Timeouts(call=30.0 + len(text) / 20_000))
     if dry_run:
-        return _print_plan([result for _, result in answers], output)
+        return _print_plan([result for _, result in answers], output), names
     if output == "json":
         rows = [
             {"target": target, "message": r.message, "desired": r.desired,
@@ -90,7 +103,7 @@ async def _apply(server: str, text: str, source: str, *, dry_run: bool, output: 
         sys.stdout.write(json.dumps({"applied": rows}, indent=2) + "\n")
     else:
         sys.stdout.write("".join(f"{r.message}\n" for _, r in answers))
-    return 0 if all(r.placeable >= r.desired for _, r in answers) else 1
+    return (0 if all(r.placeable >= r.desired for _, r in answers) else 1), names
 
 
 _PLAN_KEYS = ("action", "deployment", "replica", "profile", "from_profile", "node", "gpus",

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from datetime import UTC, datetime
 
 from llmgw.api.llmgw.v1 import (
+    ActionResult,
     DescribedNode,
     DescribedReplica,
     Description,
@@ -22,6 +23,7 @@ from llmgw.api.llmgw.v1 import (
     Shard,
     ShardState,
 )
+from llmgw.cli.rollout_wait import wait_ready
 from llmgw.cli.rpc import call
 from llmgw.cli.tables import render_table
 from llmgw.printable import escape
@@ -41,14 +43,18 @@ async def run_describe(server: str, kind: str, name: str, output: str) -> int:
     return 0
 
 
-async def run_scale(server: str, deployment: str, replicas: int) -> int:
-    """``llmgw scale DEPLOYMENT N``."""
+async def run_scale(
+    server: str, deployment: str, replicas: int, wait_s: float | None = None
+) -> int:
+    """``llmgw scale DEPLOYMENT N``: 1 when some replicas cannot be placed, or (``wait_s``)
+    are not ready within it."""
     result = await call(server, lambda client: client.scale_deployment(deployment, replicas))
-    sys.stdout.write(f"{result.message}\n")
-    return 0
+    return await _answered(server, deployment, result, wait_s)
 
 
-async def run_rollout(server: str, verb: str, deployment: str, to_revision: int) -> int:
+async def run_rollout(
+    server: str, verb: str, deployment: str, to_revision: int, wait_s: float | None = None
+) -> int:
     """``llmgw rollout history DEPLOYMENT`` and ``llmgw rollout undo DEPLOYMENT``."""
     if verb == "history":
         reply = await call(server, lambda client: client.rollout_history(deployment))
@@ -57,8 +63,19 @@ async def run_rollout(server: str, verb: str, deployment: str, to_revision: int)
     result = await call(
         server, lambda client: client.rollout_undo(deployment, to_revision=to_revision)
     )
+    return await _answered(server, deployment, result, wait_s)
+
+
+async def _answered(
+    server: str, deployment: str, result: ActionResult, wait_s: float | None
+) -> int:
+    """Print an action's answer; 1 when replicas cannot be placed, else wait if asked."""
     sys.stdout.write(f"{result.message}\n")
-    return 0
+    if result.placeable < result.desired:
+        return 1
+    if wait_s is None:
+        return 0
+    return int(await call(server, lambda client: wait_ready(client, [deployment], wait_s)))
 
 
 def render_history(reply: RolloutHistoryResponse) -> str:

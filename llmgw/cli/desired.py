@@ -7,6 +7,7 @@ import argparse
 import asyncio
 from pathlib import Path
 
+from llmgw.cli.rollout_wait import add_wait_flags
 from llmgw.cli.rpc import add_client_flags
 
 __all__ = ["register"]
@@ -30,6 +31,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "when something cannot be placed",
     )
     p.add_argument("-o", "--output", choices=["table", "json"], default="table")
+    add_wait_flags(p)
     add_client_flags(p)
     p.set_defaults(command=_run_apply)
     p = sub.add_parser(
@@ -62,7 +64,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 def _run_apply(args: argparse.Namespace) -> int:
     from llmgw.cli.apply import run_apply
 
-    return run_apply(args.server, args.file, dry_run=args.dry_run, output=args.output)
+    wait_s = args.timeout if args.wait else None
+    return run_apply(
+        args.server, args.file, dry_run=args.dry_run, output=args.output, wait_s=wait_s
+    )
 
 
 def _run_delete(args: argparse.Namespace) -> int:

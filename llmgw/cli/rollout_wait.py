@@ -5,7 +5,8 @@ The verdict is the server's: each deployment's ``DeploymentStatus`` as Watch car
 snapshot, then a ``deployment`` event whenever the server recomputes one), never a count the
 CLI makes of replicas. A deployment is done when every replica it wants is available (ready
 and on its current profile) and no other replica is left (``available == desired ==
-replicas``), as kubectl's rollout status waits for the new replicas and the old ones gone.
+replicas``, none ``retiring``), as kubectl's rollout status waits for the new replicas and
+the old ones gone.
 
 It stops early, exit 1, when the server says the deployment cannot progress
 (``Progressing`` false: no place for a replica, or a crash-loop back-off) and has said so for
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import re
 import sys
 import time
@@ -95,13 +97,14 @@ def judge(name: str, deployment: Deployment | None, server_now_ms: int) -> Progr
     if status is None:
         return Progress(False, f"deployment {name}: the server has not computed its status yet")
     desired = deployment.replicas
-    if status.available == desired == status.replicas:
+    if status.available == desired == status.replicas and not status.retiring:
         return Progress(True, f"deployment {name}: {desired} of {desired} replicas available")
     progressing = _condition(status.conditions, "Progressing")
     why = status.reason or "replicas are on their way"
     line = (
         f"deployment {name}: {status.available} of {desired} replicas available "
-        f"({status.ready} ready, {status.up_to_date} up to date, {status.replicas} placed): "
+        f"({status.ready} ready, {status.up_to_date} up to date, {status.replicas} placed, "
+        f"{status.retiring} retiring): "
         f"{why}"
     )
     if progressing is not None and not progressing.status:
@@ -127,7 +130,10 @@ async def wait_ready(
     offset_ms = 0  # the server's wall clock minus ours, from the last snapshot
     said: dict[str, str] = {}
     deadline = time.monotonic() + timeout_s
-    stream = client.watch()
+    # The stream is read by a task of its own: cancelling a wait for its next event would
+    # close the stream's generator; a wait on the queue may time out each second instead.
+    events: asyncio.Queue[WatchEvent | None] = asyncio.Queue()
+    reader = asyncio.create_task(_pump(client, events))
     try:
         while True:
             if known is not None:
@@ -142,14 +148,26 @@ async def wait_ready(
             if left <= 0:
                 raise CliError(f"timed out after {timeout_s:g}s: {_lacking(said, wanted)}")
             try:
-                async with asyncio.timeout(min(left, 1.0)):  # re-judge stalls each second
-                    event = await anext(stream)
+                event = await asyncio.wait_for(events.get(), min(left, 1.0))
             except TimeoutError:
-                continue
-            except StopAsyncIteration as exc:
-                raise CliError("the server ended the Watch stream") from exc
+                continue  # re-judge: a stall's time may have run out
+            if event is None:
+                await reader  # raises what ended the stream, if anything did
+                raise CliError("the server ended the Watch stream")
             known, offset_ms = _take(event, known, offset_ms)
     finally:
+        reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await reader
+
+
+async def _pump(client: ControlClient, events: asyncio.Queue[WatchEvent | None]) -> None:
+    stream = client.watch()
+    try:
+        async for event in stream:
+            events.put_nowait(event)
+    finally:
+        events.put_nowait(None)
         await stream.aclose()  # type: ignore[attr-defined]
 
 

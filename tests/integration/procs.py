@@ -164,13 +164,15 @@ class Cluster:
         except httpx.HTTPError:
             return False
 
-    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self, *args: str, check: bool = True, timeout: float = 30
+    ) -> subprocess.CompletedProcess[str]:
         env = {**os.environ, "LLMGW_TOKEN": self.token} if self.token else None
         return subprocess.run(
             [sys.executable, "-m", "llmgw", *args, "--server", self.url],
             capture_output=True,
             text=True,
-            timeout=30,
+            timeout=timeout,
             check=check,
             env=env,
         )

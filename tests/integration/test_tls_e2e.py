@@ -95,7 +95,9 @@ class TlsCluster(Cluster):
     def healthy(self) -> bool:
         return _answers(f"{self.url}/healthz", self.ca)
 
-    def cli(self, *args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    def cli(
+        self, *args: str, check: bool = True, timeout: float = 60
+    ) -> subprocess.CompletedProcess[str]:
         return run_cli(
             *args, "--server", self.url, env={"LLMGW_CA_FILE": str(self.ca)}, check=check
         )

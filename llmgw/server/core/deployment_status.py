@@ -71,8 +71,10 @@ def deployment_status(
     *,
     previous: DeploymentStatus | None,
     now_ms: int,
+    retiring: int = 0,
 ) -> DeploymentStatus:
-    """The deployment's status now (see the module docstring)."""
+    """The deployment's status now (see the module docstring); ``retiring``: its replicas
+    draining out."""
     desired = deployment.replicas
     ready = sum(1 for r in replicas if r.ready)
     up_to_date = sum(1 for r in replicas if r.up_to_date)
@@ -86,6 +88,7 @@ def deployment_status(
         unplaceable_reason=verdict.unplaceable,
         up_to_date=up_to_date,
         available=sum(1 for r in replicas if r.ready and r.up_to_date),
+        retiring=retiring,
     )
     status.reason = _reason(deployment, status, replicas, verdict)
     fresh = [
@@ -98,7 +101,7 @@ def deployment_status(
 
 
 def _complete(status: DeploymentStatus) -> bool:
-    return status.available == status.desired == status.replicas
+    return status.available == status.desired == status.replicas and not status.retiring
 
 
 def _reason(
@@ -126,6 +129,8 @@ def _reason(
         )
     if status.replicas > status.desired:
         return _replicas(status.replicas - status.desired, "extra, retiring")
+    if status.retiring:
+        return _replicas(status.retiring, "draining out")
     return f"{status.available} of {status.desired} available"
 
 

@@ -40,6 +40,7 @@ class DeploymentBoard:
         self._inventory = inventory
         self._fingerprint = fingerprint  # a stored profile's fingerprint by name ("" if none)
         self._live: dict[str, dict[str, ReplicaRecord]] = {}  # deployment → id → record
+        self._retiring: dict[str, set[str]] = {}  # deployment → ids of its RETIRING replicas
         self._verdicts: dict[str, RoundVerdict] = {}
         self._shown: dict[str, DeploymentStatus] = {}
 
@@ -50,10 +51,15 @@ class DeploymentBoard:
             name = record.plan.deployment
             names.add(name)
             replicas = self._live.setdefault(name, {})
+            retiring = self._retiring.setdefault(name, set())
             if record.lifecycle in _LIVE:
                 replicas[record.replica_id] = record
             else:
                 replicas.pop(record.replica_id, None)
+            if record.lifecycle is Lifecycle.RETIRING:
+                retiring.add(record.replica_id)
+            else:
+                retiring.discard(record.replica_id)
         return names
 
     def on_node(self, node_id: str) -> set[str]:
@@ -88,6 +94,7 @@ class DeploymentBoard:
             self._verdicts.get(deployment.name, RoundVerdict()),
             previous=self._shown.get(deployment.name),
             now_ms=now_ms(),
+            retiring=len(self._retiring.get(deployment.name, ())),
         )
         if remember:
             self._shown[deployment.name] = status

@@ -319,7 +319,8 @@ class ControlService(ControlServiceBase):
 
     async def scale_deployment(self, message: ScaleRequest) -> ActionResult:
         work = actions.scale(self.plane, message.deployment, message.replicas)
-        return await self._act("scale", f"deployment/{message.deployment[:64]}", work)
+        result = await self._act("scale", f"deployment/{message.deployment[:64]}", work)
+        return self._with_counts(result, message.deployment)
 
     async def rollout_history(self, message: RolloutHistoryRequest) -> RolloutHistoryResponse:
         try:
@@ -329,7 +330,8 @@ class ControlService(ControlServiceBase):
 
     async def rollout_undo(self, message: RolloutUndoRequest) -> ActionResult:
         work = rollout.undo(self.plane, message.deployment, message.to_revision)
-        return await self._act("rollout-undo", f"deployment/{message.deployment[:64]}", work)
+        result = await self._act("rollout-undo", f"deployment/{message.deployment[:64]}", work)
+        return self._with_counts(result, message.deployment)
 
     async def list_profiles(self, message: ListProfilesRequest) -> ListProfilesResponse:
         profiles = self.plane.desired.profiles

@@ -510,7 +510,7 @@ class DeploymentCondition(betterproto2.Message):
     A condition in kubectl's spirit. Types and reasons:
       Available       true  MinimumReplicasAvailable    ready >= desired
                       false MinimumReplicasUnavailable
-      Progressing     true  NewReplicasAvailable        available == desired == replicas
+      Progressing     true  NewReplicasAvailable        available == desired == replicas, none retiring
                       true  ReplicasUpdating            on its way (placing, starting, rolling)
                       false Unplaceable                 no place for a replica it needs
                       false CrashLoopBackOff            failed replicas in a row hold it back
@@ -597,7 +597,8 @@ class DeploymentStatus(betterproto2.Message):
     """
     One line saying what keeps `available` from `desired` (the first that applies: no
     place, crash-loop back-off, a failed replica's reason, a node gone, replicas starting,
-    a rollout under way); empty when available == desired == replicas.
+    a rollout under way, old replicas draining); empty when available == desired ==
+    replicas and none is retiring.
     """
 
     conditions: "list[DeploymentCondition]" = betterproto2.field(
@@ -605,6 +606,12 @@ class DeploymentStatus(betterproto2.Message):
     )
     """
     Always three, in this order: Available, Progressing, ReplicaFailure.
+    """
+
+    retiring: "int" = betterproto2.field(12, betterproto2.TYPE_UINT32)
+    """
+    Replicas on their way out (draining: the old ones of a roll, ones past the count);
+    a rollout is complete when none is left.
     """
 
 
