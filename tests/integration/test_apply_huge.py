@@ -93,5 +93,5 @@ def test_llmgw_apply_sends_a_huge_file_in_one_request(cluster: Cluster, tmp_path
     assert lines[0].startswith("deployment d0 applied: profile p (")
     assert lines[-1] == f"… and {CLI_DEPLOYMENTS - len(lines) + 1} more"
     assert took < 60, f"llmgw apply took {took:.0f}s"  # one request per deployment: hours
-    listed = cluster.cli("get", "deployments", "-o", "json").stdout
+    listed = cluster.cli("get", "deployments", "-o", "json", timeout=90).stdout
     assert len(json.loads(listed)["deployments"]) == CLI_DEPLOYMENTS

@@ -50,7 +50,8 @@ def served(fleet: Cluster, tmp_path: Path) -> Iterator[Cluster]:
     fleet.start_agent("n1", "cpu-only")
     wait_for(lambda: fleet.node_states().get("n1") == "NODE_STATE_READY", 30, "node n1 READY")
     (tmp_path / "d.toml").write_text(DEPLOYMENT)
-    fleet.cli("apply", "-f", str(tmp_path / "d.toml"))
+    applied = fleet.cli("apply", "-f", str(tmp_path / "d.toml"), check=False)
+    assert "deployment d applied" in applied.stdout, applied.stdout + applied.stderr
     yield fleet
 
 

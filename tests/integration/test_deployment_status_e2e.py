@@ -122,7 +122,9 @@ def test_status_in_get_deployments_and_metrics(fleet: Cluster, tmp_path: Path) -
     wait_for(lambda: fleet.node_states() == both, 30, "both agents READY")
     path = tmp_path / "fleet.toml"
     path.write_text(FILE)
-    fleet.cli("apply", "-f", str(path))
+    applied = fleet.cli("apply", "-f", str(path), check=False)
+    assert applied.returncode == 1, applied.stdout + applied.stderr  # wide is short of one
+    assert "can be placed" in applied.stdout
 
     shown = wait_for(lambda: _settled(fleet), 90, "chat ready, wide short of one")
     chat, wide = shown["chat"]["status"], shown["wide"]["status"]

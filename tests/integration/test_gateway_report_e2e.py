@@ -59,6 +59,7 @@ def test_a_separate_gateway_reports_to_a_server_without_its_own(
     before = _console(fleet)
     assert before["status"] == "UNAVAILABLE" and "runs no gateway" in before["reason"]
     fleet.start_agent("a1", "dgx-h100", "--engine-bin", SIM_BIN)
+    wait_for(lambda: fleet.node_states() == {"a1": "NODE_STATE_READY"}, 30, "a1 READY")
     path = tmp_path / "chat.toml"
     path.write_text(FILE)
     fleet.cli("apply", "-f", str(path))

@@ -281,7 +281,8 @@ class _Round:
     def broken(self, record: ReplicaRecord) -> tuple[str, str, bool] | None:
         """The node to avoid ("" for none), why, and whether a shard failed (rather than its
         node went), when ``record`` must be replaced. A shard refused only because another
-        process holds its port avoids no node: its replacement gets another port."""
+        process holds its port avoids no node and is no failure of the replica's (it counts
+        toward no crash loop or back-off): its replacement gets another port."""
         for plan in record.plan.shards:
             if why := self.node_gone(plan.node_id):
                 return plan.node_id, why, False
@@ -292,7 +293,7 @@ class _Round:
                     and shard.status is not None
                     and bool(shard.status.port_in_use)
                 )
-                return ("" if port_only else plan.node_id), why, True
+                return ("" if port_only else plan.node_id), why, not port_only
         return None
 
     def node_gone(self, node_id: str) -> str:
