@@ -460,7 +460,12 @@ async def in_thread(fn: Callable[..., Any], *args: Any) -> Any:
     return await asyncio.to_thread(fn, *args)
 
 
-pytestmark = pytest.mark.timeout(300)  # a loaded machine: rollouts take longer
+pytestmark = [
+    pytest.mark.timeout(300),  # a loaded machine: rollouts take longer
+    # one worker, in file order: the fleet is the module's, and each test starts where the
+    # one before it left it (--dist loadgroup split them, and a test found 2 replicas, not 1)
+    pytest.mark.xdist_group("console_actions"),
+]
 
 
 async def test_d_drains_the_selected_replica_and_draining_it_again_is_refused(
