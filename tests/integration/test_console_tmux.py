@@ -111,6 +111,23 @@ def _line(screen: str, text: str) -> str:
     return next((line for line in screen.splitlines() if text in line), "")
 
 
+_REPLICA_ROW = re.compile(r"^\s*((chat|small|tiny)-\d+)\s+● READY\s+(\w+)\s")
+
+
+def _replica_rows(screen: str) -> list[tuple[str, str]] | None:
+    """The replicas view's rows, (id, model) in screen order, once all four are READY."""
+    if "REPLICA" not in screen:
+        return None
+    rows = []
+    for line in screen.splitlines():
+        if found := _REPLICA_ROW.match(line):
+            replica, prefix, model = found.groups()
+            if prefix != model:
+                return None
+            rows.append((replica, model))
+    return rows if len(rows) == 4 else None
+
+
 def _processes_mentioning(text: str, *, besides: set[int]) -> dict[int, str]:
     """Live processes whose command line holds ``text`` (but this one and ``besides``)."""
     found = {}
@@ -171,14 +188,15 @@ def test_a_person_drives_the_demo_console_in_a_terminal(tmp_path: Path) -> None:
             assert word in _line(screen, f" {node} "), screen  # the node's own row comes first
 
         term.keys(":replicas", "Enter")
-        screen = term.wait_for("REPLICA", "chat-1", "tiny-1")
-        for replica, model in (("chat-1", "chat"), ("chat-2", "chat"),
-                               ("small-1", "small"), ("tiny-1", "tiny")):  # fmt: skip
-            row = _line(screen, replica)
-            assert "● READY" in row and f" {model} " in row, screen
+        screen = term.wait_until(lambda screen: _replica_rows(screen) is not None, "the replicas")
+        rows = _replica_rows(screen)
+        assert rows is not None
+        # Ids are the server's: a replica refused its port (another process on the machine
+        # holds it) is replaced under the next number, so the test reads them off the screen.
+        assert [model for _, model in rows] == ["chat", "chat", "small", "tiny"], screen
 
-        term.keys("Down", "Down", "c")  # the third row, by id: small-1
-        term.wait_for("copied small-1")
+        term.keys("Down", "Down", "c")  # the third row, by id: the small one
+        term.wait_for(f"copied {rows[2][0]}")
 
         term.keys("Space")
         term.wait_for("LIVE · PAUSED")
