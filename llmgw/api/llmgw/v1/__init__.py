@@ -11,6 +11,8 @@ __all__ = (
     "ApplyDeploymentRequest",
     "ApplyPlan",
     "AuditEvent",
+    "AutoscalePolicy",
+    "AutoscaleStatus",
     "Cluster",
     "ControlMessage",
     "ControlServiceBase",
@@ -52,6 +54,7 @@ __all__ = (
     "LoraAdapter",
     "Memory",
     "MigDevice",
+    "ModelSignals",
     "MultiNode",
     "NicPath",
     "Node",
@@ -84,6 +87,7 @@ __all__ = (
     "RouterServiceStub",
     "RouterSnapshot",
     "RouterStats",
+    "ScalableModels",
     "ScaleRequest",
     "Shard",
     "ShardState",
@@ -368,6 +372,126 @@ default_message_pool.register_message("llmgw.v1", "AuditEvent", AuditEvent)
 
 
 @dataclass(eq=False, repr=False)
+class AutoscalePolicy(betterproto2.Message):
+    """
+    [deployments.NAME.autoscale]: scale the count between `min` and `max` to keep the
+    latency targets (at least one of ttft_p90_ms and itl_p90_ms is set).
+    """
+
+    min: "int" = betterproto2.field(1, betterproto2.TYPE_UINT32)
+    """
+    0 allows scale to zero
+    """
+
+    max: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    >= max(min, 1)
+    """
+
+    ttft_p90_ms: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    time to first token, 90th percentile; 0: no target
+    """
+
+    itl_p90_ms: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+    """
+    inter-token latency, 90th percentile; 0: no target
+    """
+
+    scale_down_after_s: "int" = betterproto2.field(5, betterproto2.TYPE_UINT32)
+    """
+    below target this long before a replica goes (300)
+    """
+
+    mode: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    "act" (change the count) or "advise" (report only)
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "AutoscalePolicy", AutoscalePolicy)
+
+
+@dataclass(eq=False, repr=False)
+class AutoscaleStatus(betterproto2.Message):
+    """
+    What the planner decided for one deployment, and on what (llmgw.server.core.autoscale).
+    """
+
+    mode: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    the policy's mode
+    """
+
+    current: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    the count the deployment has now (Deployment.replicas)
+    """
+
+    desired: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    the planner's count (== current once acted on)
+    """
+
+    reason: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    one word: scale_up, scale_down, hold, from_zero, to_zero, budget, pending, no_signal
+    """
+
+    message: "str" = betterproto2.field(5, betterproto2.TYPE_STRING)
+    """
+    in words, e.g. "ttft p90 1240 ms > target 800 ms on 2 replicas"
+    """
+
+    signal: "str" = betterproto2.field(6, betterproto2.TYPE_STRING)
+    """
+    the signal it acted on, e.g. "ttft_p90_ms=1240"
+    """
+
+    decided_unix_ms: "int" = betterproto2.field(7, betterproto2.TYPE_INT64)
+    """
+    when `desired` last changed (server wall clock); 0: never
+    """
+
+    changed_unix_ms: "int" = betterproto2.field(8, betterproto2.TYPE_INT64)
+    """
+    when the planner last changed the count (act mode); 0: never
+    """
+
+    ttft_p90_ms: "float" = betterproto2.field(9, betterproto2.TYPE_DOUBLE)
+    """
+    The window's signals, as the planner saw them in its last round (NaN-free: -1 unknown).
+    """
+
+    itl_p90_ms: "float" = betterproto2.field(10, betterproto2.TYPE_DOUBLE)
+
+    arrival_rps: "float" = betterproto2.field(11, betterproto2.TYPE_DOUBLE)
+
+    in_flight: "int" = betterproto2.field(12, betterproto2.TYPE_UINT32)
+    """
+    requests the gateways have upstream now
+    """
+
+    waiting: "int" = betterproto2.field(13, betterproto2.TYPE_UINT32)
+    """
+    requests gateways hold for a replica (scale from zero)
+    """
+
+    kv_usage: "float" = betterproto2.field(14, betterproto2.TYPE_DOUBLE)
+    """
+    engines' mean KV cache usage, 0..1; -1 unknown
+    """
+
+    gpu_budget: "int" = betterproto2.field(15, betterproto2.TYPE_UINT32)
+    """
+    the pool's budget in GPUs; 0: none
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "AutoscaleStatus", AutoscaleStatus)
+
+
+@dataclass(eq=False, repr=False)
 class Cluster(betterproto2.Message):
     nodes: "list[Node]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
 
@@ -492,6 +616,20 @@ class Deployment(betterproto2.Message):
 
     updated_unix_ms: "int" = betterproto2.field(6, betterproto2.TYPE_INT64)
 
+    autoscale: "AutoscalePolicy | None" = betterproto2.field(
+        7, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    The autoscaler's policy ([deployments.NAME.autoscale]); unset: a fixed count. In mode
+    "act" the planner owns `replicas` (a file must not set it); in "advise" it only reports.
+    """
+
+    priority: "int" = betterproto2.field(8, betterproto2.TYPE_INT32)
+    """
+    Where deployments of one pool share a GPU budget (`llmgw server --gpu-budget POOL=N`),
+    a higher priority gets GPUs first and may take them from a lower one (default 0).
+    """
+
     status: "DeploymentStatus | None" = betterproto2.field(
         20, betterproto2.TYPE_MESSAGE, optional=True
     )
@@ -612,6 +750,13 @@ class DeploymentStatus(betterproto2.Message):
     """
     Replicas on their way out (draining: the old ones of a roll, ones past the count);
     a rollout is complete when none is left.
+    """
+
+    autoscale: "AutoscaleStatus | None" = betterproto2.field(
+        13, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    The autoscaler's view of it; unset for a deployment without a policy.
     """
 
 
@@ -1465,6 +1610,62 @@ default_message_pool.register_message("llmgw.v1", "MigDevice", MigDevice)
 
 
 @dataclass(eq=False, repr=False)
+class ModelSignals(betterproto2.Message):
+    """
+    One model's signals from one gateway, for the autoscaler (counters cumulative since the
+    gateway started; the server takes differences between reports).
+    """
+
+    model: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    arrivals: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+    """
+    requests for it that arrived (routed, held or refused)
+    """
+
+    answered: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+    """
+    requests answered with a first byte from a replica
+    """
+
+    ttft_counts: "list[int]" = betterproto2.field(4, betterproto2.TYPE_UINT64, repeated=True)
+    """
+    Histograms, cumulative per bucket: counts[i] are observations <= bounds_ms[i] of
+    RouterReport.latency_bounds_ms, the last one +Inf (len(bounds) + 1 counts).
+
+    time to first token (first byte of the answer)
+    """
+
+    itl_counts: "list[int]" = betterproto2.field(5, betterproto2.TYPE_UINT64, repeated=True)
+    """
+    inter-token latency: gaps between streamed events
+    """
+
+    in_flight: "int" = betterproto2.field(6, betterproto2.TYPE_UINT32)
+    """
+    upstream requests now
+    """
+
+    waiting: "int" = betterproto2.field(7, betterproto2.TYPE_UINT32)
+    """
+    requests held now for a replica to be READY
+    """
+
+    held_timeouts: "int" = betterproto2.field(8, betterproto2.TYPE_UINT64)
+    """
+    held requests answered 503 after the hold limit
+    """
+
+    held_answered: "int" = betterproto2.field(9, betterproto2.TYPE_UINT64)
+    """
+    held requests that reached a replica
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "ModelSignals", ModelSignals)
+
+
+@dataclass(eq=False, repr=False)
 class MultiNode(betterproto2.Message):
     """
     Where the ranks of a multi-node replica meet.
@@ -1924,6 +2125,14 @@ class ReplicaRouterStats(betterproto2.Message):
     the mean over its DP ranks); absent when not polled yet or not said.
     """
 
+    engine_waiting: "int | None" = betterproto2.field(7, betterproto2.TYPE_UINT32, optional=True)
+    """
+    Its engine's requests waiting and running as last polled (vllm:num_requests_waiting,
+    vllm:num_requests_running, summed over its DP ranks); absent when not polled yet.
+    """
+
+    engine_running: "int | None" = betterproto2.field(8, betterproto2.TYPE_UINT32, optional=True)
+
 
 default_message_pool.register_message("llmgw.v1", "ReplicaRouterStats", ReplicaRouterStats)
 
@@ -2121,6 +2330,13 @@ class RouterFeedEvent(betterproto2.Message):
     added with issue #6; older gateways ignore it
     """
 
+    scalable: "ScalableModels | None" = betterproto2.field(
+        6, betterproto2.TYPE_MESSAGE, optional=True, group="event"
+    )
+    """
+    sent after each snapshot and whenever it changes
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "RouterFeedEvent", RouterFeedEvent)
 
@@ -2157,6 +2373,18 @@ class RouterReport(betterproto2.Message):
     """
     How often this gateway reports; the server holds a report live for three of these
     (10 s when 0).
+    """
+
+    models: "list[ModelSignals]" = betterproto2.field(5, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    every model it saw a request for
+    """
+
+    latency_bounds_ms: "list[float]" = betterproto2.field(
+        6, betterproto2.TYPE_DOUBLE, repeated=True
+    )
+    """
+    the histogram bucket bounds of ModelSignals
     """
 
 
@@ -2334,6 +2562,21 @@ class RouteTarget(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "RouteTarget", RouteTarget)
+
+
+@dataclass(eq=False, repr=False)
+class ScalableModels(betterproto2.Message):
+    """
+    The models a gateway holds requests for while none of their replicas is READY, because
+    the autoscaler will start one (an autoscaled deployment in mode "act"). A request for
+    one waits in a bounded queue (llmgw.gateway.holding) instead of a 503; every other model
+    without a READY replica is answered 503 as before. Replaces the previous list.
+    """
+
+    models: "list[str]" = betterproto2.field(1, betterproto2.TYPE_STRING, repeated=True)
+
+
+default_message_pool.register_message("llmgw.v1", "ScalableModels", ScalableModels)
 
 
 @dataclass(eq=False, repr=False)
