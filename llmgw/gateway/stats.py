@@ -111,6 +111,8 @@ def replica_rows(gateway: Gateway, routed: Mapping[str, int]) -> list[ReplicaRou
                 delivered_hit_ratio=facts.hit_ratio if facts is not None else None,
                 kv_capacity_tokens=facts.kv_tokens if facts is not None else 0,
                 kv_usage=facts.kv_usage if facts is not None else None,
+                engine_waiting=facts.waiting if facts is not None else None,
+                engine_running=facts.running if facts is not None else None,
             )
         )
     return rows

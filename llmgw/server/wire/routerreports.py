@@ -20,7 +20,8 @@ figures (when it runs) into the fleet's ``RouterStats``:
   never too little.)
 - Replica rows are those of the live figures, merged by replica id: ``in_flight`` summed
   over the live figures, ``requests`` summed over everything kept (the retired total too);
-  the engine's own figures (``delivered_hit_ratio``, ``kv_capacity_tokens``, ``kv_usage``)
+  the engine's own figures (``delivered_hit_ratio``, ``kv_capacity_tokens``, ``kv_usage``,
+  ``engine_waiting``, ``engine_running``)
   are the freshest figures' that have them (the in-server gateway's are read now, so
   they are the freshest). The retired total keeps a replica's requests only while some
   kept report names that replica, so memory stays bounded; a row's own counter may then
@@ -307,6 +308,8 @@ def _first_row(row: ReplicaRouterStats, requests: int) -> ReplicaRouterStats:
         delivered_hit_ratio=row.delivered_hit_ratio,
         kv_capacity_tokens=row.kv_capacity_tokens,
         kv_usage=row.kv_usage,
+        engine_waiting=row.engine_waiting,
+        engine_running=row.engine_running,
     )
 
 
@@ -320,6 +323,10 @@ def _merge_row(merged: ReplicaRouterStats, older: ReplicaRouterStats) -> None:
         merged.kv_capacity_tokens = older.kv_capacity_tokens
     if merged.kv_usage is None:
         merged.kv_usage = older.kv_usage
+    if merged.engine_waiting is None:
+        merged.engine_waiting = older.engine_waiting
+    if merged.engine_running is None:
+        merged.engine_running = older.engine_running
 
 
 _SCALARS: tuple[Callable[[RouterStats], int], ...] = (
