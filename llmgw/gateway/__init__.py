@@ -11,7 +11,8 @@ control server (``llmgw server``, fed in process from the plane). Two parts:
   tokenize client (``tokenize``), the precise tier that uses it (``precise``), the engine
   poller (``engines``), the router feed follower (``feed``), the reporter (``reporter``, with
   the figures it sends: ``stats``, and the signals per model for the autoscaler:
-  ``modelsignals``), the OpenAI request reading (``openai``), client API keys (``apikeys``),
+  ``modelsignals``), the queues that hold requests for a model scaled to zero
+  (``holding``), the OpenAI request reading (``openai``), client API keys (``apikeys``),
   ``/metrics`` (``metrics``), the last decisions (``routelog``) and the precise tier's
   check of them (``reusecheck``), errors (``errors``), and ``app``: the :class:`Gateway`
   that puts them together;

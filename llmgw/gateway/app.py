@@ -62,6 +62,7 @@ from llmgw.gateway.apikeys import UNAUTHORIZED_BODY, ApiKeys
 from llmgw.gateway.engines import EnginePoller, PollerConfig
 from llmgw.gateway.errors import (
     GatewayTimeout,
+    HoldRefused,
     ModelNotFound,
     NoReplica,
     RequestRefused,
@@ -71,6 +72,7 @@ from llmgw.gateway.errors import (
     UpstreamProtocolError,
     UpstreamRefused,
 )
+from llmgw.gateway.holding import HoldConfig, HoldingQueues
 from llmgw.gateway.httpconnection import HttpConnection
 from llmgw.gateway.httplimits import ServerLimits
 from llmgw.gateway.httprequest import Refusal, Request
@@ -137,6 +139,7 @@ class GatewayConfig:
     explain_keys: ApiKeys = ApiKeys()  # keys that may also see x-llmgw-route (docstring)
     debug_kv_index: bool = False  # serve GET /debug/kv_index (see the module docstring)
     browsers: BrowserAccess = BrowserAccess()  # --cors-origin, --allowed-host (httpguard)
+    hold: HoldConfig = HoldConfig()  # requests held for a scalable model (holding.py)
     tls: ssl.SSLContext | None = field(default=None, repr=False, compare=False)  # None: http
 
 
@@ -161,6 +164,8 @@ class Gateway:
         self.metrics = GatewayMetrics()
         self.signals = ModelSignalBook()  # per model, for the autoscaler (modelsignals.py)
         self.started_at_unix_ms = int(time.time() * 1000)
+        self.holding = HoldingQueues(table, config.hold, on_end=self.signals.held)
+        self.metrics.add_collector(self.holding.lines)
         self.route_log = RouteLog()  # the last decisions (routelog.py)
         self.reuse = ReuseCheck()  # predicted against reported cached tokens (reusecheck.py)
         self.metrics.add_collector(self.reuse.lines)
@@ -336,9 +341,13 @@ class Gateway:
             self.metrics.request_done(status, model, request.path)
 
     def _model_label(self, model: str) -> str:
-        """``model`` when a replica of the table serves it, else ``UNKNOWN_LABEL``: the
-        label's values stay the models this gateway serves, whatever clients ask for."""
-        if self.table.candidates(model) or any(t.serves(model) for t in self.table.targets()):
+        """``model`` when a replica of the table serves it or it is scalable, else
+        ``UNKNOWN_LABEL``: the label's values stay the models this gateway serves,
+        whatever clients ask for."""
+        table = self.table
+        if table.candidates(model) or table.scalable(model):
+            return model
+        if any(t.serves(model) for t in table.targets()):
             return model
         return UNKNOWN_LABEL
 
@@ -347,11 +356,17 @@ class Gateway:
             conn.abort()
             return exc.status
         body = error_body(exc.message, exc.error_type, exc.status, param=exc.param)
-        conn.respond(exc.status, body)
+        retry = b""
+        if isinstance(exc, HoldRefused):
+            retry = b"retry-after: %d\r\n" % exc.retry_after_s
+        conn.respond(exc.status, body, headers=retry)
         return exc.status
 
     async def _route(self, request: Request, conn: HttpConnection, parsed: ParsedRequest) -> int:
-        """Answer ``request``; the status sent. Raises RequestRefused to answer an error."""
+        """Answer ``request``; the status sent. Raises RequestRefused to answer an error.
+        A request for a scalable model with no READY replica waits first (holding.py)."""
+        if self.holding.should_hold(parsed.model):
+            await self.holding.hold(parsed.model)
         route = RouteRequest(parsed.model, parsed.text, parsed.session)
         precise, fallback = await self._precise_request(request, parsed)
         explaining = self._may_explain(request)
@@ -435,7 +450,7 @@ class Gateway:
         if failures:
             tried = "; ".join(failures)
             return NoReplica(f"no replica of model `{model}` could take the request ({tried})")
-        if any(target.serves(model) for target in self.table.targets()):
+        if self.table.scalable(model) or any(t.serves(model) for t in self.table.targets()):
             return NoReplica(f"no replica of model `{model}` is ready")
         return ModelNotFound(model)
 

@@ -9,6 +9,7 @@
     │   ├── ModelNotFound       404: no replica, in any state, serves this model
     │   ├── BodyTooLarge        413: the body is larger than ``max_body_bytes``
     │   ├── NoReplica           503: no READY replica could take the request
+    │   │   └── HoldRefused     503 with Retry-After: held too long, or the queue was full
     │   └── GatewayTimeout      504: the request ran past ``request_timeout_s``
     └── UpstreamError           a replica could not be used for one request
         ├── UpstreamConnectError    no connection could be made (refused, timeout, no route)
@@ -75,6 +76,15 @@ class NoReplica(RequestRefused):
     error_type = "ServiceUnavailableError"
 
 
+class HoldRefused(NoReplica):
+    """503 with ``Retry-After``: a request for a scalable model no replica was READY for,
+    after the hold limit or because its queue was full (``llmgw.gateway.holding``)."""
+
+    def __init__(self, message: str, *, retry_after_s: int) -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+
+
 class GatewayTimeout(RequestRefused):
     """504: the request ran past the gateway's request timeout before any answer."""
 
@@ -107,6 +117,7 @@ __all__ = [
     "BodyTooLarge",
     "GatewayError",
     "GatewayTimeout",
+    "HoldRefused",
     "ModelNotFound",
     "NoReplica",
     "RequestRefused",

@@ -82,8 +82,9 @@ def apply_feed_event(
     table: RoutingTable, event: RouterFeedEvent, index: KvIndex | None = None
 ) -> None:
     """Fold one feed event into ``table``: a snapshot replaces it, a target is upserted,
-    a removal drops its replica; KV blocks go to ``index`` (dropped without one). An
-    event with none of them (from a newer server) is ignored."""
+    a removal drops its replica, scalable models replace the table's; KV blocks go to
+    ``index`` (dropped without one). An event with none of them (from a newer server) is
+    ignored."""
     if event.snapshot is not None:
         table.replace_all(targets_from_snapshot(event.snapshot))
         if index is not None:
@@ -96,6 +97,8 @@ def apply_feed_event(
             index.forget(event.target_removed)
     elif event.kv_blocks is not None and index is not None:
         apply_kv_blocks(index, event.kv_blocks)
+    elif event.scalable is not None:
+        table.set_scalable(event.scalable.models)
 
 
 def apply_kv_blocks(index: KvIndex, blocks: KvBlocks) -> None:

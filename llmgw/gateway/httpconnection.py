@@ -215,11 +215,14 @@ class HttpConnection(asyncio.Protocol):
                 self._drained = self._loop.create_future()
             await self._drained
 
-    def respond(self, status: int, body: bytes, content_type: bytes = JSON_TYPE) -> None:
-        """A whole response with ``body``."""
-        head = status_line(status) + b"content-type: %s\r\ncontent-length: %d\r\n" % (
+    def respond(
+        self, status: int, body: bytes, content_type: bytes = JSON_TYPE, *, headers: bytes = b""
+    ) -> None:
+        """A whole response with ``body``; ``headers``: more header lines, each ending CRLF."""
+        head = status_line(status) + b"content-type: %s\r\ncontent-length: %d\r\n%s" % (
             content_type,
             len(body),
+            headers,
         )
         self.write(head + self.connection_header() + b"\r\n" + body)
 

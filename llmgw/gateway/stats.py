@@ -57,7 +57,7 @@ def router_stats(gateway: Gateway, now_ms: int) -> RouterStats:
 def model_signals(gateway: Gateway) -> list[ModelSignals]:
     """``gateway``'s signals per model for the autoscaler (cumulative; ``modelsignals``),
     their histograms over ``modelsignals.LATENCY_BOUNDS_MS``."""
-    return gateway.signals.signals({})
+    return gateway.signals.signals(gateway.holding.waiting())
 
 
 def route_decision(record: RouteRecord) -> RouteDecision:

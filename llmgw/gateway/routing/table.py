@@ -9,7 +9,12 @@ drains, or goes away). Writers are the control-plane feed (in-process server or 
 
 `on_removed` callbacks tell the policies to forget a replica: they fire, after the table
 has changed, for every replica id that was READY and now is gone, no longer READY, or
-serves another model, and for every id removed outright.
+serves another model, and for every id removed outright. `on_changed` callbacks fire after
+every change of the targets or of the scalable models.
+
+The table also holds the **scalable** models (the feed's ``ScalableModels``): those the
+autoscaler starts a replica for when none is READY, so the gateway holds a request for one
+(``llmgw.gateway.holding``) instead of answering 404 or 503.
 """
 
 from __future__ import annotations
@@ -53,6 +58,8 @@ class RoutingTable:
         self._models: tuple[str, ...] = ()
         self._all: tuple[Target, ...] = ()
         self._callbacks: list[Callable[[str], None]] = []
+        self._changed: list[Callable[[], None]] = []
+        self._scalable: frozenset[str] = frozenset()
         self.replace_all(targets)
 
     def replace_all(self, targets: Iterable[Target]) -> None:
@@ -93,6 +100,24 @@ class RoutingTable:
         """Call `callback(replica_id)` when a replica is gone or no longer routable."""
         self._callbacks.append(callback)
 
+    def on_changed(self, callback: Callable[[], None]) -> None:
+        """Call `callback()` after each change of the targets or the scalable models."""
+        self._changed.append(callback)
+
+    def set_scalable(self, models: Iterable[str]) -> None:
+        """Make the scalable models exactly `models` (the feed's ``ScalableModels``)."""
+        scalable = frozenset(models)
+        if scalable != self._scalable:
+            self._scalable = scalable
+            self._notify_changed()
+
+    def scalable(self, model: str) -> bool:
+        """Whether the autoscaler starts a replica of `model` when none is READY."""
+        return model in self._scalable
+
+    def scalable_models(self) -> frozenset[str]:
+        return self._scalable
+
     def _apply(self, new: dict[str, Target]) -> None:
         if new == self._by_id:
             return
@@ -102,6 +127,7 @@ class RoutingTable:
         self.version += 1
         for replica_id in gone:
             self._notify(replica_id)
+        self._notify_changed()
 
     def _reindex(self) -> None:
         self._all = tuple(sorted(self._by_id.values(), key=_by_replica_id))
@@ -119,6 +145,13 @@ class RoutingTable:
                 callback(replica_id)
             except Exception:  # a listener's bug must not stop the table from updating
                 logger.exception("on_removed callback failed for replica %s", replica_id)
+
+    def _notify_changed(self) -> None:
+        for callback in self._changed:
+            try:
+                callback()
+            except Exception:  # a listener's bug must not stop the table from updating
+                logger.exception("on_changed callback failed")
 
 
 def _by_replica_id(target: Target) -> str:

@@ -23,6 +23,11 @@ What a target says: the endpoint and state are the operator API's view of the re
 retires); the API key, whether it publishes KV events and its LoRA adapters come from the
 replica's record and the profile it was placed with.
 
+After each snapshot, and whenever a deployment changes so that they do, the feed sends the
+**scalable models** (``ScalableModels``, :func:`scalable_models`): those of deployments the
+autoscaler owns (mode "act"). A gateway holds a request for one while none of its replicas
+is READY (``llmgw.gateway.holding``), rather than answering 404 or 503.
+
 ``Report`` goes the other way: a separate ``llmgw gateway`` sends its
 routing figures every few seconds (the gateway role), kept in ``reports``
 (``llmgw.server.wire.routerreports``, shared with ``ControlService``, whose ``GetRouterStats``
@@ -54,6 +59,7 @@ from llmgw.api.llmgw.v1 import (
     RouterServiceBase,
     RouterSnapshot,
     RouteTarget,
+    ScalableModels,
     WatchEvent,
 )
 from llmgw.gateway import (
@@ -90,6 +96,23 @@ def route_target(plane: ControlPlane, record: ReplicaRecord) -> RouteTarget:
     )
 
 
+def scalable_models(plane: ControlPlane) -> list[str]:
+    """The models a gateway holds requests for while none of their replicas is READY:
+    those of deployments whose autoscale policy is in mode "act" (the planner starts a
+    replica of one scaled to zero), by served model name and LoRA adapter, sorted."""
+    models: set[str] = set()
+    for deployment in plane.desired.deployments.values():
+        policy = deployment.autoscale
+        if policy is None or policy.mode not in ("act", ""):  # "": the file's default, act
+            continue
+        profile = plane.desired.profiles.get(deployment.profile)
+        if profile is None:
+            continue
+        served = profile.served_model_name or profile.model_path.rstrip("/").rsplit("/", 1)[-1]
+        models.update(name for name in (served, *(a.name for a in profile.adapters)) if name)
+    return sorted(models)
+
+
 def route_targets(plane: ControlPlane) -> dict[str, RouteTarget]:
     """Every replica that is not RETIRED, by replica id."""
     return {
@@ -105,13 +128,19 @@ class _FeedView:
     def __init__(self, plane: ControlPlane) -> None:
         self._plane = plane
         self._sent: dict[str, RouteTarget] = {}
+        self._scalable: list[str] | None = None  # as last sent
 
     def events(self, event: WatchEvent) -> list[RouterFeedEvent]:
         """The feed events one watch event calls for (often none)."""
         if event.snapshot is not None:
-            return [self._snapshot(event.revision)]
-        if event.replica is not None:
-            return self._changes(event.revision, {event.replica.replica_id})
+            self._scalable = None  # sent again after every snapshot
+            return [self._snapshot(event.revision), *self._scalable_changed(event.revision)]
+        if event.deployment is not None or event.deployment_removed is not None:
+            return self._scalable_changed(event.revision)
+        if event.replica is not None:  # a profile applied alone may rename a model:
+            # its replicas' events follow, and with them the scalable models
+            changes = self._changes(event.revision, {event.replica.replica_id})
+            return changes + self._scalable_changed(event.revision)
         if event.replica_removed is not None:
             return self._changes(event.revision, {event.replica_removed})
         if event.node is not None or event.node_removed is not None:
@@ -128,6 +157,14 @@ class _FeedView:
             kv_replicas=self._plane.kv_blocks.replica_ids(),
         )
         return RouterFeedEvent(revision=revision, snapshot=snapshot)
+
+    def _scalable_changed(self, revision: int) -> list[RouterFeedEvent]:
+        """``ScalableModels`` when they differ from what this subscriber was last told."""
+        models = scalable_models(self._plane)
+        if models == self._scalable:
+            return []
+        self._scalable = models
+        return [RouterFeedEvent(revision=revision, scalable=ScalableModels(models=models))]
 
     def _changes(self, revision: int, replica_ids: set[str]) -> list[RouterFeedEvent]:
         out: list[RouterFeedEvent] = []
@@ -293,6 +330,7 @@ async def serve_gateway(plane: ControlPlane, config: GatewayConfig) -> AsyncIter
     table holds every target before the first request is accepted."""
     snapshot = RouterSnapshot(targets=list(route_targets(plane).values()))
     table = RoutingTable(targets_from_snapshot(snapshot))
+    table.set_scalable(scalable_models(plane))
     gateway = Gateway(table, config)
     feed = asyncio.create_task(feed_table(plane, table, gateway.kv_index), name="gateway-feed")
     try:
@@ -313,5 +351,6 @@ __all__ = [
     "route_events",
     "route_target",
     "route_targets",
+    "scalable_models",
     "serve_gateway",
 ]

@@ -90,6 +90,15 @@ async def _next(events: AsyncIterator[RouterFeedEvent]) -> RouterFeedEvent:
     return await asyncio.wait_for(anext(events), 5)
 
 
+async def _snapshot(events: AsyncIterator[RouterFeedEvent]) -> RouterFeedEvent:
+    """The snapshot, and the scalable models that always follow it (none here)."""
+    snapshot = await _next(events)
+    assert snapshot.snapshot is not None, snapshot
+    scalable = await _next(events)
+    assert scalable.scalable is not None and scalable.scalable.models == [], scalable
+    return snapshot
+
+
 def _state(event: RouterFeedEvent) -> tuple[str, ShardState]:
     assert event.target is not None, event
     return event.target.replica_id, event.target.state
@@ -120,7 +129,7 @@ async def test_changes_only_what_a_gateway_routes_on(plane: ControlPlane) -> Non
     await _save(plane, _record("chat-1", 9001))
     events = route_events(plane)
     try:
-        assert (await _next(events)).snapshot is not None
+        assert (await _snapshot(events)).snapshot is not None
         _shard(plane, "chat-1", ShardState.STARTING)
         assert _state(await _next(events)) == ("chat-1", ShardState.STARTING)
         _shard(plane, "chat-1", ShardState.READY)
@@ -155,7 +164,7 @@ async def test_a_draining_replica_is_not_routable(plane: ControlPlane) -> None:
     table = RoutingTable()
     events = route_events(plane)
     try:
-        apply_feed_event(table, await _next(events))
+        apply_feed_event(table, await _snapshot(events))
         assert [t.replica_id for t in table.candidates("chat")] == ["chat-1"]
         await _save(plane, replace(_record("chat-1", 9001), lifecycle=Lifecycle.RETIRING))
         event = await _next(events)
@@ -172,7 +181,7 @@ async def test_a_watcher_that_falls_behind_gets_a_fresh_snapshot(plane: ControlP
     await _register(plane, "a1", "10.0.0.7")
     events = route_events(plane)
     try:
-        assert (await _next(events)).snapshot is not None
+        assert (await _snapshot(events)).snapshot is not None
         await _save(plane, _record("chat-1", 9001))
         for _ in range(DEFAULT_QUEUE + 1):  # the feed's subscriber does not read meanwhile
             plane.hub.publish(WatchEvent(node_telemetry=NodeTelemetry(node_id="a1")))
@@ -343,7 +352,7 @@ async def test_snapshot_then_full_copies_then_deltas_and_a_full_copy_after_falli
     plane.kv_blocks.chunk = 3
     events = route_events(plane)
     try:
-        first = await _next(events)
+        first = await _snapshot(events)
         assert first.snapshot is not None and first.snapshot.kv_replicas == ["chat-1"]
         copy = [_kv_keys(await _next(events)) for _ in range(2)]
         assert copy == [
