@@ -38,7 +38,9 @@ from llmgw.cli.browsers import add_browser_flags, browser_access
 from llmgw.cli.errors import CliError
 from llmgw.cli.flags import (
     GATEWAY_POLICIES,
+    add_hold_flags,
     add_tokenize_timeout_flag,
+    hold_config,
     read_token_file,
     tokenize_timeout,
 )
@@ -88,6 +90,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help=f"routing policy: {GATEWAY_POLICIES} (default: prefix)",
     )
     add_tokenize_timeout_flag(p, "--tokenize-timeout")
+    add_hold_flags(p, "")
     p.add_argument(
         "--token-file",
         type=Path,
@@ -176,6 +179,7 @@ def run_gateway_command(args: argparse.Namespace) -> int:
         tokenize_timeout_s=tokenize_timeout(args.tokenize_timeout, "--tokenize-timeout"),
         browsers=browser_access(args),
         limits=http_limits(args),
+        hold=hold_config(args.hold_queue, args.hold_timeout, ""),
     )
     feed_tls = connect_context(args.ca_file, ALPN_GRPC)
     token = None

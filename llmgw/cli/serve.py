@@ -30,7 +30,7 @@ from llmgw.agent.shards import RestartPolicy
 from llmgw.cli.apikeys import explain_keys, gateway_api_keys
 from llmgw.cli.browsers import browser_access
 from llmgw.cli.errors import CliError
-from llmgw.cli.flags import engine_ports_flag, read_token_file, tokenize_timeout
+from llmgw.cli.flags import engine_ports_flag, hold_config, read_token_file, tokenize_timeout
 from llmgw.cli.httplimits import http_limits
 from llmgw.cli.tls import listen_files
 from llmgw.engineports import DEFAULT_ENGINE_PORTS
@@ -59,6 +59,9 @@ def run_server_command(args: argparse.Namespace) -> int:
                 args.gateway_tokenize_timeout, "--gateway-tokenize-timeout"
             ),
             gateway_api_keys=gateway_api_keys(args.gateway_api_key_file, "--gateway-api-key-file"),
+            gateway_hold=hold_config(
+                args.gateway_hold_queue, args.gateway_hold_timeout, "gateway-"
+            ),
             gateway_explain_keys=explain_keys(
                 args.gateway_explain_key_file, "--gateway-explain-key-file"
             ),

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from llmgw.cli.apikeys import add_explain_key_file_flag, add_key_file_flag
 from llmgw.cli.browsers import add_browser_flags
-from llmgw.cli.flags import GATEWAY_POLICIES, add_tokenize_timeout_flag
+from llmgw.cli.flags import GATEWAY_POLICIES, add_hold_flags, add_tokenize_timeout_flag
 from llmgw.cli.httplimits import add_http_limit_flags
 from llmgw.cli.tls import add_listen_flags
 
@@ -79,6 +79,7 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
         help=f"the gateway's routing policy: {GATEWAY_POLICIES} (default: prefix)",
     )
     add_tokenize_timeout_flag(p, "--gateway-tokenize-timeout")
+    add_hold_flags(p, "gateway-")
     add_key_file_flag(p, "--gateway-api-key-file")
     add_explain_key_file_flag(p, "--gateway-explain-key-file")
     add_http_limit_flags(p, PORTS)

@@ -29,6 +29,7 @@ and only those.
 from llmgw.gateway.apikeys import ApiKeys
 from llmgw.gateway.app import TOKENIZE_TIMEOUT_S, Gateway, GatewayConfig
 from llmgw.gateway.feed import apply_feed_event, targets_from_snapshot
+from llmgw.gateway.holding import HoldConfig
 from llmgw.gateway.httpconnection import HttpConnection
 from llmgw.gateway.httplimits import ServerLimits
 from llmgw.gateway.httprequest import Request, status_line
@@ -61,6 +62,7 @@ __all__ = [
     "Decision",
     "Gateway",
     "GatewayConfig",
+    "HoldConfig",
     "HttpConnection",
     "HttpServer",
     "KvIndex",

@@ -10,7 +10,8 @@ whether a guessed prompt is cached, so it is off by default).
 
 Per proxied request: parse what routing needs (openai.py; 400 naming the fault), look up the
 READY candidates (404 ``NotFoundError`` like vLLM when no replica of any state serves the
-model, 503 when none is READY), let the policy choose (timed, counted by tier and outcome),
+model, 503 when none is READY; a request for a scalable model with none READY is held
+first, holding.py), let the policy choose (timed, counted by tier and outcome),
 acquire the replica on the ``LoadTracker`` at once, write the request with the replica's API
 key, and forward the response as it arrives (proxy.py, which also states the retry rule),
 then release. The whole request is bounded by ``request_timeout_s`` (504 before any byte of

@@ -24,6 +24,8 @@ Families::
     llmgw_upstream_failures_total{reason}             attempts given up before a first byte
                                                       (connect, closed, status, protocol)
     llmgw_replica_in_flight{replica}                  requests in flight per replica
+    llmgw_held_requests{model}                        requests held now (holding.py)
+    llmgw_held_requests_total{model,outcome}          held requests by how they ended
 
 The precise tier (precise.py, tokenize.py, engines.py)::
 

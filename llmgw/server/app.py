@@ -56,6 +56,7 @@ from llmgw.gateway import (
     ApiKeys,
     Gateway,
     GatewayConfig,
+    HoldConfig,
     HttpServer,
     ServerLimits,
 )
@@ -138,6 +139,7 @@ class ServerConfig:
     gateway_tokenize_timeout_s: float = TOKENIZE_TIMEOUT_S  # the precise tier's /tokenize bound
     gateway_api_keys: ApiKeys = ApiKeys()  # clients' keys for the gateway's /v1; none: open
     gateway_explain_keys: ApiKeys = ApiKeys()  # keys that may see x-llmgw-route
+    gateway_hold: HoldConfig = HoldConfig()  # requests held for a model scaled to zero
     join_token: str | None = field(default=None, repr=False)  # agents' token; never logged
     tls: TlsFiles | None = None  # --tls-cert/--tls-key: TLS on every port; None: plaintext
     engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports: the engines' port range
@@ -304,6 +306,7 @@ def _gateway(
         api_keys=config.gateway_api_keys,
         explain_keys=config.gateway_explain_keys,
         tokenize_timeout_s=config.gateway_tokenize_timeout_s,
+        hold=config.gateway_hold,
         browsers=config.browsers,
         limits=config.http_limits,
     )
