@@ -69,7 +69,9 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "that the control server's router feed names. While the control server is away "
         "it keeps routing with the replicas it last knew and reconnects by itself. It "
         "reports its routing figures to the control server (GetRouterStats, the console's "
-        "router view) every --report-interval. SIGINT or SIGTERM stops it.",
+        "router view) every --report-interval, with what the autoscaler reads per model. "
+        "A request for an autoscaled model (mode act) with no READY replica is held until "
+        "one is (--hold-queue, --hold-timeout). SIGINT or SIGTERM stops it.",
     )
     p.add_argument(
         "--server",

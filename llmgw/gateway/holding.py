@@ -99,9 +99,13 @@ class HoldingQueues:
             if not queue:
                 del self._queues[model]
             self._end(model, "full")
+            waits = (
+                f"{len(queue)} requests already wait for one (the limit, --hold-queue)"
+                if self.config.max_per_model
+                else "this gateway holds no requests (--hold-queue 0)"
+            )
             raise HoldRefused(
-                f"no replica of model `{model}` is ready yet and {len(queue)} requests "
-                f"already wait for one (the limit, --hold-queue); retry later",
+                f"no replica of model `{model}` is ready yet and {waits}; retry later",
                 retry_after_s=self.config.retry_after_s,
             )
         waiter: asyncio.Future[str] = asyncio.get_running_loop().create_future()

@@ -93,6 +93,14 @@ async def test_a_full_queue_answers_503_at_once() -> None:
         assert gateway.holding.ended == {("m", "full"): 1, ("m", "withdrawn"): 2}
 
 
+async def test_a_gateway_that_holds_none_says_so() -> None:
+    async with held_gateway(max_per_model=0) as (gateway, client):
+        reply = await client.post("/v1/completions", json=BODY)
+        assert reply.status_code == 503 and reply.headers["retry-after"] == "5"
+        assert "holds no requests (--hold-queue 0)" in reply.json()["error"]["message"]
+        assert gateway.holding.waiting() == {}
+
+
 async def test_a_client_that_leaves_is_dropped_from_the_queue() -> None:
     async with held_gateway() as (gateway, client):
         task = asyncio.create_task(client.post("/v1/completions", json=BODY))
