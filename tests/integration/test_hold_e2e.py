@@ -47,7 +47,9 @@ def _make_autoscaled(db: Path) -> None:
     with sqlite3.connect(db) as conn:
         (blob,) = conn.execute("SELECT deployment FROM deployments WHERE name = 'chat'").fetchone()
         deployment = Deployment.parse(blob)
-        deployment.autoscale = AutoscalePolicy(min=0, max=1, ttft_p90_ms=800, mode="act")
+        deployment.autoscale = AutoscalePolicy(
+            min=0, max=1, ttft_p90_ms=800, scale_down_after_s=300, mode="act"
+        )
         deployment.replicas = 1
         conn.execute(
             "UPDATE deployments SET deployment = ? WHERE name = 'chat'", (bytes(deployment),)
