@@ -140,3 +140,17 @@ def test_load_tracker_ignores_release_without_acquire(caplog: pytest.LogCaptureF
     assert load.in_flight("r1") == 0
     assert load.snapshot() == {}
     assert "release without acquire" in caplog.text
+
+
+def test_scalable_models_are_replaced_whole_and_changes_are_told() -> None:
+    table = RoutingTable([Target("r1", "m", "http://h:1", ready=False)])
+    told: list[tuple[bool, tuple[str, ...]]] = []
+    table.on_changed(lambda: told.append((table.scalable("m"), tuple(table.models()))))
+    table.set_scalable(["m", "n"])
+    table.set_scalable(["n", "m"])  # the same set: nothing changed, nothing told
+    assert table.scalable("m") and table.scalable("n") and not table.scalable("x")
+    table.upsert(Target("r1", "m", "http://h:1", ready=True))
+    table.upsert(Target("r1", "m", "http://h:1", ready=True))  # unchanged: not told
+    table.set_scalable([])
+    assert table.scalable_models() == frozenset()
+    assert told == [(True, ()), (True, ("m",)), (False, ("m",))]  # each after the change
