@@ -6,7 +6,8 @@ durably, before it answers) and leaves the replacing to the reconciler:
 - **start**: the deployment's count goes up by one (named by its deployment, or by a
   replica of it that is no longer running; naming a running replica is refused);
 - **drain**: the count goes down by one and the reconciler retires *that* replica
-  (``DesiredState.retire``): its shards are drained, so in-flight requests finish;
+  (``DesiredState.retire``): its shards are drained, so in-flight requests finish; for a
+  deployment the autoscaler owns (mode act) the count stays, and the replica is replaced;
 - **reprofile**: the deployment (named, or the deployment of a named replica) points at
   another stored profile; the reconciler's rolling surge of one replaces its replicas, so
   READY never drops below the count. A profile of another model name is refused unless
@@ -160,7 +161,9 @@ async def scale(plane: ControlPlane, deployment: str, replicas: int) -> str:
 
 
 async def drain_replica(plane: ControlPlane, replica_id: str) -> str:
-    """Drain one replica; its deployment's count drops by one."""
+    """Drain one replica; its deployment's count drops by one, but for an autoscaled
+    deployment (mode act), whose count stays (the replica is replaced, as a pod deleted
+    under a HorizontalPodAutoscaler is)."""
     if not replica_id:
         raise ActionRefused(Status.INVALID_ARGUMENT, "name the replica to drain")
     record = _replica(plane, replica_id)
@@ -170,6 +173,13 @@ async def drain_replica(plane: ControlPlane, replica_id: str) -> str:
         why = f"replica {replica_id} is {record.lifecycle.value}, not active"
         raise ActionRefused(Status.FAILED_PRECONDITION, why)
     named = _deployment(plane, record.plan.deployment)
+    if is_act(named):  # the autoscaler's count stays: the replica is replaced
+        target = await _edit(plane, named, _scale(0), retire=replica_id)
+        plane.reconcile_soon()
+        return (
+            f"replica {replica_id} draining; deployment {target.name} is autoscaled and "
+            f"keeps {_count(target.replicas)}: a replacement is placed"
+        )
     target = await _edit(plane, named, _scale(-1), retire=replica_id)
     plane.reconcile_soon()
     return (
