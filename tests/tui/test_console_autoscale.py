@@ -10,9 +10,11 @@ from typing import Any
 import test_console_snapshots as frozen
 from textual.pilot import Pilot
 
-from llmgw.api.llmgw.v1 import AutoscalePolicy, Deployment
+from llmgw.api.llmgw.v1 import AutoscalePolicy, Cluster, Deployment, Replica, ShardState, WatchEvent
+from llmgw.tui.actions import plan_drain
 from llmgw.tui.app import ConsoleApp
 from llmgw.tui.autoscale import autoscale_row
+from llmgw.tui.model import ClusterModel
 from llmgw.tui.widgets.detail import DetailScreen
 
 
@@ -60,3 +62,23 @@ def test_a_policy_before_its_first_decision_and_a_fixed_count() -> None:
     assert row is not None and not row.decided and row.cell == "waiting" and not row.moving
     assert row.policy == "act, 0 to 2 replicas, itl p90 <= 40 ms, down after 60 s"
     assert autoscale_row(Deployment(name="d", replicas=3)) is None
+
+
+def test_the_drain_dialog_says_an_autoscaled_deployment_keeps_its_count() -> None:
+    policy = AutoscalePolicy(min=2, max=4, ttft_p90_ms=800, scale_down_after_s=300, mode="act")
+    replicas = [
+        Replica(replica_id=f"chat-{i}", deployment="chat", profile="p", model="chat",
+                state=ShardState.READY)
+        for i in (1, 2)
+    ]  # fmt: skip
+    cluster = Cluster(
+        replicas=replicas,
+        deployments=[Deployment(name="chat", profile="p", replicas=2, autoscale=policy)],
+    )
+    model = ClusterModel()
+    model.apply(WatchEvent(revision=1, snapshot=cluster), frozen.T0)
+    impact = plan_drain(model.snapshot(frozen.T0), "chat-1").impact
+    assert (
+        "Deployment chat is autoscaled and keeps 2 replicas: a replacement for chat-1 is placed."
+        in impact
+    )
