@@ -248,11 +248,18 @@ def _serving(snapshot: ConsoleSnapshot, row: ReplicaRow, ready: int) -> str:
 
 
 def plan_start(snapshot: ConsoleSnapshot, deployment: str) -> Operation:
-    """One more replica of ``deployment``."""
+    """One more replica of ``deployment``; unavailable when the autoscaler owns its count
+    (the server would refuse it)."""
     siblings = _replicas_of(snapshot, deployment)
     known = snapshot.deployments.get(deployment)
     if known is None and not siblings:
         raise ActionUnavailable(f"deployment {deployment} is not in the cluster any more")
+    if known is not None and known.autoscale is not None and known.autoscale.mode == "act":
+        raise ActionUnavailable(
+            f"deployment {deployment} is autoscaled ({known.autoscale.min} to "
+            f"{known.autoscale.max} replicas): the autoscaler sets its count; change "
+            'autoscale.min/max in its file, or set autoscale.mode = "advise"'
+        )
     live = [r for r in siblings if r.state not in _GONE]
     count = _deployment_count(snapshot, deployment, len(live))
     profile = known.profile if known is not None else siblings[0].profile

@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 import test_console_snapshots as frozen
 from textual.pilot import Pilot
 
 from llmgw.api.llmgw.v1 import AutoscalePolicy, Cluster, Deployment, Replica, ShardState, WatchEvent
-from llmgw.tui.actions import plan_drain
+from llmgw.tui.actions import ActionUnavailable, plan_drain, plan_start
 from llmgw.tui.app import ConsoleApp
 from llmgw.tui.autoscale import autoscale_row
 from llmgw.tui.model import ClusterModel
@@ -82,3 +83,14 @@ def test_the_drain_dialog_says_an_autoscaled_deployment_keeps_its_count() -> Non
         "Deployment chat is autoscaled and keeps 2 replicas: a replacement for chat-1 is placed."
         in impact
     )
+
+
+def test_start_is_unavailable_for_an_autoscaled_deployment() -> None:
+    policy = AutoscalePolicy(min=1, max=3, ttft_p90_ms=800, scale_down_after_s=300, mode="act")
+    cluster = Cluster(
+        deployments=[Deployment(name="chat", profile="p", replicas=1, autoscale=policy)]
+    )
+    model = ClusterModel()
+    model.apply(WatchEvent(revision=1, snapshot=cluster), frozen.T0)
+    with pytest.raises(ActionUnavailable, match=r"chat is autoscaled \(1 to 3 replicas\)"):
+        plan_start(model.snapshot(frozen.T0), "chat")
