@@ -15,6 +15,7 @@ from llmgw.api.llmgw.v1 import (
     ApplyDeploymentRequest,
     AutoscalePolicy,
     Deployment,
+    DescribeRequest,
     EngineProfile,
     ReplicaRequest,
     ScaleRequest,
@@ -145,3 +146,14 @@ async def test_scale_and_start_of_an_autoscaled_deployment_are_refused(
     assert await stored_count(service) == 1
     audit = [r.result for r in await service.plane.store.recent_audit()]
     assert sum(r.startswith("refused: deployment chat is autoscaled") for r in audit) == 2
+
+
+async def test_describe_answers_the_policy_with_the_computed_status(
+    service: ControlService,
+) -> None:
+    await apply(service, document("min = 2\nmax = 5\n", "priority = 3\n"))
+    description = await service.describe(DescribeRequest(kind="deployment", name="chat"))
+    deployment = description.deployment
+    assert deployment is not None and deployment.priority == 3
+    assert deployment.autoscale is not None and deployment.autoscale.max == 5
+    assert deployment.status is not None and deployment.status.desired == 2
