@@ -31,6 +31,7 @@ from __future__ import annotations
 import re
 
 from llmgw.api.llmgw.v1 import AutoscalePolicy, Deployment
+from llmgw.server.core.autoscale import ACT, ADVISE
 from llmgw.server.core.tomlkeys import (
     NAME,
     NAME_MAX,
@@ -42,7 +43,7 @@ from llmgw.server.core.tomlkeys import (
 )
 
 __all__ = [
-    "ACT", "ADVISE", "DEPLOYMENT_KEYS", "MAX_PRIORITY", "MAX_REPLICAS", "MODES", "is_act",
+    "DEPLOYMENT_KEYS", "MAX_PRIORITY", "MAX_REPLICAS", "MODES", "is_act",
     "kept_count", "read_deployment", "render_deployment",
 ]  # fmt: skip
 
@@ -52,8 +53,6 @@ MAX_TTFT_MS = 600_000  # ten minutes
 MAX_ITL_MS = 60_000
 MAX_SCALE_DOWN_AFTER_S = 86_400  # a day
 DEFAULT_SCALE_DOWN_AFTER_S = 300
-ACT = "act"
-ADVISE = "advise"
 MODES = (ACT, ADVISE)
 
 DEPLOYMENT_KEYS = ("profile", "replicas", "pool", "labels", "priority", "autoscale")
