@@ -3,15 +3,19 @@ hand-made statuses (the server's loop fills them)."""
 
 from __future__ import annotations
 
+import io
+
 from llmgw.api.llmgw.v1 import (
     AutoscalePolicy,
     AutoscaleStatus,
+    Cluster,
     Deployment,
     DeploymentStatus,
     Description,
 )
 from llmgw.cli.apply import deployment_rows
 from llmgw.cli.describe import render_description
+from llmgw.cli.getwatch import RowPrinter
 
 POLICY = AutoscalePolicy(min=1, max=8, ttft_p90_ms=800, scale_down_after_s=300, mode="act")
 DECIDED = AutoscaleStatus(
@@ -93,3 +97,15 @@ def test_describe_of_a_policy_before_its_first_round_and_of_a_fixed_count() -> N
     fixed = Deployment(name="emb", profile="q", replicas=1)
     text = render_description(Description(kind="deployment", name="emb", deployment=fixed))
     assert "Autoscale" not in text and "Priority" not in text
+
+
+def test_get_deployments_watch_prints_the_table_again_when_the_autoscalers_columns_appear() -> None:
+    out = io.StringIO()
+    printer = RowPrinter(lambda cluster: deployment_rows(cluster.deployments), out)
+    fixed = Deployment(name="emb", profile="q", replicas=1, status=DeploymentStatus(desired=1))
+    printer.show(Cluster(deployments=[fixed]))
+    printer.show(Cluster(deployments=[fixed, scaled(DECIDED)]))
+    lines = out.getvalue().splitlines()
+    assert lines[0].split()[-1] == "REASON" and len(lines) == 5
+    assert lines[2].split()[6:8] == ["AUTOSCALE", "SIGNAL"]
+    assert lines[4].split()[:1] == ["chat"] and "2→3 scale_up" in lines[4]
