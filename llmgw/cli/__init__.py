@@ -17,6 +17,7 @@ pyproject.toml holds it; tests/cli/test_import_graph.py checks the graph has no 
 - ``rpc``: calling the control server over gRPC-web (its flags, its token and CA, one call
   helper).
 - Shared flags and helpers: ``flags``, ``tls``, ``apikeys``, ``browsers``, ``httplimits``,
+  ``autoscale_text`` (the autoscaler in tables and describe),
   ``tables``, ``screenlog``.
 - ``errors``: ``CliError``.
 

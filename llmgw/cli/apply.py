@@ -36,6 +36,7 @@ from llmgw.api.llmgw.v1 import (
     PlannedChange,
     WatchEvent,
 )
+from llmgw.cli.autoscale_text import decision_cell
 from llmgw.cli.errors import CliError
 from llmgw.cli.rollout_wait import wait_ready
 from llmgw.cli.rpc import call
@@ -217,12 +218,21 @@ async def run_get_desired(server: str, kind: str, output: str) -> int:
 
 
 def deployment_rows(deployments: Sequence[Deployment]) -> list[list[str]]:
-    """One row per deployment, its status as the server computed it (``DeploymentStatus``)."""
+    """One row per deployment, its status as the server computed it (``DeploymentStatus``);
+    with AUTOSCALE (current→desired and the planner's reason) and the SIGNAL it acted on
+    when some deployment has an autoscale policy."""
     rows = [["NAME", "PROFILE", "DESIRED", "READY", "UP-TO-DATE", "AVAILABLE", "REASON"]]
+    scaled = any(d.autoscale is not None for d in deployments)
+    if scaled:  # the autoscaler's columns, only where some deployment has a policy
+        rows[0][-1:-1] = ["AUTOSCALE", "SIGNAL"]
     for d in deployments:
         status = d.status or DeploymentStatus(desired=d.replicas)
         counts = (status.desired, status.ready, status.up_to_date, status.available)
-        rows.append([d.name, d.profile, *(str(n) for n in counts), status.reason])
+        row = [d.name, d.profile, *(str(n) for n in counts), status.reason]
+        if scaled:
+            signal = status.autoscale.signal if status.autoscale is not None else ""
+            row[-1:-1] = [decision_cell(d), signal or "-"]
+        rows.append(row)
     return rows
 
 

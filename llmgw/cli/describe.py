@@ -23,6 +23,7 @@ from llmgw.api.llmgw.v1 import (
     Shard,
     ShardState,
 )
+from llmgw.cli.autoscale_text import autoscale_fields
 from llmgw.cli.rollout_wait import wait_ready
 from llmgw.cli.rpc import call
 from llmgw.cli.tables import render_table
@@ -122,6 +123,7 @@ def _head(d: Description) -> list[tuple[str, str]]:
             ("Pool", dep.pool or "-"),
             ("Labels", ",".join(f"{k}={v}" for k, v in sorted(dep.labels.items())) or "-"),
             ("Updated", _when(dep.updated_unix_ms)),
+            *autoscale_fields(dep, _when),
         ]
     if profile is not None:
         shape = f"{profile.engine}, {profile.gpu_class}, tp {profile.tp} pp {profile.pp}"

@@ -66,18 +66,22 @@ def apply_event(cluster: Cluster | None, event: WatchEvent) -> Cluster | None:
 
 
 class RowPrinter:
-    """Prints the first table whole, then the rows that changed."""
+    """Prints the first table whole, then the rows that changed; the whole table again
+    when its columns change (``get deployments`` gains the autoscaler's when a deployment
+    with a policy appears)."""
 
     def __init__(self, rows_of: RowsOf, out: TextIO) -> None:
         self._rows_of = rows_of
         self._out = out
         self._shown: dict[str, list[str]] | None = None  # name → the row printed last
+        self._header: list[str] = []
         self._widths: list[int] = []
 
     def show(self, cluster: Cluster) -> None:
         header, *rows = [[escape(c) for c in row] for row in self._rows_of(cluster)]
         now = {row[0]: row for row in rows}
-        if self._shown is None:
+        if self._shown is None or header != self._header:
+            self._header = header
             self._widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
             lines = [header, *rows]
         else:

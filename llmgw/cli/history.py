@@ -31,7 +31,8 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "scale",
         help="set a deployment's replica count",
         description="Set a deployment's replica count (a live change: stored and audited; the "
-        "next apply of a file with another count sets that one).",
+        "next apply of a file with another count sets that one). Refused for a deployment "
+        'whose autoscale policy is in mode "act": the autoscaler sets its count.',
     )
     p.add_argument("deployment", metavar="DEPLOYMENT")
     p.add_argument("replicas", metavar="N", type=_count)

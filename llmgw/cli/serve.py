@@ -36,6 +36,7 @@ from llmgw.cli.tls import listen_files
 from llmgw.engineports import DEFAULT_ENGINE_PORTS
 from llmgw.fdlimit import within_fd_limits
 from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
+from llmgw.server.core.tomlkeys import NAME, NAME_MAX, NAME_RULE
 from llmgw.server.errors import ServerError
 from llmgw.server.wire.grpcport import ConnectionLimits
 
@@ -72,6 +73,7 @@ def run_server_command(args: argparse.Namespace) -> int:
             browsers=browser_access(args),
             insecure_no_auth=args.insecure_no_auth,
             http_limits=http_limits(args),
+            gpu_budgets=gpu_budgets(args.gpu_budget),
         )
         asyncio.run(within_fd_limits(run_server(config)))
     except ServerError as exc:
@@ -117,6 +119,26 @@ def run_agent_command(args: argparse.Namespace) -> int:
     except (AgentConfigError, DiscoveryError, EngineError) as exc:
         raise CliError(str(exc)) from exc
     return 0
+
+
+MAX_GPU_BUDGET = 1_000_000
+
+
+def gpu_budgets(values: list[str]) -> dict[str, int]:
+    """``--gpu-budget POOL=N`` (repeated) as ``{POOL: N}``; a bad value names the flag."""
+    budgets: dict[str, int] = {}
+    for value in values:
+        pool, equals, count = value.partition("=")
+        if not equals or not NAME.fullmatch(pool) or len(pool) > NAME_MAX:
+            why = f"POOL=N, POOL a pool name ({NAME_RULE})"
+            raise CliError(f"--gpu-budget {value!r} is not {why}")
+        if not (count.isascii() and count.isdigit()) or not 1 <= int(count) <= MAX_GPU_BUDGET:
+            why = f"N must be a whole number of GPUs from 1 to {MAX_GPU_BUDGET:,}"
+            raise CliError(f"--gpu-budget {value!r}: {why}")
+        if pool in budgets:
+            raise CliError(f"--gpu-budget gives pool {pool} twice ({budgets[pool]} and {count})")
+        budgets[pool] = int(count)
+    return budgets
 
 
 def _grpc_limits(args: argparse.Namespace) -> ConnectionLimits:

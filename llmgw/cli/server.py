@@ -148,6 +148,15 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
         help="the ports new engines are given, the lowest free first (default: "
         "20000-29999); running replicas keep theirs when it changes",
     )
+    p.add_argument(
+        "--gpu-budget",
+        action="append",
+        default=[],
+        metavar="POOL=N",
+        help="the most GPUs the autoscaler may give the deployments of pool POOL together "
+        "(repeat for each pool); a higher [deployments.NAME] priority gets them first and "
+        "may take them from a lower one. Default: no budget",
+    )
 
 
 def _add_grpc_limits(p: argparse.ArgumentParser) -> None:

@@ -147,6 +147,8 @@ class ServerConfig:
     browsers: BrowserAccess = BrowserAccess()  # --cors-origin, --allowed-host (HTTP ports)
     insecure_no_auth: bool = False  # --insecure-no-auth: beyond loopback with no tokens
     http_limits: ServerLimits = ServerLimits()  # both HTTP ports' (flags: cli/httplimits.py)
+    # --gpu-budget POOL=N: the GPUs the autoscaler may give each pool's deployments together
+    gpu_budgets: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

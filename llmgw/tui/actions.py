@@ -201,10 +201,18 @@ def plan_drain(snapshot: ConsoleSnapshot, replica_id: str) -> Operation:
     live = [r for r in siblings if r.state not in _GONE]
     count = _deployment_count(snapshot, row.deployment, len(live))
     impact = [_serving(snapshot, row, ready)]
-    impact.append(
-        f"Deployment {row.deployment} scales down from {_count(count, 'replica')} to "
-        f"{max(0, count - 1)}; nothing replaces {replica_id}."
-    )
+    deployment = snapshot.deployments.get(row.deployment)
+    scaler = deployment.autoscale if deployment is not None else None
+    if scaler is not None and scaler.mode == "act":  # the server keeps the count
+        impact.append(
+            f"Deployment {row.deployment} is autoscaled and keeps {_count(count, 'replica')}: "
+            f"a replacement for {replica_id} is placed."
+        )
+    else:
+        impact.append(
+            f"Deployment {row.deployment} scales down from {_count(count, 'replica')} to "
+            f"{max(0, count - 1)}; nothing replaces {replica_id}."
+        )
     if row.gpus:
         impact.append(f"Frees {_devices(snapshot, row)} on {_names(row.nodes)}.")
     return Operation(
@@ -240,11 +248,18 @@ def _serving(snapshot: ConsoleSnapshot, row: ReplicaRow, ready: int) -> str:
 
 
 def plan_start(snapshot: ConsoleSnapshot, deployment: str) -> Operation:
-    """One more replica of ``deployment``."""
+    """One more replica of ``deployment``; unavailable when the autoscaler owns its count
+    (the server would refuse it)."""
     siblings = _replicas_of(snapshot, deployment)
     known = snapshot.deployments.get(deployment)
     if known is None and not siblings:
         raise ActionUnavailable(f"deployment {deployment} is not in the cluster any more")
+    if known is not None and known.autoscale is not None and known.autoscale.mode == "act":
+        raise ActionUnavailable(
+            f"deployment {deployment} is autoscaled ({known.autoscale.min} to "
+            f"{known.autoscale.max} replicas): the autoscaler sets its count; change "
+            'autoscale.min/max in its file, or set autoscale.mode = "advise"'
+        )
     live = [r for r in siblings if r.state not in _GONE]
     count = _deployment_count(snapshot, deployment, len(live))
     profile = known.profile if known is not None else siblings[0].profile

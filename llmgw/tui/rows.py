@@ -31,6 +31,7 @@ from llmgw.api.llmgw.v1 import (
     Shard,
     ShardState,
 )
+from llmgw.tui.autoscale import AutoscaleRow, autoscale_row
 
 __all__ = [
     "ConditionRow",
@@ -522,6 +523,7 @@ class DeploymentRow:
     unplaceable: int = 0
     reason: str = ""  # what keeps it from done, in the server's words
     conditions: tuple[ConditionRow, ...] = ()
+    autoscale: AutoscaleRow | None = None  # its autoscaler; None: a fixed count
 
     @property
     def key(self) -> str:
@@ -537,8 +539,9 @@ def deployment_row(deployment: Deployment) -> DeploymentRow:
     status = deployment.status
     if status is None:
         return DeploymentRow(
-            deployment.name, deployment.profile, deployment.replicas, deployment.pool
-        )
+            deployment.name, deployment.profile, deployment.replicas, deployment.pool,
+            autoscale=autoscale_row(deployment),
+        )  # fmt: skip
     conditions = tuple(
         ConditionRow(c.type, c.status, c.reason, c.message, c.since_unix_ms)
         for c in status.conditions
@@ -556,6 +559,7 @@ def deployment_row(deployment: Deployment) -> DeploymentRow:
         unplaceable=status.unplaceable,
         reason=status.reason,
         conditions=conditions,
+        autoscale=autoscale_row(deployment),
     )
 
 

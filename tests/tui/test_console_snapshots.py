@@ -28,6 +28,8 @@ from textual.pilot import Pilot
 from llmgw.agent.discovery.simulated import SimulatedTelemetry, simulated_node
 from llmgw.api.llmgw.v1 import (
     AuditEvent,
+    AutoscalePolicy,
+    AutoscaleStatus,
     Cluster,
     Deployment,
     DeploymentStatus,
@@ -229,6 +231,7 @@ def frozen_cluster() -> Cluster:
     ]
     for deployment in deployments:
         deployment.status = _status(deployment, replicas)
+    _autoscaled(deployments[1], deployments[3])
     return Cluster(
         nodes=[dgx, mig, gb, l4],
         replicas=replicas,
@@ -238,6 +241,27 @@ def frozen_cluster() -> Cluster:
         server_time_unix_ms=T0,
         events=_audit(),
     )
+
+
+def _autoscaled(chat: Deployment, small: Deployment) -> None:
+    """chat scales itself (mode act), and the planner wants one more; small is advised."""
+    chat.autoscale = AutoscalePolicy(min=1, max=6, ttft_p90_ms=800, scale_down_after_s=300,
+                                     mode="act")  # fmt: skip
+    small.autoscale = AutoscalePolicy(min=1, max=4, itl_p90_ms=50, scale_down_after_s=300,
+                                      mode="advise")  # fmt: skip
+    assert chat.status is not None and small.status is not None
+    chat.status.autoscale = AutoscaleStatus(
+        mode="act", current=3, desired=4, reason="scale_up",
+        message="ttft p90 1240 ms > target 800 ms on 3 replicas", signal="ttft_p90_ms=1240",
+        decided_unix_ms=T0 - 12_000, changed_unix_ms=T0 - 12_000, ttft_p90_ms=1240.0,
+        itl_p90_ms=31.0, arrival_rps=6.4, in_flight=14, waiting=0, kv_usage=0.62, gpu_budget=16,
+    )  # fmt: skip
+    small.status.autoscale = AutoscaleStatus(
+        mode="advise", current=2, desired=2, reason="hold",
+        message="itl p90 22 ms within target 50 ms", signal="itl_p90_ms=22",
+        decided_unix_ms=T0 - 40_000, ttft_p90_ms=-1.0, itl_p90_ms=22.0, arrival_rps=0.8,
+        in_flight=1, waiting=0, kv_usage=-1.0,
+    )  # fmt: skip
 
 
 def _later_changes() -> list[WatchEvent]:

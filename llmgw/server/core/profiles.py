@@ -23,6 +23,15 @@ A document holds two tables, both optional::
     replicas = 2                    # 0 to 10,000, default 1
     pool = "gpu-a"                  # default: any pool
     labels = { zone = "eu-1" }      # node labels a replica's nodes must carry
+    priority = 0                    # under a pool's GPU budget a higher one goes first
+
+    [deployments.chat.autoscale]    # optional: the autoscaler sets the count
+    min = 1
+    max = 8
+    ttft_p90_ms = 800
+
+``llmgw.server.core.deployment_keys`` reads a deployment and says every key and rule of its
+table and of its autoscale policy.
 
 Rules beyond types: names are DNS labels (``[a-z0-9]([-a-z0-9.]*[a-z0-9])?``, at most 63
 characters; quote a dotted one, ``[profiles."chat.v2"]``); ``tp * pp == gpus_per_node *
@@ -44,8 +53,6 @@ profile comes back with every default filled in, so equal documents give equal m
 
 from __future__ import annotations
 
-import difflib
-import json
 import re
 import tomllib
 from collections.abc import Callable, Iterator, Mapping
@@ -57,6 +64,17 @@ from typing import Any
 
 from llmgw import engineinput
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile, LoraAdapter
+from llmgw.server.core.deployment_keys import MAX_REPLICAS, read_deployment, render_deployment
+from llmgw.server.core.tomlkeys import (
+    NAME,
+    NAME_MAX,
+    NAME_RULE,
+    Table,
+    bad_text,
+    key_path,
+    render_table,
+    show,
+)
 from llmgw.server.errors import ProfileError
 
 __all__ = [
@@ -65,20 +83,11 @@ __all__ = [
 
 ENGINES = frozenset({"vllm", "sglang", "llamacpp", "sim"})
 CPU_CLASS = "cpu"  # gpu_class asking for no GPU
-MAX_REPLICAS = 10_000
 _MAX_PARALLEL = 1024  # tp, pp and nodes
 _MAX_GPUS_PER_NODE = 64
 _MAX_CPU_THREADS = 4096
 _MAX_GPU_MEMORY = 1 << 50  # 1 PiB: more than any GPU has
 _MAX_TEXT = 256  # gpu_class, served model and adapter names, label keys
-_NAME = re.compile(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?")
-_NAME_MAX = 63
-_NAME_RULE = (
-    'lower-case letters, digits, "-" and "." only, starting and ending with a letter or '
-    f"digit, at most {_NAME_MAX} characters"
-)
-_LABEL_KEY = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_./]*[A-Za-z0-9])?")
-_BARE_KEY = re.compile(r"[A-Za-z0-9_-]+")
 _SIZE = re.compile(r"(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)", re.IGNORECASE)
 _UNITS = {"b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
 _UNITS |= {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "tib": 1 << 40}
@@ -89,17 +98,7 @@ _PROFILE_KEYS = (
     "served_model_name", "kv_events", "args", "env", "adapters", "cpu_threads",
     "min_gpu_memory",
 )  # fmt: skip
-_DEPLOYMENT_KEYS = ("profile", "replicas", "pool", "labels")
 _ADAPTER_KEYS = ("name", "path")
-# Spellings from other tools that difflib would not match to ours.
-_ALIASES = {
-    "tensor_parallel_size": "tp", "tensor_parallel": "tp", "tensor-parallel-size": "tp",
-    "pipeline_parallel_size": "pp", "pipeline_parallel": "pp", "pipeline-parallel-size": "pp",
-    "model": "model_path", "path": "model_path", "threads": "cpu_threads",
-    "gpu": "gpu_class", "gpu_type": "gpu_class", "lora_modules": "adapters",
-    "loras": "adapters", "lora": "adapters", "environment": "env", "count": "replicas",
-    "num_nodes": "nodes", "nnodes": "nodes", "min_gpu_memory_bytes": "min_gpu_memory",
-}  # fmt: skip
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,138 +133,23 @@ def parse_document(text: str, *, source: str = "<input>") -> Document:
 # -- reading -------------------------------------------------------------------------------
 
 
-def _path(*parts: str | int) -> str:
-    """A key path as TOML writes it: ``profiles."chat.v2".tp``, ``….adapters[0].name``."""
-    out = ""
-    for part in parts:
-        if isinstance(part, int):
-            out += f"[{part}]"
-        else:
-            key = part if _BARE_KEY.fullmatch(part) else _toml_string(part)
-            out += f".{key}" if out else key
-    return out
-
-
-def _show(value: object, limit: int = 64) -> str:
-    """A value as an error message repeats it: TOML-like, cut to ``limit`` characters."""
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, str):
-        cut = value if len(value) <= limit else value[:limit] + "…"
-        return _toml_string(cut.encode("utf-8", "backslashreplace").decode())
-    if isinstance(value, int | float):
-        return str(value)[:limit]
-    if isinstance(value, list | dict):
-        return "an array" if isinstance(value, list) else "a table"
-    return f"a {type(value).__name__}"  # a date or time
-
-
-def _unknown_key(
-    key: str, known: tuple[str, ...], value: object, path: tuple[str | int, ...]
-) -> str:
-    if key in _ALIASES and _ALIASES[key] in known:
-        return f'unknown key; did you mean "{_ALIASES[key]}"?'
-    if close := difflib.get_close_matches(key, known, n=1, cutoff=0.6):
-        return f'unknown key; did you mean "{close[0]}"?'
-    if isinstance(value, dict) and len(path) == 2:  # [profiles.chat.v2] nests a table
-        dotted = f"{path[1]}.{key}"
-        return f"unknown key; to name one {_show(dotted)}, quote it: [{_path(path[0], dotted)}]"
-    return f"unknown key (known: {', '.join(known)})"
-
-
-def _bad_text(value: str) -> str | None:
-    """Why a string cannot reach a process or a message, or None."""
-    if "\0" in value:
-        return "must not contain a NUL character"
-    if any("\ud800" <= c <= "\udfff" for c in value):
-        return "must be valid Unicode (it holds a lone surrogate)"
-    return None
-
-
-def _not_text(value: object) -> str | None:
-    """Why ``value`` is not a string a process can take, or None."""
-    return _bad_text(value) if isinstance(value, str) else f"must be a string, got {_show(value)}"
-
-
-@dataclass(slots=True)
-class _Table:
-    """One TOML table being read: typed getters that record problems by key path."""
-
-    data: dict[str, Any]
-    path: tuple[str | int, ...]
-    problems: list[str]
-
-    def problem(self, key: str | int, message: str, *more: str | int) -> None:
-        self.problems.append(f"{_path(*self.path, key, *more)}: {message}")
-
-    def check_keys(self, known: tuple[str, ...]) -> None:
-        for key, value in self.data.items():
-            if key not in known:
-                self.problem(key, _unknown_key(key, known, value, self.path))
-
-    def string(self, key: str, *, default: str | None = None) -> str | None:
-        value = self.data.get(key, default)
-        if value is None:
-            self.problem(key, "required")
-        elif not isinstance(value, str) or value == "":
-            self.problem(key, f"must be a non-empty string, got {_show(value)}")
-        elif why := _bad_text(value):
-            self.problem(key, why)
-        else:
-            return value
-        return None
-
-    def integer(self, key: str, low: int, high: int, default: int) -> int | None:
-        value = self.data.get(key, default)
-        if isinstance(value, int) and not isinstance(value, bool) and low <= value <= high:
-            return value
-        kind = "a positive integer" if low == 1 else f"an integer from {low}"
-        self.problem(key, f"must be {kind} up to {high:,}, got {_show(value)}")
-        return None
-
-    def strings(self, key: str) -> list[str] | None:
-        value = self.data.get(key, [])
-        if not isinstance(value, list):
-            self.problem(key, f"must be an array of strings, got {_show(value)}")
-            return None
-        before = len(self.problems)
-        for i, item in enumerate(value):
-            if why := _not_text(item):
-                self.problem(key, why, i)
-        return value if len(self.problems) == before else None
-
-    def string_table(
-        self, key: str, check_key: Callable[[str], str | None]
-    ) -> dict[str, str] | None:
-        """A table of strings; ``check_key`` says what is wrong with a key, or None."""
-        value = self.data.get(key, {})
-        if not isinstance(value, dict):
-            self.problem(key, f"must be a table of strings, got {_show(value)}")
-            return None
-        before = len(self.problems)
-        for name, item in value.items():
-            if why := check_key(name) or _not_text(item):
-                self.problem(key, why, name)
-        return value if len(self.problems) == before else None
-
-
-def _tables(data: dict[str, Any], key: str, problems: list[str]) -> Iterator[tuple[str, _Table]]:
+def _tables(data: dict[str, Any], key: str, problems: list[str]) -> Iterator[tuple[str, Table]]:
     """The named sub-tables of ``data[key]``, each name checked."""
     section = data.get(key, {})
     if not isinstance(section, dict):
-        problems.append(f"{key}: must be a table, got {_show(section)}")
+        problems.append(f"{key}: must be a table, got {show(section)}")
         return
     for name, body in section.items():
-        if not _NAME.fullmatch(name) or len(name) > _NAME_MAX:
-            problems.append(f"{_path(key, name)}: not a valid name: {_NAME_RULE}")
+        if not NAME.fullmatch(name) or len(name) > NAME_MAX:
+            problems.append(f"{key_path(key, name)}: not a valid name: {NAME_RULE}")
         if not isinstance(body, dict):
-            problems.append(f"{_path(key, name)}: must be a table, got {_show(body)}")
+            problems.append(f"{key_path(key, name)}: must be a table, got {show(body)}")
             continue
-        yield name, _Table(body, (key, name), problems)
+        yield name, Table(body, (key, name), problems)
 
 
 def _read_document(data: dict[str, Any], problems: list[str]) -> Document:
-    _Table(data, (), problems).check_keys(_TOP_KEYS)
+    Table(data, (), problems).check_keys(_TOP_KEYS)
     profiles: dict[str, EngineProfile] = {}
     for name, table in _tables(data, "profiles", problems):
         profile = _read_profile(name, table)
@@ -275,28 +159,28 @@ def _read_document(data: dict[str, Any], problems: list[str]) -> Document:
     known = sorted(raw) if isinstance(raw, dict) else []
     deployments: dict[str, Deployment] = {}
     for name, table in _tables(data, "deployments", problems):
-        deployment = _read_deployment(name, table, known)
+        deployment = read_deployment(name, table, known)
         if deployment is not None:
             deployments[name] = deployment
     return Document(MappingProxyType(profiles), MappingProxyType(deployments))
 
 
-def _read_profile(name: str, t: _Table) -> EngineProfile | None:
+def _read_profile(name: str, t: Table) -> EngineProfile | None:
     before = len(t.problems)
     t.check_keys(_PROFILE_KEYS)
     engine, gpu_class = t.string("engine"), t.string("gpu_class")
     if engine is not None and engine not in ENGINES:
-        t.problem("engine", f"must be one of {', '.join(sorted(ENGINES))}, got {_show(engine)}")
+        t.problem("engine", f"must be one of {', '.join(sorted(ENGINES))}, got {show(engine)}")
     if gpu_class is not None and gpu_class != CPU_CLASS and gpu_class.lower() == CPU_CLASS:
-        t.problem("gpu_class", f'write "cpu" in lower case, got {_show(gpu_class)}')
+        t.problem("gpu_class", f'write "cpu" in lower case, got {show(gpu_class)}')
     elif gpu_class is not None and not _is_gpu_class(gpu_class):
-        t.problem("gpu_class", f'must be a GPU class such as "H100", got {_show(gpu_class)}')
+        t.problem("gpu_class", f'must be a GPU class such as "H100", got {show(gpu_class)}')
     cpu = gpu_class == CPU_CLASS
     shape = _read_parallelism(t, cpu=cpu, llamacpp=engine == "llamacpp")
     model_path = t.string("model_path")
     served = _read_served_name(t, model_path)
     if not isinstance(kv_events := t.data.get("kv_events", False), bool):
-        t.problem("kv_events", f"must be true or false, got {_show(kv_events)}")
+        t.problem("kv_events", f"must be true or false, got {show(kv_events)}")
     profile = EngineProfile(
         name=name,
         engine=engine or "",
@@ -314,7 +198,7 @@ def _read_profile(name: str, t: _Table) -> EngineProfile | None:
         profile.tp, profile.pp, profile.gpus_per_node, profile.nodes = shape
     found = set(t.problems[before:])  # env names were checked as the table was read
     for path, why in engineinput.profile_problems(profile):
-        if (problem := f"{_path(*t.path, *path)}: {why}") not in found:
+        if (problem := f"{key_path(*t.path, *path)}: {why}") not in found:
             t.problems.append(problem)
     return profile if len(t.problems) == before else None
 
@@ -323,7 +207,7 @@ def _is_gpu_class(text: str) -> bool:
     return len(text) <= _MAX_TEXT and text == text.strip() and text.isprintable()
 
 
-def _read_parallelism(t: _Table, *, cpu: bool, llamacpp: bool) -> tuple[int, int, int, int] | None:
+def _read_parallelism(t: Table, *, cpu: bool, llamacpp: bool) -> tuple[int, int, int, int] | None:
     """``(tp, pp, gpus_per_node, nodes)`` with defaults filled in, or None on a problem."""
     tp = t.integer("tp", 1, _MAX_PARALLEL, 1)
     pp = t.integer("pp", 1, _MAX_PARALLEL, 1)
@@ -350,7 +234,7 @@ def _read_parallelism(t: _Table, *, cpu: bool, llamacpp: bool) -> tuple[int, int
     return tp, pp, per_node, nodes
 
 
-def _cpu_parallelism(t: _Table, *sizes: int) -> tuple[int, int, int, int] | None:
+def _cpu_parallelism(t: Table, *sizes: int) -> tuple[int, int, int, int] | None:
     """``tp, pp, nodes, gpus_per_node`` must be 1, 1, 1 and 0 (set or not)."""
     keys, wanted = ("tp", "pp", "nodes", "gpus_per_node"), (1, 1, 1, 0)
     bad = [(k, v, w) for k, v, w in zip(keys, sizes, wanted, strict=True) if v != w]
@@ -359,7 +243,7 @@ def _cpu_parallelism(t: _Table, *sizes: int) -> tuple[int, int, int, int] | None
     return None if bad else (1, 1, 0, 1)
 
 
-def _read_served_name(t: _Table, model_path: str | None) -> str | None:
+def _read_served_name(t: Table, model_path: str | None) -> str | None:
     if "served_model_name" in t.data:
         name = t.string("served_model_name")
     elif model_path is None:
@@ -367,7 +251,7 @@ def _read_served_name(t: _Table, model_path: str | None) -> str | None:
     else:
         name = PurePosixPath(model_path).name
         if not name:
-            t.problem("served_model_name", f"required: model_path {_show(model_path)} names none")
+            t.problem("served_model_name", f"required: model_path {show(model_path)} names none")
             return None
     if name is not None and (why := _model_name_problem(name)):
         t.problem("served_model_name", why)
@@ -379,7 +263,7 @@ def _model_name_problem(name: str) -> str | None:
     """Why ``name`` cannot be a model name that requests select, or None."""
     if len(name) <= _MAX_TEXT and all(c.isprintable() and not c.isspace() for c in name):
         return None
-    return f"must be printable, no spaces, at most {_MAX_TEXT} characters, got {_show(name)}"
+    return f"must be printable, no spaces, at most {_MAX_TEXT} characters, got {show(name)}"
 
 
 def _env_key_check(*, kv_events: bool) -> Callable[[str], str | None]:
@@ -387,13 +271,7 @@ def _env_key_check(*, kv_events: bool) -> Callable[[str], str | None]:
     return lambda key: engineinput.env_problem(key, "", kv_events=kv_events)
 
 
-def _label_key_problem(key: str) -> str | None:
-    if len(key) > _MAX_TEXT or not _LABEL_KEY.fullmatch(key):
-        return "not a label name (letters, digits, -, _, . and /, starting and ending with a letter or digit)"  # noqa: E501
-    return None
-
-
-def _read_adapters(t: _Table, served: str | None) -> list[LoraAdapter]:
+def _read_adapters(t: Table, served: str | None) -> list[LoraAdapter]:
     """Either form: ``{ name = "path" }``, or an array of ``{ name, path }`` tables."""
     value = t.data.get("adapters", [])
     items: list[tuple[str | int, object, object]] = []
@@ -402,7 +280,7 @@ def _read_adapters(t: _Table, served: str | None) -> list[LoraAdapter]:
     elif isinstance(value, list):
         items = [(i, *_adapter_item(t, i, item)) for i, item in enumerate(value)]
     else:
-        t.problem("adapters", f"must be a table or an array of tables, got {_show(value)}")
+        t.problem("adapters", f"must be a table or an array of tables, got {show(value)}")
     adapters: list[LoraAdapter] = []
     seen: set[str] = set()
     for key, name, path in items:
@@ -417,41 +295,41 @@ def _read_adapters(t: _Table, served: str | None) -> list[LoraAdapter]:
     return adapters
 
 
-def _adapter_item(t: _Table, index: int, item: object) -> tuple[object, object]:
+def _adapter_item(t: Table, index: int, item: object) -> tuple[object, object]:
     if not isinstance(item, dict):
-        t.problem("adapters", f"must be a table {{ name, path }}, got {_show(item)}", index)
+        t.problem("adapters", f"must be a table {{ name, path }}, got {show(item)}", index)
         return None, None
-    _Table(item, (*t.path, "adapters", index), t.problems).check_keys(_ADAPTER_KEYS)
+    Table(item, (*t.path, "adapters", index), t.problems).check_keys(_ADAPTER_KEYS)
     return item.get("name", ""), item.get("path", "")
 
 
 def _adapter_problem(name: object, path: object, seen: set[str], served: str | None) -> str | None:
     if not isinstance(name, str) or not name:
-        return f"needs a name, a non-empty string; got {_show(name)}"
-    if why := _model_name_problem(name) or _bad_text(name):
+        return f"needs a name, a non-empty string; got {show(name)}"
+    if why := _model_name_problem(name) or bad_text(name):
         return f"adapter name: {why}"
     if name in seen:
-        return f"two adapters are named {_show(name)}"
+        return f"two adapters are named {show(name)}"
     if name == served:
-        return f"adapter name {_show(name)} is the served model name too"
+        return f"adapter name {show(name)} is the served model name too"
     if not isinstance(path, str) or not path:
-        return f"needs a path, a non-empty string; got {_show(path)}"
-    return _bad_text(path)
+        return f"needs a path, a non-empty string; got {show(path)}"
+    return bad_text(path)
 
 
-def _read_cpu_threads(t: _Table, *, cpu: bool) -> int:
+def _read_cpu_threads(t: Table, *, cpu: bool) -> int:
     threads = t.integer("cpu_threads", 0, _MAX_CPU_THREADS, 0)
     if cpu and threads == 0:
         t.problem("cpu_threads", 'required, a positive integer, when gpu_class is "cpu"')
     return threads or 0
 
 
-def _read_min_memory(t: _Table, *, cpu: bool) -> int:
+def _read_min_memory(t: Table, *, cpu: bool) -> int:
     """``min_gpu_memory`` in bytes: an integer, or a size such as "40GiB" or "80GB"."""
     value = t.data.get("min_gpu_memory", 0)
     size = _size_bytes(value)
     if size is None or not 0 <= size <= _MAX_GPU_MEMORY:
-        why = f'must be bytes or a size such as "40GiB" or "80GB", up to 1 PiB; got {_show(value)}'
+        why = f'must be bytes or a size such as "40GiB" or "80GB", up to 1 PiB; got {show(value)}'
         t.problem("min_gpu_memory", why)
         return 0
     if cpu and size:
@@ -470,25 +348,6 @@ def _size_bytes(value: object) -> int | None:
     return int(size) if size.denominator == 1 else None  # else not a whole number of bytes
 
 
-def _read_deployment(name: str, t: _Table, known: list[str]) -> Deployment | None:
-    before = len(t.problems)
-    t.check_keys(_DEPLOYMENT_KEYS)
-    profile = t.string("profile")
-    if profile is not None and profile not in known:
-        listed = ", ".join(known[:10]) + (", …" if len(known) > 10 else "") if known else "none"
-        t.problem("profile", f"no profile named {_show(profile)} (known: {listed})")
-    replicas = t.integer("replicas", 0, MAX_REPLICAS, 1)
-    pool = t.data.get("pool", "")
-    if not isinstance(pool, str) or (pool and not _NAME.fullmatch(pool) or len(pool) > _NAME_MAX):
-        t.problem("pool", f"not a valid pool name: {_NAME_RULE}; got {_show(pool)}")
-    labels = t.string_table("labels", _label_key_problem)
-    if len(t.problems) != before:
-        return None
-    return Deployment(
-        name=name, profile=profile or "", replicas=replicas or 0, pool=pool, labels=labels or {}
-    )
-
-
 # -- writing -------------------------------------------------------------------------------
 
 
@@ -500,7 +359,7 @@ def render_document(document: Document) -> str:
     parallel sizes.
     """
     blocks = [_render_profile(p) for p in document.profiles.values()]
-    blocks += [_render_deployment(d) for d in document.deployments.values()]
+    blocks += [render_deployment(d) for d in document.deployments.values()]
     return "\n".join(blocks)
 
 
@@ -519,19 +378,7 @@ def _render_profile(p: EngineProfile) -> str:
         ("min_gpu_memory", _format_size(p.min_gpu_memory_bytes)),
     ]
     fields += [(key, value) for key, value in optional if value]
-    return _render_table(("profiles", p.name), fields)
-
-
-def _render_deployment(d: Deployment) -> str:
-    fields: list[tuple[str, object]] = [("profile", d.profile), ("replicas", d.replicas)]
-    fields += [(k, v) for k, v in (("pool", d.pool), ("labels", dict(d.labels))) if v]
-    return _render_table(("deployments", d.name), fields)
-
-
-def _render_table(header: tuple[str, str], fields: list[tuple[str, object]]) -> str:
-    lines = [f"[{_path(*header)}]"]
-    lines += [f"{_path(key)} = {_toml_value(value)}" for key, value in fields]
-    return "\n".join(lines) + "\n"
+    return render_table(("profiles", p.name), fields)
 
 
 def _format_size(size: int) -> str | int:
@@ -539,23 +386,3 @@ def _format_size(size: int) -> str | int:
         if size and size % scale == 0:
             return f"{size // scale}{unit}"
     return size
-
-
-def _toml_value(value: object) -> str:
-    if isinstance(value, bool):
-        return "true" if value else "false"
-    if isinstance(value, int):
-        return str(value)
-    if isinstance(value, str):
-        return _toml_string(value)
-    if isinstance(value, list):
-        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
-    if isinstance(value, dict):
-        body = ", ".join(f"{_path(k)} = {_toml_value(v)}" for k, v in value.items())
-        return "{ " + body + " }" if body else "{}"
-    raise TypeError(f"no TOML form for {type(value).__name__}")
-
-
-def _toml_string(text: str) -> str:
-    """A TOML basic string: JSON's escapes are TOML's, and TOML escapes DEL too."""
-    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")

@@ -22,11 +22,18 @@ stores (:func:`parse_with_profiles`); a profile known nowhere is refused by name
 :class:`DesiredState` keeps the checked state in memory, writes each change to the store
 before it is visible (and before the RPC answers), and publishes ``deployment`` and
 ``deployment_removed`` Watch events. A dry run's diff is ``llmgw.server.state.placer``'s.
+
+**The autoscaler's count.** An apply (not a live edit) of a deployment in autoscale mode
+"act" stores the count it already has, within the policy's new ``[min, max]``
+(:meth:`DesiredState.kept`): the file says the bounds, the autoscaler says the count, and
+applying the same file again changes nothing. The autoscaler's own changes are live edits
+(:meth:`DesiredState.update`), like ``llmgw scale``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import tomllib
 from collections.abc import Callable, Mapping, Sequence
@@ -41,6 +48,7 @@ from llmgw.api.llmgw.v1 import (
     EngineProfile,
     WatchEvent,
 )
+from llmgw.server.core.deployment_keys import kept_count
 from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.core.profiles import CPU_CLASS, Document, parse_document
 from llmgw.server.core.profiles import render_document as _render
@@ -287,6 +295,8 @@ class DesiredState:
         """`apply` for several changes (a whole document): one transaction, visible at once."""
         async with self._lock:
             at = now_ms()
+            if not live:
+                changes = self.kept(changes)
             if len(changes) > _INLINE_CHANGES:  # many rows to encode: off the event loop
                 rows = await asyncio.to_thread(_rows, changes, at)
             else:
@@ -313,6 +323,24 @@ class DesiredState:
                 if not live or deployment.name not in self.applied:
                     self.applied[deployment.name] = deployment
                 self._hub.publish(WatchEvent(deployment=self.shown(deployment)))
+
+    def kept(self, changes: Sequence[Change]) -> list[Change]:
+        """``changes`` with each deployment's count as an apply stores it: a deployment
+        the autoscaler owns (mode "act") keeps its stored count within its new
+        ``[min, max]``, and a new one starts at ``min``
+        (:func:`~llmgw.server.core.deployment_keys.kept_count`); others as they are."""
+        return [self._kept(change) for change in changes]
+
+    def _kept(self, change: Change) -> Change:
+        applied = change.deployment
+        if applied is None:
+            return change
+        count = kept_count(applied, self.deployments.get(applied.name))
+        if count == applied.replicas:
+            return change
+        deployment = Deployment.parse(bytes(applied))
+        deployment.replicas = count
+        return dataclasses.replace(change, deployment=deployment)
 
     async def update(
         self, name: str, edit: Callable[[Deployment], None], *, retire: str = ""

@@ -6,13 +6,16 @@ durably, before it answers) and leaves the replacing to the reconciler:
 - **start**: the deployment's count goes up by one (named by its deployment, or by a
   replica of it that is no longer running; naming a running replica is refused);
 - **drain**: the count goes down by one and the reconciler retires *that* replica
-  (``DesiredState.retire``): its shards are drained, so in-flight requests finish;
+  (``DesiredState.retire``): its shards are drained, so in-flight requests finish; for a
+  deployment the autoscaler owns (mode act) the count stays, and the replica is replaced;
 - **reprofile**: the deployment (named, or the deployment of a named replica) points at
   another stored profile; the reconciler's rolling surge of one replaces its replicas, so
   READY never drops below the count. A profile of another model name is refused unless
   the caller allows it, and so is one whose replicas cannot be placed;
 - **scale**: the deployment's count is set (``llmgw scale``); the reconciler starts or
-  retires replicas to meet it;
+  retires replicas to meet it. Scale and start are refused for a deployment whose
+  autoscale policy is in mode "act": the autoscaler sets its count (change the policy's
+  bounds, or its mode to "advise");
 - **drain a node**: the node is cordoned and each of its live replicas is marked for
   replacement (``DesiredState.replace``): the same surge places a replacement elsewhere,
   waits until it is READY, then retires the old replica; a dry run changes nothing and
@@ -34,11 +37,11 @@ from grpclib.const import Status
 
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile, ShardState
 from llmgw.server.core.capacity import node_capacity
+from llmgw.server.core.deployment_keys import MAX_REPLICAS, is_act
 from llmgw.server.core.drainplan import drain_text, moving_replicas, plan_node_drain
 from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.core.placement import FleetPlacer
 from llmgw.server.core.plan import ReplicaPlan
-from llmgw.server.core.profiles import MAX_REPLICAS
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.errors import ActionRefused, UnknownNode, quoted
 from llmgw.server.state.placer import plan_change
@@ -118,21 +121,38 @@ def _count(n: int) -> str:
     return f"{n} replica{'' if n == 1 else 's'}"
 
 
+def _not_autoscaled(deployment: Deployment) -> None:
+    """Refuse to set the count of a deployment whose count the autoscaler owns."""
+    if is_act(deployment) and deployment.autoscale is not None:
+        bounds = f"[{deployment.autoscale.min}, {deployment.autoscale.max}]"
+        why = (
+            f"deployment {deployment.name} is autoscaled (mode act, {bounds}): the autoscaler "
+            "sets its count; change autoscale.min/max in its file and apply it, or set "
+            'autoscale.mode = "advise" to set the count by hand'
+        )
+        raise ActionRefused(Status.FAILED_PRECONDITION, why)
+
+
 async def start_replica(plane: ControlPlane, deployment: str, replica_id: str) -> str:
-    """Scale a deployment up by one; refused for a replica that is running."""
+    """Scale a deployment up by one; refused for a replica that is running, and for an
+    autoscaled deployment (mode act)."""
     if replica_id and _replica(plane, replica_id).lifecycle in _LIVE:
         raise ActionRefused(Status.FAILED_PRECONDITION, f"replica {replica_id} already running")
-    target = await _edit(plane, _named(plane, deployment, replica_id), _scale(+1))
+    named = _named(plane, deployment, replica_id)
+    _not_autoscaled(named)
+    target = await _edit(plane, named, _scale(+1))
     plane.reconcile_soon()
     return f"deployment {target.name} scaled up to {_count(target.replicas)}"
 
 
 async def scale(plane: ControlPlane, deployment: str, replicas: int) -> str:
-    """Set a deployment's replica count, durably."""
+    """Set a deployment's replica count, durably; refused (FAILED_PRECONDITION) for an
+    autoscaled deployment (mode act), whose count the autoscaler sets."""
     if replicas > MAX_REPLICAS:
         why = f"replicas: {replicas} is more than {MAX_REPLICAS}"
         raise ActionRefused(Status.INVALID_ARGUMENT, why)
     named = _deployment(plane, deployment)
+    _not_autoscaled(named)
     if named.replicas == replicas:
         return f"deployment {named.name} already has {_count(replicas)}; nothing changed"
     target = await _edit(plane, named, _set_count(replicas))
@@ -141,7 +161,9 @@ async def scale(plane: ControlPlane, deployment: str, replicas: int) -> str:
 
 
 async def drain_replica(plane: ControlPlane, replica_id: str) -> str:
-    """Drain one replica; its deployment's count drops by one."""
+    """Drain one replica; its deployment's count drops by one, but for an autoscaled
+    deployment (mode act), whose count stays (the replica is replaced, as a pod deleted
+    under a HorizontalPodAutoscaler is)."""
     if not replica_id:
         raise ActionRefused(Status.INVALID_ARGUMENT, "name the replica to drain")
     record = _replica(plane, replica_id)
@@ -151,6 +173,13 @@ async def drain_replica(plane: ControlPlane, replica_id: str) -> str:
         why = f"replica {replica_id} is {record.lifecycle.value}, not active"
         raise ActionRefused(Status.FAILED_PRECONDITION, why)
     named = _deployment(plane, record.plan.deployment)
+    if is_act(named):  # the autoscaler's count stays: the replica is replaced
+        target = await _edit(plane, named, _scale(0), retire=replica_id)
+        plane.reconcile_soon()
+        return (
+            f"replica {replica_id} draining; deployment {target.name} is autoscaled and "
+            f"keeps {_count(target.replicas)}: a replacement is placed"
+        )
     target = await _edit(plane, named, _scale(-1), retire=replica_id)
     plane.reconcile_soon()
     return (

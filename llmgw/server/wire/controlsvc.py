@@ -179,6 +179,7 @@ class ControlService(ControlServiceBase):
             if not message.dry_run:
                 await self.plane.audit(current_actor(), "apply", target, f"refused: {text}")
             raise GRPCError(Status.INVALID_ARGUMENT, text) from exc
+        (change,) = self.plane.desired.kept([change])  # the autoscaler's count stays
         if message.dry_run:
             return self._dry_run([change])
         await self.plane.desired.apply(change)
@@ -201,6 +202,7 @@ class ControlService(ControlServiceBase):
             if not message.dry_run:
                 await self.plane.audit(current_actor(), "apply", "document", f"refused: {text}")
             raise GRPCError(Status.INVALID_ARGUMENT, text) from exc
+        changes = self.plane.desired.kept(changes)
         if message.dry_run:
             return self._dry_run(changes)
         await self.plane.desired.apply_all(changes)

@@ -1,9 +1,10 @@
 """``ControlService.Describe``: everything the server knows about one deployment, replica
 or node, and its recent events.
 
-- **deployment**: its spec, its profile now (env values ``<redacted>`` but for admins) and
-  fingerprint, its profile revision, each live replica with its lifecycle, the shards the
-  reconciler planned (node, GPUs, port) and the shards agents report (state, reason);
+- **deployment**: its spec with its status now (the autoscaler's decision in it), its
+  profile now (env values ``<redacted>`` but for admins) and fingerprint, its profile
+  revision, each live replica with its lifecycle, the shards the reconciler planned (node,
+  GPUs, port) and the shards agents report (state, reason);
 - **replica**: the same for one replica, RETIRED ones too (its profile is the one it was
   placed with);
 - **node**: its registration (GPUs, MIG slices, host), state and reason, cordon, the latest
@@ -67,10 +68,11 @@ async def _deployment(plane: ControlPlane, name: str, redact: Redact) -> Descrip
         (r for r in plane.replicas.values() if r.plan.deployment == name), key=lambda r: r.serial
     )
     live = [r for r in records if r.lifecycle is not Lifecycle.RETIRED]
+    shown = plane.statuses.shown(deployment, remember=False)  # with its status (autoscaler's)
     followed = records[-_REPLICAS_FOLLOWED:]
     objects = [f"deployment/{name}", *(o for r in followed for o in _objects_of(r))]
     description = _with_profile(
-        plane, Description(kind="deployment", name=name, deployment=deployment), redact
+        plane, Description(kind="deployment", name=name, deployment=shown), redact
     )
     description.replicas = [_described(plane, r) for r in live]
     description.shards = _shards(plane, live)

@@ -3,7 +3,10 @@
 READY is ``ready/desired`` (kubectl's), UPDATED the replicas on the deployment's profile
 as it is now, AVAIL those of them ready; REASON the server's one line saying what keeps
 the deployment short (no place for a replica, a failed one, a node gone, starting, a
-rollout). Enter opens the counts and the three conditions with how long each has held.
+rollout). AUTOSCALE is the autoscaler's current→desired count and the planner's reason
+(``advise`` before it when it only reports; "-" for a fixed count) and SIGNAL what it
+acted on. Enter opens the counts, the autoscaler (policy, decision in words, signal, the
+window's figures) and the three conditions with how long each has held.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from rich.console import RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from llmgw.tui.autoscale import AutoscaleRow
 from llmgw.tui.model import ConsoleSnapshot
 from llmgw.tui.rows import ConditionRow, DeploymentRow
 from llmgw.tui.views.table import Column, TableView
@@ -39,6 +43,21 @@ def _render_reason(value: tuple[str, bool]) -> RenderableType:
     return shown(reason, "red" if failing else "yellow", no_wrap=True, overflow="ellipsis")
 
 
+def _autoscale(row: DeploymentRow) -> tuple[str, bool]:
+    """The autoscaler's cell and whether it wants another count ("-": a fixed count)."""
+    scaler = row.autoscale
+    return ("-", False) if scaler is None else (scaler.cell, scaler.moving)
+
+
+def _render_autoscale(value: tuple[str, bool]) -> RenderableType:
+    cell, moving = value
+    return shown(cell, "cyan" if moving else "", no_wrap=True, overflow="ellipsis")
+
+
+def _signal(row: DeploymentRow) -> str:
+    return row.autoscale.signal or "-" if row.autoscale is not None else "-"
+
+
 def _failing(row: DeploymentRow) -> bool:
     return any(c.type == "ReplicaFailure" and c.status for c in row.conditions)
 
@@ -56,6 +75,8 @@ class DeploymentsView(TableView[DeploymentRow]):
                _render_count, sort=lambda d: d.up_to_date - d.replicas),
         Column("available", "AVAIL", 5, lambda d, now: (d.available, d.replicas),
                _render_count, sort=lambda d: d.available - d.replicas),
+        Column("autoscale", "AUTOSCALE", 18, lambda d, now: _autoscale(d), _render_autoscale),
+        Column("signal", "SIGNAL", 20, lambda d, now: _signal(d)),
         Column("reason", "REASON", 96, lambda d, now: (d.reason, _failing(d)), _render_reason),
     )  # fmt: skip
 
@@ -84,9 +105,29 @@ def deployment_detail(row: DeploymentRow, now_ms: int) -> tuple[str, RenderableT
     )
     grid.add_row("replicas", shown(counts))
     grid.add_row("reason", shown(row.reason or NOT_REPORTED))
+    if row.autoscale is not None:
+        _autoscale_detail(grid, row.autoscale, now_ms)
     for condition in row.conditions:
         grid.add_row(condition.type, _condition(condition, now_ms))
     return f"deployment {row.name}", grid
+
+
+def _autoscale_detail(grid: Table, scaler: AutoscaleRow, now_ms: int) -> None:
+    """The policy; then the planner's count, its reason in words, the signal it acted on
+    and the window's figures (or that it has not decided yet)."""
+    grid.add_row("autoscale", shown(scaler.policy))
+    if not scaler.decided:
+        grid.add_row("autoscaler", shown("no decision yet"))
+        return
+    decided = f"{scaler.current} → {scaler.desired} ({scaler.reason or 'hold'})"
+    if scaler.decided_ms:
+        decided += f", decided {age((now_ms - scaler.decided_ms) / 1000)} ago"
+    grid.add_row("autoscaler", shown(decided))
+    grid.add_row("why", shown(scaler.message or NOT_REPORTED))
+    grid.add_row("signal", shown(scaler.signal or NOT_REPORTED))
+    grid.add_row("window", shown(scaler.window))
+    if scaler.gpu_budget:
+        grid.add_row("gpu budget", shown(f"{scaler.gpu_budget} GPUs in the pool"))
 
 
 def _condition(condition: ConditionRow, now_ms: int) -> Text:
