@@ -24,6 +24,7 @@ __all__ = [
     "replica_id_for",
     "shard_state",
     "unusable_nodes",
+    "warm_nodes",
 ]
 
 
@@ -93,3 +94,20 @@ def profile_refusal(profile: EngineProfile) -> str:
     if not problems:
         return ""
     return f"profile {profile.name!r} is refused: {engineinput.describe(problems)}"
+
+
+def warm_nodes(records: Iterable[ReplicaRecord], model_path: str) -> frozenset[str]:
+    """The nodes that are *warm* for ``model_path``: a replica of a profile with that
+    ``model_path`` (of any deployment, RETIRED ones included) was READY on every shard
+    there once (``ReplicaRecord.was_ready``), so the node has fetched the weights and
+    likely holds them on disk and in its page cache: an engine there loads faster than on
+    a node that never loaded them. Placement prefers such nodes. An empty path is warm
+    nowhere."""
+    if not model_path:
+        return frozenset()
+    return frozenset(
+        shard.node_id
+        for record in records
+        if record.was_ready and record.profile.model_path == model_path
+        for shard in record.plan.shards
+    )

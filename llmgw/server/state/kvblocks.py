@@ -233,6 +233,17 @@ class KvBlocks:
         replica = self._replicas.get(replica_id)
         return replica.block_size if replica is not None else 0
 
+    def unique_blocks(self, replica_ids: Iterable[str]) -> dict[str, int]:
+        """For each of ``replica_ids``, how many of its keys (all ranks) no other of them
+        holds: what the group's prefix caches would lose with it alone."""
+        held = {replica_id: self.keys(replica_id) for replica_id in replica_ids}
+        if len(held) == 1:
+            return {replica_id: len(keys) for replica_id, keys in held.items()}
+        seen = Counter[int]()
+        for keys in held.values():
+            seen.update(keys)
+        return {r: sum(1 for key in keys if seen[key] == 1) for r, keys in held.items()}
+
     def stats(self) -> KvBlocksStats:
         counts = self._counts
         sizes = [sum(len(k) for k in r.ranks.values()) for r in self._replicas.values()]

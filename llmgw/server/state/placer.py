@@ -6,7 +6,9 @@ deployments and profiles would change, with the same placer, the same engine por
 (``ControlPlane.engine_ports``, ``llmgw server --engine-ports``) and the replicas the plane
 holds, so a dry run names the replicas, nodes, GPUs and ports the reconciler will choose.
 Ports that agents refused lately (held by other processes) are the reconciler's memory and
-are not seen by a dry run.
+are not seen by a dry run. Both prefer the nodes warm for the profile's model
+(:func:`llmgw.server.core.placing.warm_nodes` over the plane's replica records, RETIRED ones
+included).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from llmgw.server.core.applyplan import ApplyPlan, plan_apply
 from llmgw.server.core.capacity import NodeCapacity, node_capacity
 from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.core.placement import FleetPlacer
+from llmgw.server.core.placing import warm_nodes
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
 from llmgw.server.core.reconcile_state import NodeView, ReconcileInput
 from llmgw.server.state.plane import ControlPlane, node_address
@@ -111,6 +114,7 @@ class LazyPlacer:
         taken: Sequence[ReplicaPlan],
     ) -> Sequence[ReplicaPlan | Unplaceable]:
         placer, neighbours = self._build()
+        warm = warm_nodes(self._plane.replicas.values(), profile.model_path)
         if self._busy:  # ports other processes hold: taken, on the node and its neighbours
             busy = [
                 (n, port)
@@ -120,12 +124,16 @@ class LazyPlacer:
             shards = tuple(ShardPlan("", n, 0, (), port) for n, port in sorted(set(busy)))
             taken = [*taken, ReplicaPlan("", "", "", "", shards)]
         if not neighbours:
-            return placer(deployment, profile, replica_ids, excluding=excluding, taken=taken)
+            return placer(
+                deployment, profile, replica_ids, excluding=excluding, taken=taken, warm=warm
+            )
         held = list(taken)
         results: list[ReplicaPlan | Unplaceable] = []
         for replica_id in replica_ids:
             seen = [*held, _ports_of_neighbours(held, neighbours)]
-            (placed,) = placer(deployment, profile, [replica_id], excluding=excluding, taken=seen)
+            (placed,) = placer(
+                deployment, profile, [replica_id], excluding=excluding, taken=seen, warm=warm
+            )
             results.append(placed)
             if isinstance(placed, Unplaceable):
                 return results + [placed] * (len(replica_ids) - len(results))

@@ -350,6 +350,16 @@ class ControlService(ControlServiceBase):
             parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
         return combine(parts, now_ms)
 
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per replica id now, summed over every live gateway's report
+        and the in-server gateway (the reconciler's scale-in costs)."""
+        now_ms = int(time.time() * 1000)
+        parts = self.reports.parts()
+        gateway = self.gateway()
+        if gateway is not None:
+            parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
+        return {row.replica_id: row.in_flight for row in combine(parts, now_ms).replicas}
+
 
 def _shown(profile: EngineProfile) -> EngineProfile:
     """``profile`` as the caller may see it: whole for admins, else env values redacted."""
