@@ -12,6 +12,11 @@ The engines' blocks travel as KV events to the agent, up its stream into the ser
 store; once the feed shows every engine's cache as it is, ``llmgw scale chat 2`` must retire
 chat-2: not the newest (chat-3, the rule without caches in view) nor the one holding the
 fewest blocks (chat-1), but the one whose loss costs the fewest blocks no other holds.
+
+Warm placement: with chat-1 on a1 and chat-2 on a3, a node a2 joins and chat is scaled to
+one (chat-2 retires); scaled out again, the dry run and then the reconciler put chat-3 on
+a3, where the model was loaded before, not on a2, which ties with it on spread and free
+GPUs and comes first by name.
 """
 
 from __future__ import annotations
@@ -21,7 +26,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from precisekit import SIM_BIN, FeedIndex, engine_keys, profile_file, ready_replicas
+from precisekit import SIM_BIN, FeedIndex, engine_keys, profile_file, ready_replicas, shards
 from procs import Cluster, wait_for
 
 from llmgw.gateway.routing.table import Target
@@ -95,3 +100,38 @@ def _in_step(feed: FeedIndex, targets: dict[str, Target]) -> dict[str, set[int]]
 def _replica_ids(fleet: Cluster) -> list[str]:
     listed = json.loads(fleet.cli("get", "replicas", "-o", "json").stdout)["replicas"]
     return sorted(r["replicaId"] for r in listed)
+
+
+def test_a_scale_out_goes_to_the_node_that_loaded_the_model_before(
+    fleet: Cluster, tmp_path: Path
+) -> None:
+    fleet.start_server()
+    for node_id in ("a1", "a3"):
+        fleet.start_agent(node_id, "dgx-h100", "--engine-bin", SIM_BIN)
+    two = {"a1": "NODE_STATE_READY", "a3": "NODE_STATE_READY"}
+    wait_for(lambda: fleet.node_states() == two, 30, "a1 and a3 READY")
+    path = tmp_path / "kv.toml"
+    path.write_text(profile_file(2))
+    fleet.cli("apply", "-f", str(path))
+    wait_for(lambda: ready_replicas(fleet, 2), 90, "2 READY replicas")
+    assert _nodes(fleet) == {"chat-1": "a1", "chat-2": "a3"}
+    fleet.start_agent("a2", "dgx-h100", "--engine-bin", SIM_BIN)
+    wait_for(lambda: len(fleet.node_states()) == 3 == sum(
+        s == "NODE_STATE_READY" for s in fleet.node_states().values()), 30, "a2 READY")  # fmt: skip
+    fleet.cli("scale", "chat", "1")
+    wait_for(lambda: _replica_ids(fleet) == ["chat-1"], 60, "chat-2 retired")
+
+    # a2 and a3 run nothing of chat and have as many GPUs free; a3 loaded the model before
+    out = fleet.cli("apply", "-f", str(path), "--dry-run", "-o", "json")
+    adds = [(c["replica"], c["node"]) for c in json.loads(out.stdout)["changes"]
+            if c["action"] == "add"]  # fmt: skip
+    assert adds == [("chat-3", "a3")], out.stdout
+    fleet.cli("scale", "chat", "2")
+    wait_for(lambda: ready_replicas(fleet, 2), 90, "2 READY replicas again")
+    assert _nodes(fleet) == {"chat-1": "a1", "chat-3": "a3"}
+
+
+def _nodes(fleet: Cluster) -> dict[str, str]:
+    """Each live replica's node (one shard each), as ``llmgw get shards`` says."""
+    live = _replica_ids(fleet)
+    return {r: s["nodeId"] for r, s in shards(fleet).items() if r in live}
