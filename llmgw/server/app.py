@@ -233,7 +233,8 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
             async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
                 slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
                 tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
-                loop = _reconcile_loop(config, plane, agents, control)
+                plane.in_flight = control.in_flight  # scale-in costs: every gateway's figures
+                loop = _reconcile_loop(config, plane, agents)
                 reconcile_task = (
                     tasks.create_task(loop.run(config.reconcile_every_s), name="reconcile")
                     if loop is not None
@@ -309,7 +310,7 @@ def _gateway(
 
 
 def _reconcile_loop(
-    config: ServerConfig, plane: ControlPlane, agents: AgentService, control: ControlService
+    config: ServerConfig, plane: ControlPlane, agents: AgentService
 ) -> ReconcileLoop | None:
     if not config.reconcile:
         log.warning("the reconciler is off: deployments are stored but nothing is started")
@@ -317,9 +318,7 @@ def _reconcile_loop(
     if config.test_hooks:
         log.warning("test hooks on: the reconciler is off (it would stop the hooks' shards)")
         return None
-    return ReconcileLoop(
-        plane, agents.send, port_range=config.engine_ports, in_flight=control.in_flight
-    )
+    return ReconcileLoop(plane, agents.send, port_range=config.engine_ports)
 
 
 def _grpc_web_server(

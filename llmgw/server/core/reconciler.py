@@ -78,7 +78,9 @@ from llmgw.server.core.placing import (
     next_serials,
     placement_order,
     profile_refusal,
+    ready_everywhere,
     replica_id_for,
+    retire_key,
     shard_state,
     unusable_nodes,
 )
@@ -92,7 +94,6 @@ from llmgw.server.core.reconcile_state import (
     PendingCommand,
     ReconcileInput,
     ReplicaRecord,
-    ScaleInCost,
     crash_delay,
     held_reason,
 )
@@ -101,7 +102,6 @@ from llmgw.server.core.startshard import placement_why, start_message, where
 __all__ = ["reconcile", "replica_id_for", "start_message"]
 
 _LIVE = (Lifecycle.ACTIVE, Lifecycle.SURGE)
-_FREE = ScaleInCost()  # a replica without a cost: nothing cached, nothing in flight
 _RUNNING = (ShardState.PENDING, ShardState.STARTING, ShardState.LOADING, ShardState.READY)
 
 
@@ -175,8 +175,7 @@ class _Round:
         return shard
 
     def all_ready(self, record: ReplicaRecord) -> bool:
-        shards = [self.on_node(p) for p in record.plan.shards]
-        return all(s is not None and _state(s) is ShardState.READY for s in shards)
+        return ready_everywhere(record, self.s.shards, self.s.nodes)
 
     # --- changes ----------------------------------------------------------------------
 
@@ -397,9 +396,8 @@ class _Round:
         unique cached blocks, then fewest in flight), then the newest."""
 
         def key(record: ReplicaRecord) -> tuple[bool, bool, int, int, int]:
-            cost = self.s.costs.get(record.replica_id, _FREE)
             ready, now = self.all_ready(record), current(record)
-            return ready, now, cost.unique_blocks, cost.in_flight, -record.serial
+            return retire_key(record, ready=ready, current=now, costs=self.s.costs)
 
         return sorted(active, key=key)
 

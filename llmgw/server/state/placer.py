@@ -6,7 +6,9 @@ deployments and profiles would change, with the same placer, the same engine por
 (``ControlPlane.engine_ports``, ``llmgw server --engine-ports``) and the replicas the plane
 holds, so a dry run names the replicas, nodes, GPUs and ports the reconciler will choose.
 Ports that agents refused lately (held by other processes) are the reconciler's memory and
-are not seen by a dry run. Both prefer the nodes warm for the profile's model
+are not seen by a dry run. A dry run that lowers a count removes the replicas the
+reconciler would retire: it is given the same scale-in costs
+(``llmgw.server.state.scalein``). Both prefer the nodes warm for the profile's model
 (:func:`llmgw.server.core.placing.warm_nodes` over the plane's replica records, RETIRED ones
 included).
 """
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile, NodeState
 from llmgw.engineports import PortRange
@@ -26,6 +29,7 @@ from llmgw.server.core.placing import warm_nodes
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
 from llmgw.server.core.reconcile_state import NodeView, ReconcileInput
 from llmgw.server.state.plane import ControlPlane, node_address
+from llmgw.server.state.scalein import scale_in_costs
 
 __all__ = ["LazyPlacer", "plan_change"]
 
@@ -64,6 +68,10 @@ def plan_change(
         replace=frozenset(desired.replace),
     )
     names = list(dict.fromkeys(d.name for d in deployments))
+    after = state.deployments
+    state = replace(
+        state, costs=scale_in_costs(after, plane.replicas, plane.kv_blocks, plane.in_flight)
+    )
     plan = plan_apply(state, names, live=dict(desired.deployments), applied=dict(desired.applied))
     return plan, {n.node_id: n for n in placer.capacity}
 

@@ -1,15 +1,18 @@
 """Cache-aware scale-in and warm placement: which replica a lowered count retires (the
-reconciler's rule 2 with ``ReconcileInput.costs``), which nodes are warm for a model
-(``placing.warm_nodes``) and how placement prefers them."""
+reconciler's rule 2 with ``ReconcileInput.costs``, and the dry run naming the same one),
+which nodes are warm for a model (``placing.warm_nodes``) and how placement prefers them."""
 
 from __future__ import annotations
 
 from dataclasses import replace
 
+from test_applyplan import _actions, _fleet, _running, _settle, _want
+from test_applyplan import _profile as _dry_profile
 from test_placement import FP, _cap, _place, _plans, _profile
 from test_reconciler import one_deployment, profile, settle, shard
 
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile, ShardState
+from llmgw.server.core.applyplan import plan_apply
 from llmgw.server.core.placement import FleetPlacer
 from llmgw.server.core.placing import warm_nodes
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan
@@ -159,3 +162,20 @@ def test_a_multi_node_replica_prefers_warm_nodes_of_its_fabric() -> None:
     warm = frozenset({"dgx-2", "dgx-4"})
     (plan,) = _plans(_place(nodes, profile8, warm=warm))
     assert [s.node_id for s in plan.shards] == ["dgx-2", "dgx-4"]
+
+
+# --- the dry run names the replica the reconciler retires --------------------------------
+
+
+def test_a_dry_run_that_lowers_the_count_removes_what_the_reconciler_retires() -> None:
+    chat = Deployment(name="chat", profile="small", replicas=3)
+    state = _settle(_want(_fleet("n1", "n2"), chat, small=_dry_profile("small")))
+    lowered = _want(state, replace(chat, replicas=1))
+    assert _actions(plan_apply(lowered, ["chat"])) == [
+        ("keep", "chat-1"), ("remove", "chat-2"), ("remove", "chat-3"),
+    ]  # fmt: skip
+    costs = {"chat-1": ScaleInCost(2), "chat-2": ScaleInCost(30), "chat-3": ScaleInCost(2, 1)}
+    costly = replace(lowered, costs=costs)
+    plan = plan_apply(costly, ["chat"])
+    assert _actions(plan) == [("keep", "chat-2"), ("remove", "chat-1"), ("remove", "chat-3")]
+    assert sorted(_running(_settle(costly))) == ["chat-2"]  # as the reconciler does
