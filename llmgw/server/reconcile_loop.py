@@ -24,7 +24,7 @@ may already run:
 input carries what retiring each of its replicas would cost
 (``llmgw.server.state.scalein``: its cached prefix blocks no other replica of the
 deployment holds, from the plane's KV block store, and its requests in flight, from the
-plane's ``in_flight``, which the server sets: every gateway's figures), so the reconciler
+``in_flight`` function the server passes: every gateway's figures), so the reconciler
 retires the cheapest.
 
 **Unplaceable replicas** are made visible in the audit log: when the reason a deployment
@@ -78,7 +78,7 @@ from llmgw.server.core.reconciler import reconcile
 from llmgw.server.errors import StoreUnwritable
 from llmgw.server.state.placer import LazyPlacer
 from llmgw.server.state.plane import ControlPlane, node_address
-from llmgw.server.state.scalein import scale_in_costs
+from llmgw.server.state.scalein import InFlightFn, no_in_flight, scale_in_costs
 from llmgw.server.state.store import now_ms
 from llmgw.server.state.storeschema import AuditRecord
 
@@ -116,8 +116,10 @@ class ReconcileLoop:
         config: ReconcileConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         port_range: PortRange = DEFAULT_ENGINE_PORTS,
+        in_flight: InFlightFn = no_in_flight,
     ) -> None:
         self.plane = plane
+        self.in_flight = in_flight
         self.send = send
         self.config = config or ReconcileConfig()
         self.clock = clock
@@ -200,7 +202,7 @@ class ReconcileLoop:
             held=self._held(now),
             streak=self._streak(now),
             crashloops=dict(self.crashloops),
-            costs=scale_in_costs(deployments, plane.replicas, plane.kv_blocks, plane.in_flight),
+            costs=scale_in_costs(deployments, plane.replicas, plane.kv_blocks, self.in_flight),
         )
 
     def _busy(self, now: float) -> frozenset[tuple[str, int]]:

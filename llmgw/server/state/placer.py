@@ -7,10 +7,10 @@ deployments and profiles would change, with the same placer, the same engine por
 holds, so a dry run names the replicas, nodes, GPUs and ports the reconciler will choose.
 Ports that agents refused lately (held by other processes) are the reconciler's memory and
 are not seen by a dry run. A dry run that lowers a count removes the replicas the
-reconciler would retire: it is given the same scale-in costs
-(``llmgw.server.state.scalein``). Both prefer the nodes warm for the profile's model
-(:func:`llmgw.server.core.placing.warm_nodes` over the plane's replica records, RETIRED ones
-included).
+reconciler would retire: given the same ``in_flight`` (``ControlService`` passes it), it
+sees the same scale-in costs (``llmgw.server.state.scalein``). Both prefer the nodes warm
+for the profile's model (:func:`llmgw.server.core.placing.warm_nodes` over the plane's
+replica records, RETIRED ones included).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from llmgw.server.core.placing import warm_nodes
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
 from llmgw.server.core.reconcile_state import NodeView, ReconcileInput
 from llmgw.server.state.plane import ControlPlane, node_address
-from llmgw.server.state.scalein import scale_in_costs
+from llmgw.server.state.scalein import InFlightFn, no_in_flight, scale_in_costs
 
 __all__ = ["LazyPlacer", "plan_change"]
 
@@ -38,9 +38,11 @@ def plan_change(
     plane: ControlPlane,
     deployments: Sequence[Deployment],
     profiles: Sequence[EngineProfile] = (),
+    in_flight: InFlightFn = no_in_flight,
 ) -> tuple[ApplyPlan, Mapping[str, NodeCapacity]]:
     """What storing ``deployments`` and ``profiles`` would change now, and the node views
-    it was planned on (by id: the GPUs' indices). Changes nothing."""
+    it was planned on (by id: the GPUs' indices). Changes nothing. ``in_flight`` reads the
+    gateways' requests in flight per replica (the reconcile loop's, for scale-in costs)."""
     now = time.monotonic()
     desired = plane.desired
     placer = LazyPlacer(plane, plane.engine_ports, now)
@@ -69,9 +71,7 @@ def plan_change(
     )
     names = list(dict.fromkeys(d.name for d in deployments))
     after = state.deployments
-    state = replace(
-        state, costs=scale_in_costs(after, plane.replicas, plane.kv_blocks, plane.in_flight)
-    )
+    state = replace(state, costs=scale_in_costs(after, plane.replicas, plane.kv_blocks, in_flight))
     plan = plan_apply(state, names, live=dict(desired.deployments), applied=dict(desired.applied))
     return plan, {n.node_id: n for n in placer.capacity}
 

@@ -36,9 +36,6 @@ the reconciler neither stops them nor places anything on the node, which is NOT_
 saying why until its agent registers with this cluster's id (``llmgw.agent.cluster``). A
 stored row that cannot be read stops :meth:`ControlPlane.load`, naming it.
 
-``in_flight`` (set by the server) reads every gateway's requests in flight per replica, for
-the scale-in costs of the reconciler and the dry run (``llmgw.server.state.scalein``).
-
 ``kv_follow`` holds each engine's KV event subscriber counters as its agent's heartbeats
 last reported them (``llmgw.server.state.kvfollow``), for the server's ``/metrics``.
 
@@ -87,7 +84,6 @@ from llmgw.server.state.history import History
 from llmgw.server.state.inventory import Inventory, InventoryConfig, NodeRecord
 from llmgw.server.state.kvblocks import DecodedKvDelta, KvBlocks, leader_replica
 from llmgw.server.state.kvfollow import KvFollowBoard
-from llmgw.server.state.scalein import InFlightFn, no_in_flight
 from llmgw.server.state.statefile import unreadable_row
 from llmgw.server.state.store import Store, now_ms
 from llmgw.server.state.storehealth import WriteRetry
@@ -127,8 +123,6 @@ class ControlPlane:
         self.engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports, for dry runs
         self.crash_looping: frozenset[str] = frozenset()  # set by the loop: waiting replicas
         self.kv_blocks = KvBlocks()
-        # set by the server: every gateway's requests in flight per replica (scale-in costs)
-        self.in_flight: InFlightFn = no_in_flight
         self.kv_follow = KvFollowBoard()  # agents' KV event counters, per (node, shard)
         self._last_tick: float | None = None
         self._tick_gap = float("inf")  # the shortest time between two ticks seen

@@ -12,7 +12,8 @@ of such a deployment it counts:
   were the only one retired (a round retiring two may lose blocks the two shared);
 - **in flight**: the requests the gateways have in flight on it now (``ReplicaRouterStats
   .in_flight``, summed over every live gateway's report and the in-server gateway), read
-  through the ``in_flight`` function the server hands the reconcile loop.
+  through the ``in_flight`` function the server hands the reconcile loop and the dry run
+  (``ControlService.in_flight``).
 
 A replica with neither blocks nor requests costs nothing.
 """

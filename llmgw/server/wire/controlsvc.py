@@ -221,7 +221,7 @@ class ControlService(ControlServiceBase):
     def _dry_run(self, changes: Sequence[Change]) -> ActionResult:
         """The diff of ``changes`` against what runs now (``llmgw.server.state.placer``)."""
         deployments, profiles = _wanted(changes)
-        plan, nodes = plan_change(self.plane, deployments, profiles)
+        plan, nodes = plan_change(self.plane, deployments, profiles, self.in_flight)
         text = plan_summary(plan)
         if profiles:
             text = f"dry run: would store profiles {', '.join(p.name for p in profiles)}\n{text}"
@@ -234,7 +234,7 @@ class ControlService(ControlServiceBase):
         deployments, _ = _wanted(changes)
         if not deployments:
             return ""
-        plan, _ = plan_change(self.plane, deployments)
+        plan, _ = plan_change(self.plane, deployments, in_flight=self.in_flight)
         return counted(result, plan)
 
     async def delete_deployment(self, message: DeleteDeploymentRequest) -> ActionResult:
@@ -280,7 +280,7 @@ class ControlService(ControlServiceBase):
         deployment = self.plane.desired.deployments.get(name)
         if deployment is None:
             return result
-        plan, _ = plan_change(self.plane, [deployment])
+        plan, _ = plan_change(self.plane, [deployment], in_flight=self.in_flight)
         if line := counted(result, plan):
             result.message = shorten(f"{result.message}\n{line}")
         return result
