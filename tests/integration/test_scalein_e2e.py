@@ -9,9 +9,10 @@ itself (endpoint and API key from the server's router feed, as a gateway gets th
 - chat-3: the same long prompt and a short one of its own (the most blocks, some unique).
 
 The engines' blocks travel as KV events to the agent, up its stream into the server's block
-store; once the feed shows every engine's cache as it is, ``llmgw scale chat 2`` must retire
-chat-2: not the newest (chat-3, the rule without caches in view) nor the one holding the
-fewest blocks (chat-1), but the one whose loss costs the fewest blocks no other holds.
+store; once the feed shows every engine's cache as it is, ``llmgw apply --dry-run`` of a
+count of two names chat-2 to remove, and ``llmgw scale chat 2`` must retire chat-2: not the
+newest (chat-3, the rule without caches in view) nor the one holding the fewest blocks
+(chat-1), but the one whose loss costs the fewest blocks no other holds.
 
 Warm placement: with chat-1 on a1 and chat-2 on a3, a node a2 joins and chat is scaled to
 one (chat-2 retires); scaled out again, the dry run and then the reconciler put chat-3 on
@@ -69,6 +70,11 @@ def test_a_scale_in_retires_the_replica_holding_the_fewest_unique_blocks(
     assert min(unique, key=lambda r: unique[r]) == "chat-2", unique
     assert unique["chat-2"] < unique["chat-3"] < unique["chat-1"], unique
 
+    lower = tmp_path / "two.toml"
+    lower.write_text(profile_file(2))
+    out = fleet.cli("apply", "-f", str(lower), "--dry-run", "-o", "json").stdout
+    plan = [(c["action"], c["replica"]) for c in json.loads(out)["changes"]]
+    assert plan == [("keep", "chat-1"), ("keep", "chat-3"), ("remove", "chat-2")], out
     fleet.cli("scale", "chat", "2")
     wait_for(lambda: _replica_ids(fleet) == ["chat-1", "chat-3"], 60, "chat-2 retired")
     described = fleet.cli("describe", "replica", "chat-2").stdout
