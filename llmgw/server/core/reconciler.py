@@ -94,6 +94,7 @@ from llmgw.server.core.reconcile_state import (
     PendingCommand,
     ReconcileInput,
     ReplicaRecord,
+    ScaleInCost,
     crash_delay,
     held_reason,
 )
@@ -361,7 +362,7 @@ class _Round:
             self.place(deployment, profile, deployment.replicas - count, replaces)
         elif len(active) > deployment.replicas:
             for record in self.retire_order(active, current)[: len(active) - deployment.replicas]:
-                self.set_lifecycle(record, Lifecycle.RETIRING, "more replicas than desired")
+                self.set_lifecycle(record, Lifecycle.RETIRING, self.surplus_why(record, current))
         self.surge(deployment, profile, current)
 
     def surge(self, deployment: Deployment, profile: EngineProfile, current: _Current) -> None:
@@ -390,6 +391,21 @@ class _Round:
                 self.set_lifecycle(surge, Lifecycle.ACTIVE, "all its shards are READY")
         for extra in self.of(name, Lifecycle.SURGE)[1:]:
             self.set_lifecycle(extra, Lifecycle.RETIRING, "one surge replica at a time")
+
+    def surplus_why(self, record: ReplicaRecord, current: _Current) -> str:
+        """Why a lowered count retires ``record`` rather than another (``retire_key``)."""
+        why = "more replicas than desired"
+        if not self.all_ready(record):
+            return f"{why}; it is not READY"
+        if not current(record):
+            return f"{why}; it is out of date"
+        if not self.s.costs:
+            return f"{why}; the newest"
+        cost = self.s.costs.get(record.replica_id, ScaleInCost())
+        return (
+            f"{why}; the cheapest to lose: {cost.unique_blocks} cached blocks no other "
+            f"replica holds, {cost.in_flight} requests in flight"
+        )
 
     def retire_order(self, active: list[ReplicaRecord], current: _Current) -> list[ReplicaRecord]:
         """Not-READY replicas first, then out-of-date ones, then the cheapest to lose (fewest

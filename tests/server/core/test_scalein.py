@@ -50,6 +50,13 @@ def test_scale_in_retires_the_replica_holding_the_fewest_unique_blocks() -> None
     assert retired(lowered(state, 2)) == ["chat-3"]
     assert retired(lowered(state, 2, **costs)) == ["chat-2"]
     assert retired(lowered(state, 1, **costs)) == ["chat-2", "chat-3"]
+    (event,) = [e for e in reconcile(lowered(state, 2, **costs)).events if "retiring" in e.what]
+    assert event.why == (
+        "more replicas than desired; the cheapest to lose: 3 cached blocks no other replica "
+        "holds, 9 requests in flight"
+    )
+    (event,) = [e for e in reconcile(lowered(state, 2)).events if "retiring" in e.what]
+    assert event.why == "more replicas than desired; the newest"
 
 
 def test_equal_unique_blocks_retire_the_replica_with_the_least_in_flight() -> None:
@@ -73,6 +80,8 @@ def test_not_ready_and_out_of_date_replicas_still_go_before_the_cheapest() -> No
         state, shards={**shards, plan.shard_id: shard(plan, "chat-3", ShardState.LOADING)}
     )
     assert retired(lowered(loading, 2, **costs)) == ["chat-3"]
+    whys = [e.why for e in reconcile(lowered(loading, 2, **costs)).events if "retiring" in e.what]
+    assert whys == ["more replicas than desired; it is not READY"]
     old = replace(state.replicas["chat-2"], profile=profile(arg="old"))
     stale_plan = replace(old.plan, fingerprint="0ld")
     outdated = replace(state, replicas={**state.replicas, "chat-2": replace(old, plan=stale_plan)})
