@@ -196,7 +196,7 @@ class FleetPlacer:
     """Placement over a fixed set of node views, in the reconciler's terms: called with a
     deployment, its profile, the new replica ids, the nodes to avoid and every plan that
     holds devices now (``taken``), it derives what is used from ``taken`` and places,
-    preferring the ``warm`` nodes."""
+    preferring the nodes ``warm`` names for the profile (none by default)."""
 
     def __init__(
         self,
@@ -204,10 +204,12 @@ class FleetPlacer:
         fingerprint: Callable[[EngineProfile], str],
         *,
         port_range: PortRange = DEFAULT_ENGINE_PORTS,
+        warm: Callable[[EngineProfile], frozenset[str]] = lambda _: frozenset(),
     ) -> None:
         self.nodes = tuple(nodes)
         self.fingerprint = fingerprint
         self.port_range = port_range
+        self.warm = warm
 
     def __call__(
         self,
@@ -217,7 +219,6 @@ class FleetPlacer:
         *,
         excluding: frozenset[str],
         taken: Sequence[ReplicaPlan],
-        warm: frozenset[str] = frozenset(),
     ) -> list[Placed]:
         devices: dict[str, set[str]] = {}
         ports: dict[str, set[int]] = {}
@@ -243,7 +244,7 @@ class FleetPlacer:
                 ports={k: frozenset(v) for k, v in ports.items()},
                 threads=threads,
                 replicas=mine,
-                warm=warm,
+                warm=self.warm(profile),
             ),
             port_range=self.port_range,
         )

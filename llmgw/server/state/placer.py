@@ -98,6 +98,9 @@ class LazyPlacer:
         self._busy = busy
         self._built: tuple[FleetPlacer, dict[str, tuple[str, ...]]] | None = None
 
+    def _warm(self, profile: EngineProfile) -> frozenset[str]:
+        return warm_nodes(self._plane.replicas.values(), profile.model_path)
+
     @property
     def capacity(self) -> tuple[NodeCapacity, ...]:
         """The node views it places on."""
@@ -108,7 +111,9 @@ class LazyPlacer:
             inventory, now = self._plane.inventory, self._now
             records = list(inventory.nodes.values())
             capacity = [node_capacity(inventory.node_view(r, now)) for r in records]
-            placer = FleetPlacer(capacity, profile_fingerprint, port_range=self._port_range)
+            placer = FleetPlacer(
+                capacity, profile_fingerprint, port_range=self._port_range, warm=self._warm
+            )
             self._built = placer, _neighbours([(r.info.node_id, node_address(r)) for r in records])
         return self._built
 
@@ -122,7 +127,6 @@ class LazyPlacer:
         taken: Sequence[ReplicaPlan],
     ) -> Sequence[ReplicaPlan | Unplaceable]:
         placer, neighbours = self._build()
-        warm = warm_nodes(self._plane.replicas.values(), profile.model_path)
         if self._busy:  # ports other processes hold: taken, on the node and its neighbours
             busy = [
                 (n, port)
@@ -132,16 +136,12 @@ class LazyPlacer:
             shards = tuple(ShardPlan("", n, 0, (), port) for n, port in sorted(set(busy)))
             taken = [*taken, ReplicaPlan("", "", "", "", shards)]
         if not neighbours:
-            return placer(
-                deployment, profile, replica_ids, excluding=excluding, taken=taken, warm=warm
-            )
+            return placer(deployment, profile, replica_ids, excluding=excluding, taken=taken)
         held = list(taken)
         results: list[ReplicaPlan | Unplaceable] = []
         for replica_id in replica_ids:
             seen = [*held, _ports_of_neighbours(held, neighbours)]
-            (placed,) = placer(
-                deployment, profile, [replica_id], excluding=excluding, taken=seen, warm=warm
-            )
+            (placed,) = placer(deployment, profile, [replica_id], excluding=excluding, taken=seen)
             results.append(placed)
             if isinstance(placed, Unplaceable):
                 return results + [placed] * (len(replica_ids) - len(results))

@@ -151,15 +151,20 @@ def test_placement_prefers_a_warm_node_over_one_with_more_free_devices() -> None
 
 def test_spread_wins_over_warmth() -> None:
     nodes = [_cap("dgx-h100", f"dgx-{i}") for i in (1, 2)]
-    placer = FleetPlacer(nodes, lambda p: FP)
     chat = Deployment(name="chat", profile="p", replicas=3)
-    warm = frozenset({"dgx-2"})
+    asked: list[str] = []
+
+    def warm(profile: EngineProfile) -> frozenset[str]:
+        asked.append(profile.model_path)
+        return frozenset({"dgx-2"})
+
+    placer = FleetPlacer(nodes, lambda p: FP, warm=warm)
     ids = ["chat-1", "chat-2", "chat-3"]
-    plans = _plans(placer(chat, _profile(), ids, excluding=frozenset(), taken=[], warm=warm))
+    plans = _plans(placer(chat, _profile(model_path="/m"), ids, excluding=frozenset(), taken=[]))
     assert [p.leader.node_id for p in plans] == ["dgx-2", "dgx-1", "dgx-2"]
-    # dgx-1 is warm, but dgx-2 runs no replica of chat yet
-    (one,) = _plans(placer(chat, _profile(), ["chat-4"], excluding=frozenset(),
-                           taken=plans[:1], warm=frozenset({"dgx-2"})))  # fmt: skip
+    assert asked == ["/m"]
+    # dgx-2 is warm, but it runs a replica of chat already and dgx-1 none
+    (one,) = _plans(placer(chat, _profile(), ["chat-4"], excluding=frozenset(), taken=plans[:1]))
     assert one.leader.node_id == "dgx-1"
 
 
