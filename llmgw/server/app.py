@@ -64,7 +64,7 @@ from llmgw.server.errors import ConfigError
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.state.inventory import InventoryConfig
 from llmgw.server.state.plane import ControlPlane
-from llmgw.server.state.scalein import InFlightFn
+from llmgw.server.state.scalein import InFlightFn, no_in_flight
 from llmgw.server.state.statelock import hold_state_lock
 from llmgw.server.state.store import Store
 from llmgw.server.state.storehealth import install as install_store_health
@@ -310,7 +310,10 @@ def _gateway(
 
 
 def _reconcile_loop(
-    config: ServerConfig, plane: ControlPlane, agents: AgentService, in_flight: InFlightFn
+    config: ServerConfig,
+    plane: ControlPlane,
+    agents: AgentService,
+    in_flight: InFlightFn = no_in_flight,
 ) -> ReconcileLoop | None:
     if not config.reconcile:
         log.warning("the reconciler is off: deployments are stored but nothing is started")
