@@ -9,7 +9,9 @@ of such a deployment it counts:
   what its leader's engine reported cached, every rank) that no other ACTIVE or SURGE
   replica of the same deployment holds. Retiring it loses those prefixes for good; blocks
   another replica also holds stay served. Each count is of that replica alone, as if it
-  were the only one retired (a round retiring two may lose blocks the two shared);
+  were the only one retired (a round retiring two may lose blocks the two shared); past
+  ``kvblocks.UNIQUE_SAMPLE_KEYS`` keys in all it is an estimate from a uniform share of
+  the key space, so a large fleet's round stays short (``KvBlocks.unique_blocks``);
 - **in flight**: the requests the gateways have in flight on it now (``ReplicaRouterStats
   .in_flight``, summed over every live gateway's report and the in-server gateway), read
   through the ``in_flight`` function the server hands the reconcile loop and the dry run

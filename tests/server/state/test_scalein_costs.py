@@ -5,13 +5,15 @@ and a record's ``was_ready`` mark kept by the store's JSON."""
 from __future__ import annotations
 
 import json
+import random
+from array import array
 
 from test_kvblocks import PROFILE, _decoded
 
 from llmgw.api.llmgw.v1 import Deployment
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord, ScaleInCost
-from llmgw.server.state.kvblocks import KvBlocks
+from llmgw.server.state.kvblocks import UNIQUE_SAMPLE_KEYS, DecodedKvDelta, KvBlocks
 from llmgw.server.state.replicajson import decode_replica, encode_replica
 from llmgw.server.state.scalein import no_in_flight, scale_in_costs
 
@@ -42,6 +44,25 @@ def test_every_rank_of_a_replica_counts_as_the_replica() -> None:
     blocks = blocks_of({"a-1": [1, 2], "a-2": [2]})
     blocks.apply("n1", "a-2", _decoded([1, 7], shard_id="a-2.0", rank=1))
     assert blocks.unique_blocks(["a-1", "a-2"]) == {"a-1": 0, "a-2": 1}
+
+
+def test_past_the_sample_limit_unique_blocks_are_estimated_from_a_share_of_the_keys() -> None:
+    rng = random.Random(16)
+
+    def keys(count: int) -> list[int]:
+        return [rng.getrandbits(64) | 1 for _ in range(count)]
+
+    shared = keys(40_000)
+    held = {"a-1": shared + keys(30_000), "a-2": shared + keys(3_000), "a-3": keys(12_000)}
+    assert sum(map(len, held.values())) > UNIQUE_SAMPLE_KEYS  # sampled: half the key space
+    blocks = KvBlocks()
+    for replica_id, replica_keys in held.items():
+        delta = DecodedKvDelta(f"{replica_id}.0", 0, True, array("Q", replica_keys), array("Q"))
+        blocks.apply("n1", replica_id, delta)
+    counted = blocks.unique_blocks(list(held))
+    truth = {"a-1": 30_000, "a-2": 3_000, "a-3": 12_000}
+    assert all(abs(counted[r] - n) <= 0.1 * n for r, n in truth.items()), counted
+    assert sorted(counted, key=counted.__getitem__) == ["a-2", "a-3", "a-1"]
 
 
 def test_costs_are_computed_only_for_deployments_with_a_surplus() -> None:
