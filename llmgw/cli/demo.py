@@ -6,7 +6,8 @@ its engines on ``--engine-ports`` or else 20000-29999 when the bottom of that ra
 and a random free window otherwise (``llmgw.engineports.default_or_window``: a cluster
 started with the defaults may be running beside the demo); an ``llmgw agent --simulate
 FIXTURE`` per node of ``DEMO_NODES``, running the simulated vLLM as its ``sim`` engine;
-``DEMO_DOCUMENT``'s deployments (KV events on), applied through the API; a light
+``demo_document``'s deployments (KV events on; each engine loads its model for
+``--model-load-seconds``, default 3, so starts are cold starts), applied through the API; a light
 ``Workload`` (``llmgw.cli.demo_traffic``) of chat completions through the gateway sharing
 long system prompts, so routing decisions and the engines' prefix caches move; and ``llmgw
 console`` on this terminal. Quitting the console stops everything and prints a summary:
@@ -65,7 +66,14 @@ from llmgw.server.core.profiles import parse_document
 from llmgw.server.errors import ProfileError
 from llmgw.signals import stop_on_signals
 
-__all__ = ["DEMO_DOCUMENT", "DemoOptions", "run_demo", "state_dir"]
+__all__ = [
+    "DEFAULT_LOAD_S",
+    "DEMO_DOCUMENT",
+    "DemoOptions",
+    "demo_document",
+    "run_demo",
+    "state_dir",
+]
 
 log = logging.getLogger(__name__)
 
@@ -78,14 +86,25 @@ DEMO_DEPLOYMENTS: Final = (
     ("small", "small-mig", "A100:3g.40gb", 1, 1),
     ("tiny", "tiny-l4", "L4", 1, 1),
 )
-DEMO_DOCUMENT: Final = "".join(
-    f'[profiles.{profile}]\nengine = "sim"\ngpu_class = "{gpu}"\ntp = {tp}\n'
-    f'model_path = "/models/{name}"\nserved_model_name = "{name}"\nkv_events = true\n'
-    'args = ["--sim-decode-ms-per-token", "5"]\n\n'
-    f'[deployments.{name}]\nprofile = "{profile}"\nreplicas = {replicas}\n\n'
-    for name, profile, gpu, tp, replicas in DEMO_DEPLOYMENTS
-)
-"""The demo's deployments as ``llmgw apply -f`` reads them: simulated vLLM, KV events on."""
+DEFAULT_LOAD_S: Final = 3.0
+"""Each simulated engine's model load in the demo (``llmgw demo --model-load-seconds``)."""
+
+
+def demo_document(load_s: float = DEFAULT_LOAD_S) -> str:
+    """The demo's deployments as ``llmgw apply -f`` reads them: simulated vLLM, KV events
+    on, each engine loading its model for ``load_s`` seconds (``--sim-load-seconds``: its
+    port opens only then, so every start, a scale-out's too, is a cold start that long)."""
+    return "".join(
+        f'[profiles.{profile}]\nengine = "sim"\ngpu_class = "{gpu}"\ntp = {tp}\n'
+        f'model_path = "/models/{name}"\nserved_model_name = "{name}"\nkv_events = true\n'
+        f'args = ["--sim-decode-ms-per-token", "5", "--sim-load-seconds", "{load_s:g}"]\n\n'
+        f'[deployments.{name}]\nprofile = "{profile}"\nreplicas = {replicas}\n\n'
+        for name, profile, gpu, tp, replicas in DEMO_DEPLOYMENTS
+    )
+
+
+DEMO_DOCUMENT: Final = demo_document()
+"""The demo's deployments with the default model load."""
 
 HEADLESS_DURATION_S: Final = 30.0
 NODES_READY_S: Final = 60.0
@@ -106,6 +125,7 @@ class DemoOptions:
     state_dir: Path | None = None  # None: a temporary directory, removed afterwards
     rate: float = 3.0  # workload requests per second
     engine_ports: PortRange | None = None  # None: the default range if free, else a window
+    load_s: float = DEFAULT_LOAD_S  # each simulated engine's model load (a cold start)
 
 
 # --- the processes -------------------------------------------------------------------------
@@ -262,10 +282,10 @@ async def _run(fleet: _Fleet, options: DemoOptions) -> int:
             client = ControlClient(channel)
             nodes_ready = partial(_nodes_ready, client)
             await _until(stop, fleet, nodes_ready, NODES_READY_S, "the nodes READY")
-            expected = await _apply(client)
+            expected = await _apply(client, demo_document(options.load_s))
             ready = partial(_replicas_ready, client, expected)
             why = f"{expected} replicas READY (the logs: {fleet.logs})"
-            await _until(stop, fleet, ready, REPLICAS_READY_S, why)
+            await _until(stop, fleet, ready, REPLICAS_READY_S + options.load_s, why)
             serves = partial(_gateway_serves, fleet.gateway)
             await _until(stop, fleet, serves, 20, "the gateway")
             _say(f"{expected} replicas READY; ~{options.rate:g} chat requests/s through the "
@@ -313,17 +333,16 @@ async def _nodes_ready(client: ControlClient) -> int | None:
     return None
 
 
-async def _apply(client: ControlClient) -> int:
-    """Apply every deployment of DEMO_DOCUMENT (saying so); returns the replicas it asks for."""
+async def _apply(client: ControlClient, text: str) -> int:
+    """Apply every deployment of ``text`` (``demo_document``'s, saying so); returns the
+    replicas it asks for."""
     try:
-        document = parse_document(DEMO_DOCUMENT, source="llmgw demo")
+        document = parse_document(text, source="llmgw demo")
     except ProfileError as exc:  # a bug in this module, said plainly
         raise CliError(f"the demo's own deployments are invalid: {exc}") from exc
     for name, deployment in document.deployments.items():
         profile = document.profiles[deployment.profile]
-        request = ApplyDeploymentRequest(
-            deployment=deployment, profiles=[profile], document=DEMO_DOCUMENT
-        )
+        request = ApplyDeploymentRequest(deployment=deployment, profiles=[profile], document=text)
         try:
             result = await client.apply_deployment(request)
         except ClientError as exc:

@@ -9,7 +9,10 @@ from pathlib import Path
 from llmgw.cli.errors import CliError
 from llmgw.cli.flags import engine_ports_flag
 
-__all__ = ["register"]
+__all__ = ["MAX_LOAD_S", "register"]
+
+MAX_LOAD_S = 600.0
+"""The longest simulated model load ``llmgw demo --model-load-seconds`` takes."""
 
 
 def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -44,6 +47,14 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         help="workload requests per second through the gateway (default: 3)",
     )
     p.add_argument(
+        "--model-load-seconds",
+        type=float,
+        default=None,
+        metavar="SECONDS",
+        help="how long each simulated engine loads its model before its port opens, so "
+        "that every start (a scale-out's too) is a cold start that long (default: 3)",
+    )
+    p.add_argument(
         "--state-dir",
         type=Path,
         default=None,
@@ -61,10 +72,13 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    from llmgw.cli.demo import DemoOptions, run_demo
+    from llmgw.cli.demo import DEFAULT_LOAD_S, DemoOptions, run_demo
 
     if args.rate <= 0:
         raise CliError(f"--rate must be positive, got {args.rate:g}")
     ports = engine_ports_flag(args.engine_ports)
-    options = DemoOptions(args.headless, args.duration, args.state_dir, args.rate, ports)
+    load_s = DEFAULT_LOAD_S if args.model_load_seconds is None else args.model_load_seconds
+    if not 0 <= load_s <= MAX_LOAD_S:  # NaN too
+        raise CliError(f"--model-load-seconds must be 0 to {MAX_LOAD_S:g}, got {load_s:g}")
+    options = DemoOptions(args.headless, args.duration, args.state_dir, args.rate, ports, load_s)
     return run_demo(options)

@@ -166,7 +166,8 @@ def _add_sim_flags(p: argparse.ArgumentParser) -> None:
         "--sim-load-seconds",
         type=float,
         default=0.0,
-        help="simulated model load before the port is bound (default: 0)",
+        help="the simulated model load: the HTTP port is bound only after it, so each "
+        "start is a cold start this long, the shard STARTING meanwhile (default: 0)",
     )
     p.add_argument(
         "--sim-crash-after",

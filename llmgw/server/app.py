@@ -65,6 +65,7 @@ from llmgw.server.errors import ConfigError
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.state.inventory import InventoryConfig
 from llmgw.server.state.plane import ControlPlane
+from llmgw.server.state.scalein import InFlightFn, no_in_flight
 from llmgw.server.state.statelock import hold_state_lock
 from llmgw.server.state.store import Store
 from llmgw.server.state.storehealth import install as install_store_health
@@ -239,7 +240,7 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
             async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
                 slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
                 tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
-                loop = _reconcile_loop(config, plane, agents)
+                loop = _reconcile_loop(config, plane, agents, control.in_flight)
                 reconcile_task = (
                     tasks.create_task(loop.run(config.reconcile_every_s), name="reconcile")
                     if loop is not None
@@ -316,7 +317,10 @@ def _gateway(
 
 
 def _reconcile_loop(
-    config: ServerConfig, plane: ControlPlane, agents: AgentService
+    config: ServerConfig,
+    plane: ControlPlane,
+    agents: AgentService,
+    in_flight: InFlightFn = no_in_flight,
 ) -> ReconcileLoop | None:
     if not config.reconcile:
         log.warning("the reconciler is off: deployments are stored but nothing is started")
@@ -324,7 +328,7 @@ def _reconcile_loop(
     if config.test_hooks:
         log.warning("test hooks on: the reconciler is off (it would stop the hooks' shards)")
         return None
-    return ReconcileLoop(plane, agents.send, port_range=config.engine_ports)
+    return ReconcileLoop(plane, agents.send, port_range=config.engine_ports, in_flight=in_flight)
 
 
 def _grpc_web_server(

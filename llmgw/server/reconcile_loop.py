@@ -20,6 +20,13 @@ may already run:
    ``reconciler``, action ``reconcile``, the replica or shard as target and "WHAT: WHY"
    as result.
 
+**Scale-in costs**: when a deployment has more ACTIVE replicas than its count, the round's
+input carries what retiring each of its replicas would cost
+(``llmgw.server.state.scalein``: its cached prefix blocks no other replica of the
+deployment holds, from the plane's KV block store, and its requests in flight, from the
+``in_flight`` function the server passes: every gateway's figures), so the reconciler
+retires the cheapest.
+
 **Unplaceable replicas** are made visible in the audit log: when the reason a deployment
 lacks replicas changes, one record (action ``unplaceable``, target ``deployment/NAME``,
 the reason as result) is appended and the reason is logged; it is not repeated every
@@ -71,6 +78,7 @@ from llmgw.server.core.reconciler import reconcile
 from llmgw.server.errors import StoreUnwritable
 from llmgw.server.state.placer import LazyPlacer
 from llmgw.server.state.plane import ControlPlane, node_address
+from llmgw.server.state.scalein import InFlightFn, no_in_flight, scale_in_costs
 from llmgw.server.state.store import now_ms
 from llmgw.server.state.storeschema import AuditRecord
 
@@ -108,8 +116,10 @@ class ReconcileLoop:
         config: ReconcileConfig | None = None,
         clock: Callable[[], float] = time.monotonic,
         port_range: PortRange = DEFAULT_ENGINE_PORTS,
+        in_flight: InFlightFn = no_in_flight,
     ) -> None:
         self.plane = plane
+        self.in_flight = in_flight
         self.send = send
         self.config = config or ReconcileConfig()
         self.clock = clock
@@ -174,8 +184,9 @@ class ReconcileLoop:
         """The reconciler's input, from the plane as it is now."""
         plane = self.plane
         now = self.clock()
+        deployments = dict(plane.desired.deployments)
         return ReconcileInput(
-            deployments=dict(plane.desired.deployments),
+            deployments=deployments,
             profiles=dict(plane.desired.profiles),
             fingerprint=profile_fingerprint,
             place=LazyPlacer(plane, self.port_range, now, self._busy(now)),
@@ -191,6 +202,7 @@ class ReconcileLoop:
             held=self._held(now),
             streak=self._streak(now),
             crashloops=dict(self.crashloops),
+            costs=scale_in_costs(deployments, plane.replicas, plane.kv_blocks, self.in_flight),
         )
 
     def _busy(self, now: float) -> frozenset[tuple[str, int]]:

@@ -22,7 +22,7 @@ from procs import Cluster
 
 from llmgw.gateway.feed import FollowConfig, feed_channel, follow
 from llmgw.gateway.routing.kvindex import KvIndex
-from llmgw.gateway.routing.table import RoutingTable
+from llmgw.gateway.routing.table import RoutingTable, Target
 
 SIM_BIN = f"sim={sys.executable} -m llmgw sim-engine"
 READY = "SHARD_STATE_READY"
@@ -172,6 +172,15 @@ class FeedIndex:
             config=config,
             index=self.index,
         )
+
+    def targets(self) -> dict[str, Target]:
+        """The routing table's targets now (endpoints and API keys), by replica id."""
+        assert self.error is None, f"the feed follower failed: {self.error!r}"
+
+        async def read() -> dict[str, Target]:
+            return {t.replica_id: t for t in self.table.targets()}
+
+        return asyncio.run_coroutine_threadsafe(read(), self._loop).result(10)
 
     def keys_of(self, replica_id: str) -> set[int]:
         """The keys this index holds for ``replica_id`` now."""

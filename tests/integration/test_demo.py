@@ -24,7 +24,7 @@ import pytest
 
 from llmgw.agent.process import is_running
 from llmgw.agent.records import RecordStore
-from llmgw.cli.demo import DEMO_DOCUMENT
+from llmgw.cli.demo import DEFAULT_LOAD_S, DEMO_DOCUMENT, demo_document
 from llmgw.cli.demo_traffic import (
     DemoSummary,
     Workload,
@@ -140,6 +140,26 @@ def test_the_demo_document_is_valid_and_turns_kv_events_on() -> None:
     assert all(p.kv_events and p.engine == "sim" for p in document.profiles.values())
     assert document.profiles["small-mig"].gpu_class == "A100:3g.40gb"
     assert sum(d.replicas for d in document.deployments.values()) == 4
+
+
+def test_every_demo_engine_loads_its_model_for_the_asked_time() -> None:
+    def loads(text: str) -> set[str]:
+        profiles = parse_document(text, source="demo").profiles.values()
+        return {p.args[p.args.index("--sim-load-seconds") + 1] for p in profiles}
+
+    assert loads(DEMO_DOCUMENT) == {f"{DEFAULT_LOAD_S:g}"} == {"3"}
+    assert loads(demo_document(0.25)) == {"0.25"}
+    assert loads(demo_document(0)) == {"0"}
+
+
+@pytest.mark.parametrize("value", ["-1", "nan", "601"])
+def test_a_bad_model_load_time_is_refused_naming_the_flag(value: str) -> None:
+    args = ["demo", "--headless", "--model-load-seconds", value]
+    out = subprocess.run(
+        [sys.executable, "-m", "llmgw", *args], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode != 0 and "--model-load-seconds must be 0 to 600" in out.stderr, out
+    assert "Traceback" not in out.stderr
 
 
 # --- the summary, from fixed metric texts --------------------------------------------------

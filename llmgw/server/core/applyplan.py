@@ -6,8 +6,10 @@ replicas an apply, start or reprofile can place. It looks at the reconciler's ow
 ``profiles`` already hold the change) and places with its ``place`` function and the
 rules of ``llmgw.server.core.placing``, so it names the replicas, nodes, GPUs and ports
 the reconciler will choose. Per deployment, replicas that are live (ACTIVE or SURGE, not
-being drained by an operator) and run its profile as it is now are kept, oldest first, up
-to the count; out-of-date ones are rolled (a replacement placed while it still runs, then
+being drained by an operator) and run its profile as it is now are kept up to the count,
+those the reconciler would retire last kept (``placing.retire_key``: READY ones, then those
+whose loss costs most cached blocks and requests in flight, ``ReconcileInput.costs``, then
+the oldest); out-of-date ones are rolled (a replacement placed while it still runs, then
 it is retired, one at a time: the reconciler's surge of one, each surge placed while the
 replicas replaced before still drain, if there is room); replicas still missing are
 added; the rest are removed. Removed replicas' devices count as free (the end state), the
@@ -32,7 +34,9 @@ from llmgw.server.core.placing import (
     next_serials,
     placement_order,
     profile_refusal,
+    ready_everywhere,
     replica_id_for,
+    retire_key,
     unusable_nodes,
 )
 from llmgw.server.core.plan import ReplicaPlan, Unplaceable
@@ -197,14 +201,26 @@ class _Planner:
         )
         up = [r for r in live if current(r)]
         out = [r for r in live if not current(r)]
-        keep = up[: deployment.replicas]
+        extra = {r.replica_id for r in self.retire_first(up)[: len(up) - deployment.replicas]}
+        keep = [r for r in up if r.replica_id not in extra]
         need = deployment.replicas - len(keep)
         # the reconciler retires the newest first: extras, then each rolled replica in turn
         rolled = out[:need][::-1]
-        split = _Split(keep, rolled, up[len(keep) :] + out[need:], need - len(rolled))
+        removed = [r for r in up if r.replica_id in extra] + out[need:]
+        split = _Split(keep, rolled, removed, need - len(rolled))
         self.splits[deployment.name] = split
         gone = {r.replica_id for r in split.remove}
         self.taken = [p for p in self.taken if p.replica_id not in gone]
+
+    def retire_first(self, records: list[ReplicaRecord]) -> list[ReplicaRecord]:
+        """Current replicas in the order the reconciler retires them when there are too many."""
+        s = self.s
+
+        def key(r: ReplicaRecord) -> tuple[bool, bool, int, int, int]:
+            ready = ready_everywhere(r, s.shards, s.nodes)
+            return retire_key(r, ready=ready, current=True, costs=s.costs)
+
+        return sorted(records, key=key)
 
     def plan(self, deployment: Deployment) -> list[PlannedReplica]:
         split = self.splits[deployment.name]

@@ -21,8 +21,9 @@ Rules:
 - **Nodes**: only schedulable ones (READY, not cordoned), only healthy devices; the node's
   pool equals ``deployment.pool`` when that is set and its labels include all of
   ``deployment.labels``. Among the nodes that fit, the best topology tier wins, then the
-  node with the fewest replicas of this deployment (spread), then the most free matching
-  devices, then the node id.
+  node with the fewest replicas of this deployment (spread), then a *warm* node (one in
+  ``Taken.warm``: the model's weights were loaded there, ``placing.warm_nodes``), then
+  the most free matching devices, then the node id.
 - **Multi-node** (``nodes > 1``): all shards on nodes sharing an NVLink domain with IMEX
   (preferred) or an InfiniBand fabric; for InfiniBand each shard records the nearest HCA
   on that fabric of each of its GPUs (PIX, else PXB, else NODE) in ``ShardPlan.hcas``, or
@@ -124,12 +125,14 @@ def _profile_problem(name: str, req: Requirement) -> str:
 
 @dataclass(frozen=True, slots=True)
 class Taken:
-    """What other replicas hold already, per node id: what a replica placed now avoids."""
+    """What other replicas hold already, per node id: what a replica placed now avoids;
+    and the nodes it prefers, warm for its model (``placing.warm_nodes``)."""
 
     devices: Mapping[str, frozenset[str]] = field(default_factory=dict)  # GPU uuids
     ports: Mapping[str, frozenset[int]] = field(default_factory=dict)
     threads: Mapping[str, int] = field(default_factory=dict)  # CPU threads of CPU engines
     replicas: Mapping[str, int] = field(default_factory=dict)  # of this deployment (spread)
+    warm: frozenset[str] = frozenset()  # node ids where its model's weights were loaded
 
 
 def place_replica(
@@ -173,7 +176,7 @@ def place_deployment(
     if isinstance(need, Unplaceable):
         return [need] * len(replica_ids)
     ledger = _Ledger(taken, port_range)
-    scope = _Scope(nodes, deployment, need, ledger)
+    scope = _Scope(nodes, deployment, need, ledger, taken.warm)
     placer: _SinglePlacer | _MultiPlacer = (
         _MultiPlacer(scope) if need.nodes > 1 else _SinglePlacer(scope)
     )
@@ -192,7 +195,8 @@ def place_deployment(
 class FleetPlacer:
     """Placement over a fixed set of node views, in the reconciler's terms: called with a
     deployment, its profile, the new replica ids, the nodes to avoid and every plan that
-    holds devices now (``taken``), it derives what is used from ``taken`` and places."""
+    holds devices now (``taken``), it derives what is used from ``taken`` and places,
+    preferring the nodes ``warm`` names for the profile (none by default)."""
 
     def __init__(
         self,
@@ -200,10 +204,12 @@ class FleetPlacer:
         fingerprint: Callable[[EngineProfile], str],
         *,
         port_range: PortRange = DEFAULT_ENGINE_PORTS,
+        warm: Callable[[EngineProfile], frozenset[str]] = lambda _: frozenset(),
     ) -> None:
         self.nodes = tuple(nodes)
         self.fingerprint = fingerprint
         self.port_range = port_range
+        self.warm = warm
 
     def __call__(
         self,
@@ -238,6 +244,7 @@ class FleetPlacer:
                 ports={k: frozenset(v) for k, v in ports.items()},
                 threads=threads,
                 replicas=mine,
+                warm=self.warm(profile),
             ),
             port_range=self.port_range,
         )
@@ -294,9 +301,11 @@ class _Scope:
         deployment: Deployment,
         need: Requirement,
         ledger: _Ledger,
+        warm: frozenset[str] = frozenset(),
     ) -> None:
         self.need = need
         self.ledger = ledger
+        self.warm = warm
         self.all = sorted(nodes, key=lambda n: n.node_id)
         self.excluded: dict[str, str] = {}  # node id -> why it is out of scope
         self.nodes: list[NodeCapacity] = []
@@ -333,17 +342,18 @@ class _Scope:
     def group(self, node: NodeCapacity) -> tuple[SortKey, tuple[Device, ...]] | None:
         """The node's sort key and the devices it would give one shard, or None."""
         spread = self.ledger.replicas.get(node.node_id, 0)
+        cold = node.node_id not in self.warm
         if self.need.cpu:
             free = self.free_threads(node)
             if free < self.need.threads:
                 return None
-            return (0, spread, -free, node.node_id), ()
+            return (0, spread, cold, -free, node.node_id), ()
         free_devices = self.free(node.node_id)
         chosen = choose_group(free_devices, self.need.per_node)
         if chosen is None:
             return None
         tier, devices = chosen
-        return (tier, spread, -len(free_devices), node.node_id), devices
+        return (tier, spread, cold, -len(free_devices), node.node_id), devices
 
 
 def _out_of_scope(node: NodeCapacity, deployment: Deployment) -> str:

@@ -3,7 +3,8 @@
 A dry run (``llmgw.server.core.applyplan``) must place replicas exactly as the reconciler
 (``llmgw.server.core.reconciler``) will: the same order of deployments, the same plans
 counted as holding devices and ports, the same nodes left out, the same replica ids, the
-same profile refusals. Each of those rules is defined here once and both call it.
+same profile refusals, the same replicas retired first when a count is lowered
+(:func:`retire_key`). Each of those rules is defined here once and both call it.
 """
 
 from __future__ import annotations
@@ -14,16 +15,19 @@ from llmgw import engineinput
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile, Shard, ShardState
 from llmgw.protocol import read_shard_state
 from llmgw.server.core.plan import ReplicaPlan
-from llmgw.server.core.reconcile_state import Lifecycle, NodeView, ReplicaRecord
+from llmgw.server.core.reconcile_state import Lifecycle, NodeView, ReplicaRecord, ScaleInCost
 
 __all__ = [
     "holding",
     "next_serials",
     "placement_order",
     "profile_refusal",
+    "ready_everywhere",
     "replica_id_for",
+    "retire_key",
     "shard_state",
     "unusable_nodes",
+    "warm_nodes",
 ]
 
 
@@ -93,3 +97,48 @@ def profile_refusal(profile: EngineProfile) -> str:
     if not problems:
         return ""
     return f"profile {profile.name!r} is refused: {engineinput.describe(problems)}"
+
+
+def warm_nodes(records: Iterable[ReplicaRecord], model_path: str) -> frozenset[str]:
+    """The nodes that are *warm* for ``model_path``: a replica of a profile with that
+    ``model_path`` (of any deployment, RETIRED ones included) was READY on every shard
+    there once (``ReplicaRecord.was_ready``), so the node has fetched the weights and
+    likely holds them on disk and in its page cache: an engine there loads faster than on
+    a node that never loaded them. Placement prefers such nodes. An empty path is warm
+    nowhere."""
+    if not model_path:
+        return frozenset()
+    return frozenset(
+        shard.node_id
+        for record in records
+        if record.was_ready and record.profile.model_path == model_path
+        for shard in record.plan.shards
+    )
+
+
+_FREE = ScaleInCost()  # a replica without a cost: nothing cached, nothing in flight
+
+
+def ready_everywhere(
+    record: ReplicaRecord, shards: Mapping[str, Shard], nodes: Mapping[str, NodeView]
+) -> bool:
+    """Every shard of ``record`` is reported READY on its planned node, and that node is
+    READY (a NOT_READY node's last reports are stale)."""
+    for plan in record.plan.shards:
+        shard, node = shards.get(plan.shard_id), nodes.get(plan.node_id)
+        if shard is None or shard.node_id != plan.node_id or node is None or not node.ready:
+            return False
+        if shard_state(shard) is not ShardState.READY:
+            return False
+    return True
+
+
+def retire_key(
+    record: ReplicaRecord, *, ready: bool, current: bool, costs: Mapping[str, ScaleInCost]
+) -> tuple[bool, bool, int, int, int]:
+    """Where a live replica stands when a lowered count retires some (lowest first): not
+    READY ones, then out-of-date ones, then the one whose loss costs the fewest cached
+    prefix blocks no other replica of its deployment holds, then the fewest requests in
+    flight (``costs``, by replica id; one not named costs nothing), then the newest."""
+    cost = costs.get(record.replica_id, _FREE)
+    return ready, current, cost.unique_blocks, cost.in_flight, -record.serial

@@ -40,6 +40,7 @@ __all__ = [
     "ReconcileConfig",
     "ReconcileInput",
     "ReplicaRecord",
+    "ScaleInCost",
     "apply_decision",
     "crash_delay",
     "held_reason",
@@ -82,10 +83,24 @@ class ReplicaRecord:
     serial: int  # per deployment, increasing: higher is newer
     api_key: str = field(default="", repr=False)  # a secret: kept out of logs
     replaces: str = ""  # the replica id this one replaces, if any
+    # Every shard was READY at once, some time: its nodes have loaded the weights of its
+    # profile's model_path (what warm placement looks for, ``placing.warm_nodes``).
+    was_ready: bool = False
 
     @property
     def replica_id(self) -> str:
         return self.plan.replica_id
+
+
+@dataclass(frozen=True, slots=True)
+class ScaleInCost:
+    """What retiring one live replica would cost now: a scale-in retires, after the
+    not-READY and out-of-date replicas, the one that costs least, in this order."""
+
+    # its cached prefix blocks (the server's KV block store) that no other live replica of
+    # its deployment holds: what the deployment's prefix caches lose with it
+    unique_blocks: int = 0
+    in_flight: int = 0  # requests the gateways have in flight on it now
 
 
 @dataclass(frozen=True, slots=True)
@@ -161,6 +176,8 @@ class ReconcileInput:
     ``retire`` names replicas to retire now, before the deployment's count is looked at
     (an operator's drain, stored with the lowered count); ``replace`` names replicas to
     treat as out of date, so the rolling surge replaces them first (a node drain).
+    ``costs`` says what retiring each live replica would lose (:class:`ScaleInCost`), so a
+    scale-in retires the cheapest.
 
     ``nodes`` must hold every node a replica's plan names: one missing reads as NOT_READY
     since an unknown time, which never reaches the grace (a server that restarted lists the
@@ -183,6 +200,9 @@ class ReconcileInput:
     held: Mapping[str, str] = field(default_factory=dict)  # deployment → why nothing is placed
     streak: Mapping[str, int] = field(default_factory=dict)  # deployment → failures in a row
     crashloops: Mapping[str, CrashLoop] = field(default_factory=dict)  # replica id → its loop
+    # replica id → what retiring it costs; one not named costs nothing (computed by the
+    # caller only for deployments with more replicas than their count)
+    costs: Mapping[str, ScaleInCost] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)

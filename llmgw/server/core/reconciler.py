@@ -25,7 +25,9 @@ Rules, in the order a round applies them (every loop in sorted order):
 2. **Deployments**: a deleted deployment retires all its replicas. Otherwise replicas are
    placed until the deployment has its count, deployments with the largest shards first
    (so small ones fill the gaps rather than break up whole nodes); extras are retired
-   (not-READY ones first, then out-of-date ones, then the newest). A replica whose
+   (not-READY ones first, then out-of-date ones, then the one whose loss costs the fewest
+   cached prefix blocks no other replica of its deployment holds, then the one with the
+   fewest requests in flight, both from ``costs``, then the newest). A replica whose
    fingerprint differs from its deployment's profile is out of date and is replaced by a
    rolling surge of one: a SURGE replica with the new profile is placed, becomes ACTIVE
    once all its shards are READY, and only then is one out-of-date replica retired, so
@@ -40,6 +42,9 @@ Rules, in the order a round applies them (every loop in sorted order):
    on their planned node are adopted as they are.
 5. **Fence**: StopShard any shard reported running whose replica is unknown or RETIRED, or
    that runs on a node its plan does not name.
+
+A live replica all of whose shards are READY is marked ``was_ready`` (once: its record
+changes, no event), so its nodes count as warm for its model (``placing.warm_nodes``).
 
 Nothing is sent to, or concluded from, a node that is not READY (its last reports are
 stale), except that its absence past the grace replaces its replicas; a retiring replica's
@@ -64,10 +69,8 @@ from llmgw.api.llmgw.v1 import (
     Deployment,
     DrainShard,
     EngineProfile,
-    MultiNode,
     Shard,
     ShardState,
-    StartShard,
     StopShard,
 )
 from llmgw.server.core.placing import (
@@ -75,7 +78,9 @@ from llmgw.server.core.placing import (
     next_serials,
     placement_order,
     profile_refusal,
+    ready_everywhere,
     replica_id_for,
+    retire_key,
     shard_state,
     unusable_nodes,
 )
@@ -89,9 +94,11 @@ from llmgw.server.core.reconcile_state import (
     PendingCommand,
     ReconcileInput,
     ReplicaRecord,
+    ScaleInCost,
     crash_delay,
     held_reason,
 )
+from llmgw.server.core.startshard import placement_why, start_message, where
 
 __all__ = ["reconcile", "replica_id_for", "start_message"]
 
@@ -102,6 +109,7 @@ _RUNNING = (ShardState.PENDING, ShardState.STARTING, ShardState.LOADING, ShardSt
 def reconcile(state: ReconcileInput) -> Decision:
     """Decide one round (see the module docstring for the rules)."""
     round_ = _Round(state)
+    round_.mark_ready()
     round_.replace_broken()
     round_.retire_requested()
     for name in sorted(round_.live_deployments() - state.deployments.keys()):
@@ -168,8 +176,7 @@ class _Round:
         return shard
 
     def all_ready(self, record: ReplicaRecord) -> bool:
-        shards = [self.on_node(p) for p in record.plan.shards]
-        return all(s is not None and _state(s) is ShardState.READY for s in shards)
+        return ready_everywhere(record, self.s.shards, self.s.nodes)
 
     # --- changes ----------------------------------------------------------------------
 
@@ -206,6 +213,12 @@ class _Round:
         message = DrainShard(shard_id=shard_id, grace_seconds=self.cfg.drain_grace_s)
         event = Event(shard_id, f"drain shard {shard_id} on {node_id}", why)
         self.send(node_id, CommandKind.DRAIN, ControlMessage(drain_shard=message), event)
+
+    def mark_ready(self) -> None:
+        """Mark live replicas READY on every shard as ``was_ready`` (warm placement)."""
+        for record in self.sorted_records(*_LIVE):
+            if not record.was_ready and self.all_ready(record):
+                self.store(replace(record, was_ready=True))
 
     # --- rule 1: replace broken replicas ----------------------------------------------
 
@@ -349,7 +362,7 @@ class _Round:
             self.place(deployment, profile, deployment.replicas - count, replaces)
         elif len(active) > deployment.replicas:
             for record in self.retire_order(active, current)[: len(active) - deployment.replicas]:
-                self.set_lifecycle(record, Lifecycle.RETIRING, "more replicas than desired")
+                self.set_lifecycle(record, Lifecycle.RETIRING, self.surplus_why(record, current))
         self.surge(deployment, profile, current)
 
     def surge(self, deployment: Deployment, profile: EngineProfile, current: _Current) -> None:
@@ -379,9 +392,30 @@ class _Round:
         for extra in self.of(name, Lifecycle.SURGE)[1:]:
             self.set_lifecycle(extra, Lifecycle.RETIRING, "one surge replica at a time")
 
+    def surplus_why(self, record: ReplicaRecord, current: _Current) -> str:
+        """Why a lowered count retires ``record`` rather than another (``retire_key``)."""
+        why = "more replicas than desired"
+        if not self.all_ready(record):
+            return f"{why}; it is not READY"
+        if not current(record):
+            return f"{why}; it is out of date"
+        if not self.s.costs:
+            return f"{why}; the newest"
+        cost = self.s.costs.get(record.replica_id, ScaleInCost())
+        return (
+            f"{why}; the cheapest to lose: {cost.unique_blocks} cached blocks no other "
+            f"replica holds, {cost.in_flight} requests in flight"
+        )
+
     def retire_order(self, active: list[ReplicaRecord], current: _Current) -> list[ReplicaRecord]:
-        """Not-READY replicas first, then out-of-date ones, then the newest."""
-        return sorted(active, key=lambda r: (self.all_ready(r), current(r), -r.serial))
+        """Not-READY replicas first, then out-of-date ones, then the cheapest to lose (fewest
+        unique cached blocks, then fewest in flight), then the newest."""
+
+        def key(record: ReplicaRecord) -> tuple[bool, bool, int, int, int]:
+            ready, now = self.all_ready(record), current(record)
+            return retire_key(record, ready=ready, current=now, costs=self.s.costs)
+
+        return sorted(active, key=key)
 
     def place(
         self,
@@ -423,9 +457,11 @@ class _Round:
         api_key = self.s.api_key_for(plan.replica_id)
         self.store(ReplicaRecord(plan, profile, lifecycle, serial, api_key, old))
         self.taken.append(plan)
-        where = "; ".join(_where(s) for s in plan.shards)
-        what = f"placed {lifecycle.value} replica {plan.replica_id} of {plan.deployment} on {where}"
-        why = _placement_why(lifecycle, old)
+        places = "; ".join(where(s) for s in plan.shards)
+        what = (
+            f"placed {lifecycle.value} replica {plan.replica_id} of {plan.deployment} on {places}"
+        )
+        why = placement_why(lifecycle, old)
         self.events.append(Event(plan.replica_id, what, why))
 
     def held(self, name: str) -> str:
@@ -536,41 +572,3 @@ class _Current:
 
 def _key(record: ReplicaRecord) -> tuple[int, str]:
     return record.serial, record.replica_id
-
-
-def _where(shard: ShardPlan) -> str:
-    """``a1 (GPU-48352ab2, GPU-a9edc71a; port 20001)``: a shard's node, devices (their UUIDs'
-    first 12 characters) and port, as a placement event names them."""
-    devices = ", ".join(u[:12] for u in shard.gpu_uuids) or f"{shard.cpu_threads} CPU threads"
-    return f"{shard.node_id} ({devices}; port {shard.port})"
-
-
-def _placement_why(lifecycle: Lifecycle, old: str) -> str:
-    if lifecycle is Lifecycle.SURGE:
-        return f"rolling replacement of out-of-date replica {old} (surge of one)"
-    return f"replaces {old}" if old else "fewer replicas than desired"
-
-
-def start_message(record: ReplicaRecord, plan: ShardPlan, leader_address: str) -> StartShard:
-    """The StartShard of one shard of ``record``; multi-node ranks meet at the leader."""
-    replica = record.plan
-    multinode = None
-    if len(replica.shards) > 1:
-        multinode = MultiNode(
-            nnodes=len(replica.shards),
-            node_rank=plan.rank,
-            master_addr=leader_address,
-            master_port=replica.master_port,
-            hcas=list(plan.hcas),
-        )
-    return StartShard(
-        shard_id=plan.shard_id,
-        replica_id=replica.replica_id,
-        rank=plan.rank,
-        profile=record.profile,
-        profile_fingerprint=replica.fingerprint,
-        gpu_uuids=list(plan.gpu_uuids),
-        port=plan.port,
-        api_key=record.api_key,
-        multinode=multinode,
-    )

@@ -37,6 +37,7 @@ import logging
 import math
 import time
 from array import array
+from bisect import bisect_left
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ log = logging.getLogger(__name__)
 __all__ = [
     "DROP_STATES",
     "MAX_DATA_PARALLEL_RANK",
+    "UNIQUE_SAMPLE_KEYS",
     "DecodedKvDelta",
     "KvBlocks",
     "KvBlocksStats",
@@ -64,6 +66,9 @@ __all__ = [
 
 MAX_DATA_PARALLEL_RANK = 4095
 """The highest data-parallel rank accepted (each rank costs a set)."""
+
+UNIQUE_SAMPLE_KEYS = 65_536
+"""`KvBlocks.unique_blocks` counts exactly up to this many keys in all, then samples."""
 
 DROP_STATES = frozenset(
     {ShardState.STOPPED, ShardState.FAILED, ShardState.PENDING, ShardState.STARTING}
@@ -232,6 +237,29 @@ class KvBlocks:
     def block_size(self, replica_id: str) -> int:
         replica = self._replicas.get(replica_id)
         return replica.block_size if replica is not None else 0
+
+    def unique_blocks(self, replica_ids: Iterable[str]) -> dict[str, int]:
+        """For each of ``replica_ids``, how many of its keys (all ranks) no other of them
+        holds: what the group's prefix caches would lose with it alone.
+
+        Exact while they hold at most `UNIQUE_SAMPLE_KEYS` keys in all; beyond that it is
+        estimated from the keys in the lowest 1/2**k of the key space (block keys are
+        hashes, so that share is a uniform sample of every replica's blocks), scaled up:
+        the work stays bounded (a deployment of 8 replicas of 100,000 blocks each is
+        counted on about 50,000 keys)."""
+        ids = list(dict.fromkeys(replica_ids))
+        arrays = {replica_id: self.keys(replica_id) for replica_id in ids}
+        share = 1
+        while sum(len(keys) for keys in arrays.values()) > UNIQUE_SAMPLE_KEYS * share:
+            share *= 2
+        below = (1 << 64) // share
+        held = {r: set(keys[: bisect_left(keys, below)]) for r, keys in arrays.items()}
+        seen: set[int] = set()
+        shared: set[int] = set()  # keys two or more of them hold
+        for keys in held.values():
+            shared |= seen & keys
+            seen |= keys
+        return {replica_id: len(keys - shared) * share for replica_id, keys in held.items()}
 
     def stats(self) -> KvBlocksStats:
         counts = self._counts

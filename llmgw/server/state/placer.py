@@ -6,13 +6,18 @@ deployments and profiles would change, with the same placer, the same engine por
 (``ControlPlane.engine_ports``, ``llmgw server --engine-ports``) and the replicas the plane
 holds, so a dry run names the replicas, nodes, GPUs and ports the reconciler will choose.
 Ports that agents refused lately (held by other processes) are the reconciler's memory and
-are not seen by a dry run.
+are not seen by a dry run. A dry run that lowers a count removes the replicas the
+reconciler would retire: given the same ``in_flight`` (``ControlService`` passes it), it
+sees the same scale-in costs (``llmgw.server.state.scalein``). Both prefer the nodes warm
+for the profile's model (:func:`llmgw.server.core.placing.warm_nodes` over the plane's
+replica records, RETIRED ones included).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import replace
 
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile, NodeState
 from llmgw.engineports import PortRange
@@ -20,9 +25,11 @@ from llmgw.server.core.applyplan import ApplyPlan, plan_apply
 from llmgw.server.core.capacity import NodeCapacity, node_capacity
 from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.core.placement import FleetPlacer
+from llmgw.server.core.placing import warm_nodes
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
 from llmgw.server.core.reconcile_state import NodeView, ReconcileInput
 from llmgw.server.state.plane import ControlPlane, node_address
+from llmgw.server.state.scalein import InFlightFn, no_in_flight, scale_in_costs
 
 __all__ = ["LazyPlacer", "plan_change"]
 
@@ -31,9 +38,11 @@ def plan_change(
     plane: ControlPlane,
     deployments: Sequence[Deployment],
     profiles: Sequence[EngineProfile] = (),
+    in_flight: InFlightFn = no_in_flight,
 ) -> tuple[ApplyPlan, Mapping[str, NodeCapacity]]:
     """What storing ``deployments`` and ``profiles`` would change now, and the node views
-    it was planned on (by id: the GPUs' indices). Changes nothing."""
+    it was planned on (by id: the GPUs' indices). Changes nothing. ``in_flight`` reads the
+    gateways' requests in flight per replica (the reconcile loop's, for scale-in costs)."""
     now = time.monotonic()
     desired = plane.desired
     placer = LazyPlacer(plane, plane.engine_ports, now)
@@ -61,6 +70,8 @@ def plan_change(
         replace=frozenset(desired.replace),
     )
     names = list(dict.fromkeys(d.name for d in deployments))
+    after = state.deployments
+    state = replace(state, costs=scale_in_costs(after, plane.replicas, plane.kv_blocks, in_flight))
     plan = plan_apply(state, names, live=dict(desired.deployments), applied=dict(desired.applied))
     return plan, {n.node_id: n for n in placer.capacity}
 
@@ -87,6 +98,9 @@ class LazyPlacer:
         self._busy = busy
         self._built: tuple[FleetPlacer, dict[str, tuple[str, ...]]] | None = None
 
+    def _warm(self, profile: EngineProfile) -> frozenset[str]:
+        return warm_nodes(self._plane.replicas.values(), profile.model_path)
+
     @property
     def capacity(self) -> tuple[NodeCapacity, ...]:
         """The node views it places on."""
@@ -97,7 +111,9 @@ class LazyPlacer:
             inventory, now = self._plane.inventory, self._now
             records = list(inventory.nodes.values())
             capacity = [node_capacity(inventory.node_view(r, now)) for r in records]
-            placer = FleetPlacer(capacity, profile_fingerprint, port_range=self._port_range)
+            placer = FleetPlacer(
+                capacity, profile_fingerprint, port_range=self._port_range, warm=self._warm
+            )
             self._built = placer, _neighbours([(r.info.node_id, node_address(r)) for r in records])
         return self._built
 

@@ -1,6 +1,7 @@
 """Replica records as JSON: how ``llmgw.server.state.store`` keeps a ``ReplicaRecord`` in
 the ``replicas`` table (its plan's fields, its profile's bytes in base64, its lifecycle,
-serial, API key and the replica it replaces), and reads one back.
+serial, API key, the replica it replaces and whether it was ever READY), and reads one
+back (a record written before ``was_ready`` existed reads as never READY).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ def encode_replica(record: ReplicaRecord) -> str:
             "serial": record.serial,
             "api_key": record.api_key,
             "replaces": record.replaces,
+            "was_ready": record.was_ready,
         },
         sort_keys=True,
     )
@@ -69,6 +71,7 @@ def decode_replica(text: str) -> ReplicaRecord:
         serial=int(data["serial"]),
         api_key=str(data["api_key"]),
         replaces=str(data["replaces"]),
+        was_ready=data.get("was_ready", False) is True,
     )
 
 

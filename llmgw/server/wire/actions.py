@@ -41,6 +41,7 @@ from llmgw.server.core.deployment_keys import MAX_REPLICAS, is_act
 from llmgw.server.core.drainplan import drain_text, moving_replicas, plan_node_drain
 from llmgw.server.core.fingerprint import profile_fingerprint
 from llmgw.server.core.placement import FleetPlacer
+from llmgw.server.core.placing import warm_nodes
 from llmgw.server.core.plan import ReplicaPlan
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.errors import ActionRefused, UnknownNode, quoted
@@ -271,7 +272,10 @@ def drain_preview(plane: ControlPlane, node_id: str) -> tuple[str, bool]:
     if node_id not in inventory.nodes:
         raise ActionRefused(Status.NOT_FOUND, f"no node named {quoted(node_id)}")
     nodes = [node_capacity(inventory.node_view(r, now)) for r in inventory.nodes.values()]
-    placer = FleetPlacer(nodes, profile_fingerprint)
+    records = plane.replicas.values()
+    placer = FleetPlacer(
+        nodes, profile_fingerprint, warm=lambda p: warm_nodes(records, p.model_path)
+    )
     moves = plan_node_drain(
         node_id,
         plane.replicas,

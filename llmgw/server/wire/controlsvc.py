@@ -223,7 +223,7 @@ class ControlService(ControlServiceBase):
     def _dry_run(self, changes: Sequence[Change]) -> ActionResult:
         """The diff of ``changes`` against what runs now (``llmgw.server.state.placer``)."""
         deployments, profiles = _wanted(changes)
-        plan, nodes = plan_change(self.plane, deployments, profiles)
+        plan, nodes = plan_change(self.plane, deployments, profiles, self.in_flight)
         text = plan_summary(plan)
         if profiles:
             text = f"dry run: would store profiles {', '.join(p.name for p in profiles)}\n{text}"
@@ -236,7 +236,7 @@ class ControlService(ControlServiceBase):
         deployments, _ = _wanted(changes)
         if not deployments:
             return ""
-        plan, _ = plan_change(self.plane, deployments)
+        plan, _ = plan_change(self.plane, deployments, in_flight=self.in_flight)
         return counted(result, plan)
 
     async def delete_deployment(self, message: DeleteDeploymentRequest) -> ActionResult:
@@ -282,7 +282,7 @@ class ControlService(ControlServiceBase):
         deployment = self.plane.desired.deployments.get(name)
         if deployment is None:
             return result
-        plan, _ = plan_change(self.plane, [deployment])
+        plan, _ = plan_change(self.plane, [deployment], in_flight=self.in_flight)
         if line := counted(result, plan):
             result.message = shorten(f"{result.message}\n{line}")
         return result
@@ -351,6 +351,16 @@ class ControlService(ControlServiceBase):
         if gateway is not None:  # read now: the freshest figures there are
             parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
         return combine(parts, now_ms)
+
+    def in_flight(self) -> dict[str, int]:
+        """Requests in flight per replica id now, summed over every live gateway's report
+        and the in-server gateway (the reconciler's scale-in costs)."""
+        now_ms = int(time.time() * 1000)
+        parts = self.reports.parts()
+        gateway = self.gateway()
+        if gateway is not None:
+            parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
+        return {row.replica_id: row.in_flight for row in combine(parts, now_ms).replicas}
 
 
 def _shown(profile: EngineProfile) -> EngineProfile:

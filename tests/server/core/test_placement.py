@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 from hypothesis import HealthCheck, given, settings
@@ -68,7 +68,7 @@ def _place(
     profile: EngineProfile,
     count: int = 1,
     deployment: Deployment | None = None,
-    **taken: Mapping[str, Any],
+    **taken: Any,
 ) -> list[ReplicaPlan | Unplaceable]:
     return place_deployment(
         nodes,

@@ -154,7 +154,8 @@ def kinds(decision: Decision) -> list[tuple[str, str, str]]:
 
 
 def settle(state: ReconcileInput) -> tuple[ReconcileInput, dict[str, Shard]]:
-    """Place and start everything, with every started shard READY."""
+    """Place and start everything, with every started shard READY, and adopt them (the
+    round that sees them READY only marks each replica ``was_ready``)."""
     decision = reconcile(state)
     state = apply_decision(state, decision)
     shards = dict(state.shards)
@@ -162,7 +163,12 @@ def settle(state: ReconcileInput) -> tuple[ReconcileInput, dict[str, Shard]]:
         fp = record.plan.fingerprint
         for p in record.plan.shards:
             shards[p.shard_id] = shard(p, record.replica_id, profile_fingerprint=fp)
-    return replace(state, shards=shards, pending={}), shards
+    state = replace(state, shards=shards, pending={})
+    adopted = reconcile(state)
+    assert (adopted.commands, adopted.events) == ((), ())
+    assert all(r == replace(state.replicas[r.replica_id], was_ready=True)
+               for r in adopted.replicas.values())  # fmt: skip
+    return apply_decision(state, adopted), shards
 
 
 def test_places_and_starts_then_sends_nothing_new_until_retry_is_due() -> None:
@@ -453,7 +459,8 @@ class Fleet:
         decision = reconcile(state)
         for rid, record in decision.replicas.items():
             old = state.replicas.get(rid)
-            assert old is None or record.lifecycle in ALLOWED_LIFECYCLE[old.lifecycle], rid
+            marked = old is not None and record == replace(old, was_ready=True)
+            assert old is None or marked or record.lifecycle in ALLOWED_LIFECYCLE[old.lifecycle]
         self.state = replace(apply_decision(state, decision), now=state.now + 1)
         for _, _, e in self.states():  # what was LOADING when the round looked is READY now
             if e.status and e.status.state is ShardState.LOADING:
