@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from typing import Any
 
 from hypothesis import given
 from hypothesis import strategies as st
@@ -29,23 +30,21 @@ def _report(
     at: float,
     *,
     gateway: str = "gw-1",
-    arrivals: int = 0,
-    ttft: list[float] | None = None,
-    itl: list[float] | None = None,
-    in_flight: int = 0,
-    waiting: int = 0,
     model: str = "chat",
     bounds: tuple[float, ...] = BOUNDS,
+    **figures: Any,
 ) -> GatewayReport:
-    ttft = ttft or []
+    """A report of one model: ``arrivals``, ``ttft`` (answers' times), ``in_flight``,
+    ``waiting`` as given in ``figures``."""
+    ttft: list[float] = figures.get("ttft", [])
     signals = ModelSignals(
         model=model,
-        arrivals=arrivals,
+        arrivals=figures.get("arrivals", 0),
         answered=len(ttft),
         ttft_counts=_cumulative(ttft, bounds),
-        itl_counts=_cumulative(itl or [], bounds),
-        in_flight=in_flight,
-        waiting=waiting,
+        itl_counts=_cumulative([], bounds),
+        in_flight=figures.get("in_flight", 0),
+        waiting=figures.get("waiting", 0),
     )
     return GatewayReport(gateway, at, bounds, {model: signals})
 
