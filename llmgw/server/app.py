@@ -45,11 +45,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import ssl
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from llmgw.addresses import AddressError, bracketed, parse_host_port, state_home
+from llmgw.api.llmgw.v1 import ReplicaRouterStats
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.gateway import (
     TOKENIZE_TIMEOUT_S,
@@ -58,8 +61,16 @@ from llmgw.gateway import (
     GatewayConfig,
     HttpServer,
     ServerLimits,
+    router_stats,
 )
 from llmgw.httpguard import BrowserAccess, HttpGuard, is_loopback_host
+from llmgw.server.autoscale_loop import (
+    DEFAULT_INTERVAL_S,
+    DEFAULT_WINDOW_S,
+    AutoscaleConfig,
+    AutoscaleLoop,
+)
+from llmgw.server.core.autoscale_window import GatewayReport
 from llmgw.server.errors import ConfigError
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.state.inventory import InventoryConfig
@@ -77,7 +88,7 @@ from llmgw.server.wire.grpcport import ConnectionLimits, LimitedServer
 from llmgw.server.wire.grpcweb import BrowserGate, GrpcWebApp, most_body_bytes
 from llmgw.server.wire.logrelay import LogRelay
 from llmgw.server.wire.metrics import server_metrics
-from llmgw.server.wire.routerreports import RouterReports
+from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
 from llmgw.server.wire.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.wire.testhooks import AgentCommandHook
 from llmgw.signals import stop_on_signals
@@ -145,6 +156,9 @@ class ServerConfig:
     browsers: BrowserAccess = BrowserAccess()  # --cors-origin, --allowed-host (HTTP ports)
     insecure_no_auth: bool = False  # --insecure-no-auth: beyond loopback with no tokens
     http_limits: ServerLimits = ServerLimits()  # both HTTP ports' (flags: cli/httplimits.py)
+    autoscale_interval_s: float = DEFAULT_INTERVAL_S  # --autoscale-interval
+    autoscale_window_s: float = DEFAULT_WINDOW_S  # --autoscale-window
+    gpu_budgets: dict[str, int] = field(default_factory=dict)  # --gpu-budget POOL=N: GPUs
 
 
 @dataclass(frozen=True, slots=True)
@@ -239,12 +253,18 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
                     if loop is not None
                     else None
                 )
+                scaler = _autoscale_loop(config, plane, reports, slot) if loop is not None else None
+                autoscale_task = (
+                    tasks.create_task(scaler.run(), name="autoscale") if scaler else None
+                )
                 await _serving_message(config, auth, tls)
                 with stop_on_signals(stop):
                     await stop.wait()
                 tick_task.cancel()
                 if reconcile_task is not None:
                     reconcile_task.cancel()
+                if autoscale_task is not None:
+                    autoscale_task.cancel()
         finally:
             slot.gateway = None
             await web.stop()
@@ -318,6 +338,38 @@ def _reconcile_loop(
         log.warning("test hooks on: the reconciler is off (it would stop the hooks' shards)")
         return None
     return ReconcileLoop(plane, agents.send, port_range=config.engine_ports)
+
+
+def _autoscale_loop(
+    config: ServerConfig, plane: ControlPlane, reports: RouterReports, slot: _GatewaySlot
+) -> AutoscaleLoop:
+    """The autoscaler over every gateway's figures: the separate gateways' reports and
+    the in-server gateway's, read at each round."""
+    settings = AutoscaleConfig(
+        interval_s=config.autoscale_interval_s,
+        window_s=config.autoscale_window_s,
+        budgets=dict(config.gpu_budgets),
+    )
+    return AutoscaleLoop(
+        plane,
+        reports=lambda: gateway_reports(reports, slot()),
+        rows=lambda: fleet_rows(reports, slot()),
+        config=settings,
+    )
+
+
+def fleet_rows(reports: RouterReports, gateway: Gateway | None) -> list[ReplicaRouterStats]:
+    """Every gateway's replica rows merged, as ``GetRouterStats`` answers them."""
+    now_ms = int(time.time() * 1000)
+    parts = reports.parts()
+    if gateway is not None:  # read now: the freshest figures there are
+        parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
+    return list(combine(parts, now_ms).replicas)
+
+
+def gateway_reports(reports: RouterReports, gateway: Gateway | None) -> list[GatewayReport]:
+    """Every live gateway's latest figures for the autoscaler, stamped when taken."""
+    return []
 
 
 def _grpc_web_server(
