@@ -10,10 +10,11 @@ control server (``llmgw server``, fed in process from the plane). Two parts:
   limits (``httplimits``), the upstream client (``upstream``), the proxy (``proxy``), the
   tokenize client (``tokenize``), the precise tier that uses it (``precise``), the engine
   poller (``engines``), the router feed follower (``feed``), the reporter (``reporter``, with
-  the figures it sends: ``stats``), the OpenAI request reading (``openai``), client API keys
-  (``apikeys``), ``/metrics`` (``metrics``), the last decisions (``routelog``) and the
-  precise tier's check of them (``reusecheck``), errors (``errors``), and ``app``: the
-  :class:`Gateway` that puts them together;
+  the figures it sends: ``stats``, and the signals per model for the autoscaler:
+  ``modelsignals``), the OpenAI request reading (``openai``), client API keys (``apikeys``),
+  ``/metrics`` (``metrics``), the last decisions (``routelog``) and the precise tier's
+  check of them (``reusecheck``), errors (``errors``), and ``app``: the :class:`Gateway`
+  that puts them together;
 - ``standalone``: ``run_gateway``, the gateway as a process of its own (``llmgw gateway``):
   a `Gateway` following a server's feed and reporting to it.
 
@@ -31,6 +32,7 @@ from llmgw.gateway.httpconnection import HttpConnection
 from llmgw.gateway.httplimits import ServerLimits
 from llmgw.gateway.httprequest import Request, status_line
 from llmgw.gateway.httpserver import HttpServer
+from llmgw.gateway.modelsignals import LATENCY_BOUNDS_MS
 from llmgw.gateway.routing import (
     POLICIES,
     Decision,
@@ -48,9 +50,10 @@ from llmgw.gateway.routing import (
     Target,
     make_policy,
 )
-from llmgw.gateway.stats import router_stats
+from llmgw.gateway.stats import model_signals, router_stats
 
 __all__ = [
+    "LATENCY_BOUNDS_MS",
     "POLICIES",
     "TOKENIZE_TIMEOUT_S",
     "ApiKeys",
@@ -75,6 +78,7 @@ __all__ = [
     "Target",
     "apply_feed_event",
     "make_policy",
+    "model_signals",
     "router_stats",
     "status_line",
     "targets_from_snapshot",

@@ -76,6 +76,7 @@ from llmgw.gateway.httplimits import ServerLimits
 from llmgw.gateway.httprequest import Refusal, Request
 from llmgw.gateway.httpserver import HttpServer
 from llmgw.gateway.metrics import CONTENT_TYPE, UNKNOWN_LABEL, GatewayMetrics, kv_index_lines
+from llmgw.gateway.modelsignals import ModelSignalBook
 from llmgw.gateway.openai import (
     CHAT_PATH,
     COMPLETIONS_PATH,
@@ -158,6 +159,8 @@ class Gateway:
         self.policy = policy if policy is not None else make_policy(config.policy)
         self.load = LoadTracker()
         self.metrics = GatewayMetrics()
+        self.signals = ModelSignalBook()  # per model, for the autoscaler (modelsignals.py)
+        self.started_at_unix_ms = int(time.time() * 1000)
         self.route_log = RouteLog()  # the last decisions (routelog.py)
         self.reuse = ReuseCheck()  # predicted against reported cached tokens (reusecheck.py)
         self.metrics.add_collector(self.reuse.lines)
@@ -321,6 +324,8 @@ class Gateway:
                 headers = {SESSION_HEADER: session.decode("latin-1")} if session else {}
                 parsed = parse_request(request.path, request.body, headers)
                 model = self._model_label(parsed.model)
+                if model != UNKNOWN_LABEL:
+                    self.signals.arrived(model)
                 status = await self._route(request, conn, parsed)
         except RequestRefused as exc:
             status = self._answer_refusal(conn, exc)
@@ -458,7 +463,9 @@ class Gateway:
             stream=parsed.stream,
             replica=target.replica_id,
             route=route,
+            signals=self.signals,
         )
+        self.signals.upstream(parsed.model, +1)
         try:
             origin = self.pool.origin(target.url)
             payload = encode_request(request, origin.host_header, target.api_key)
@@ -468,6 +475,7 @@ class Gateway:
             return exchange
         finally:
             self.load.release(target.replica_id)
+            self.signals.upstream(parsed.model, -1)
 
     async def _exchange(
         self,

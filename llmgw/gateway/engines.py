@@ -3,7 +3,7 @@
 Every ``interval_s`` the poller GETs ``/metrics`` from each READY replica of the routing
 table (at most ``concurrency`` at once, each within ``timeout_s``; a replica that fails is
 skipped until the next round and counted in ``llmgw_engine_polls_total{outcome}``) and reads
-three families of vLLM's (spec/vllm-openai-server.md, the simulated engine's metrics.py):
+these families of vLLM's (spec/vllm-openai-server.md, the simulated engine's metrics.py):
 
 * ``vllm:prefix_cache_queries_total`` and ``vllm:prefix_cache_hits_total`` (tokens): the
   reuse the engine *delivered*. Each series (one per ``engine`` label: data-parallel ranks
@@ -17,6 +17,10 @@ three families of vLLM's (spec/vllm-openai-server.md, the simulated engine's met
   ``num_gpu_blocks × block_size`` summed over its engines, handed to ``on_capacity`` after
   every poll (the gateway tells the approximate tree, in characters at the characters per
   token it has learned so far: ``PrefixPolicy.set_replica_capacity``).
+* ``vllm:kv_cache_usage_perc``, ``vllm:num_requests_waiting`` and
+  ``vllm:num_requests_running``: how full the engine is, reported per replica
+  (``ReplicaRouterStats.kv_usage``, ``engine_waiting``, ``engine_running``) for the
+  console and the autoscaler.
 
 A replica that leaves the table is forgotten (``on_capacity(replica_id, None)``).
 """
@@ -54,8 +58,11 @@ QUERIES: Final = "vllm:prefix_cache_queries_total"
 HITS: Final = "vllm:prefix_cache_hits_total"
 CACHE_INFO: Final = "vllm:cache_config_info"
 KV_USAGE: Final = "vllm:kv_cache_usage_perc"
-_WANTED: Final = (QUERIES, HITS, CACHE_INFO, KV_USAGE)
+WAITING: Final = "vllm:num_requests_waiting"
+RUNNING: Final = "vllm:num_requests_running"
+_WANTED: Final = (QUERIES, HITS, CACHE_INFO, KV_USAGE, WAITING, RUNNING)
 _MAX_INCREMENT = float(2**53)  # a larger sum of increments is no real engine's
+_MAX_QUEUE = float(2**32 - 1)  # requests waiting or running: a uint32 on the wire
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,6 +89,8 @@ class EngineSample:
     block_size: int  # 0: not said
     kv_tokens: int  # num_gpu_blocks × block_size over the engines; 0: not said
     kv_usage: float | None = None  # share of the KV cache in use (0..1); None: not said
+    waiting: int | None = None  # requests queued in the engine, over its ranks; None: not said
+    running: int | None = None  # requests in its running batches, over its ranks
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,15 +106,19 @@ class EngineFacts:
     resets: int  # counter resets seen (engine restarts)
     polled_at: float  # time.monotonic()
     kv_usage: float | None = None  # share of its KV cache in use (0..1); None: not said
+    waiting: int | None = None  # its engine's requests waiting, as polled; None: not said
+    running: int | None = None  # its engine's requests running, as polled; None: not said
 
 
 def parse_engine_metrics(text: str) -> EngineSample:
-    """The prefix-cache counters, cache config and KV-cache usage of a vLLM ``/metrics``
-    page (usage: the mean over the engine's DP ranks, whose caches are the same size).
-    ValueError for a sample of those families that cannot be read."""
+    """The prefix-cache counters, cache config, KV-cache usage and request queues of a
+    vLLM ``/metrics`` page (usage: the mean over the engine's DP ranks, whose caches are
+    the same size; waiting and running: summed over them). ValueError for a sample of
+    those families that cannot be read."""
     queries: dict[str, float] = {}
     hits: dict[str, float] = {}
     usage: dict[str, float] = {}
+    queues: dict[str, dict[str, float]] = {WAITING: {}, RUNNING: {}}
     block_size = kv_tokens = 0
     for line in text.splitlines():
         if not line.startswith(_WANTED):
@@ -122,8 +135,15 @@ def parse_engine_metrics(text: str) -> EngineSample:
             kv_tokens += size * blocks
         elif name == KV_USAGE and math.isfinite(value):
             usage[series] = min(max(value, 0.0), 1.0)
+        elif name in queues and math.isfinite(value):
+            queues[name][series] = min(max(value, 0.0), _MAX_QUEUE)
     kv_usage = sum(usage.values()) / len(usage) if usage else None
-    return EngineSample(queries, hits, block_size, kv_tokens, kv_usage)
+    waiting, running = (_total(queues[name]) for name in (WAITING, RUNNING))
+    return EngineSample(queries, hits, block_size, kv_tokens, kv_usage, waiting, running)
+
+
+def _total(series: dict[str, float]) -> int | None:
+    return min(round(sum(series.values())), int(_MAX_QUEUE)) if series else None
 
 
 def _int_label(labels: dict[str, str], name: str) -> int:
@@ -282,6 +302,8 @@ class EnginePoller:
             window.resets,
             now,
             sample.kv_usage,
+            sample.waiting,
+            sample.running,
         )
         if sample.kv_tokens:  # every poll: what it means in characters is learned meanwhile
             self._capacity[replica_id] = sample.kv_tokens

@@ -41,6 +41,7 @@ from llmgw.gateway.errors import UpstreamError, UpstreamRefused
 from llmgw.gateway.httpconnection import HttpConnection
 from llmgw.gateway.httprequest import Request, status_line
 from llmgw.gateway.metrics import GatewayMetrics
+from llmgw.gateway.modelsignals import ModelSignalBook, StreamClock
 
 RETRY_STATUSES = frozenset({502, 503})
 
@@ -102,12 +103,14 @@ def _connection_tokens(
 
 
 class Exchange:
-    """A ``ResponseSink`` that writes one replica's response to the client as it arrives."""
+    """A ``ResponseSink`` that writes one replica's response to the client as it arrives
+    (and, with ``signals``, times its first byte and its events for the autoscaler)."""
 
     __slots__ = (
         "_body_seen",
         "_chunked",
         "_client",
+        "_events",
         "_may_retry",
         "_metrics",
         "_model",
@@ -116,6 +119,7 @@ class Exchange:
         "_route_header",
         "_scan",
         "_sent_at",
+        "_signals",
         "_stream",
         "_tail",
         "cached_tokens",
@@ -127,7 +131,7 @@ class Exchange:
         "status",
     )
 
-    def __init__(
+    def __init__(  # noqa: PLR0913 (each by keyword: the attempt and its sinks)
         self,
         client: HttpConnection,
         *,
@@ -137,8 +141,11 @@ class Exchange:
         stream: bool,
         replica: str,
         route: str = "",
+        signals: ModelSignalBook | None = None,
     ) -> None:
         self._client = client
+        self._signals = signals  # the model's autoscaling signals (None: not counted)
+        self._events: StreamClock | None = None
         self._replica_header = b"x-llmgw-replica: %s\r\n" % _header_value(replica)
         self._route_header = b"x-llmgw-route: %s\r\n" % _header_value(route) if route else b""
         self._scan = False
@@ -181,15 +188,26 @@ class Exchange:
         if self.outcome is not Outcome.PENDING or not data:
             return
         if not self._body_seen:
-            self._body_seen = True
-            if self._stream:
-                self._metrics.first_byte(self._model, time.perf_counter() - self._sent_at)
+            self._first_body_byte()
+        if self._events is not None:
+            self._events.piece(data, time.perf_counter())
         if self._scan:
             self._find_cached(data)
         if self._chunked:
             self._out += (b"%x\r\n" % len(data), data, b"\r\n")
         else:
             self._out.append(data)
+
+    def _first_body_byte(self) -> None:
+        self._body_seen = True
+        took = time.perf_counter() - self._sent_at
+        if self._stream:
+            self._metrics.first_byte(self._model, took)
+        if self._signals is not None:
+            ok = self.status == 200
+            self._signals.first_byte(self._model, took, ok)
+            if ok and self._stream:
+                self._events = StreamClock(self._signals, self._model)
 
     def _find_cached(self, data: bytes) -> None:
         """The last ``"cached_tokens":N`` in the body so far (module docstring)."""

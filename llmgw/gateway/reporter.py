@@ -4,7 +4,8 @@
 ``interval_s`` it builds its ``RouterStats`` with the function the server uses for its own
 gateway (``llmgw.gateway.stats.router_stats``) and sends them in a unary
 ``RouterService.Report`` under its ``gateway_id`` (see :func:`instance_id`), so
-``GetRouterStats`` answers for every gateway of the fleet.
+``GetRouterStats`` answers for every gateway of the fleet; with them go its signals per
+model (``llmgw.gateway.modelsignals``), which the server's autoscaler reads.
 
 Reporting never disturbs routing: a failed report is logged and the next interval sends
 fresh figures (counters are cumulative, so nothing is lost by a missed report). A control
@@ -28,7 +29,8 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from llmgw.api.llmgw.v1 import RouterReport, RouterServiceStub
 from llmgw.gateway.app import Gateway
-from llmgw.gateway.stats import router_stats
+from llmgw.gateway.modelsignals import LATENCY_BOUNDS_MS
+from llmgw.gateway.stats import model_signals, router_stats
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +86,8 @@ async def report_once(stub: RouterServiceStub, gateway: Gateway, config: ReportC
         started_at_unix_ms=config.started_at_unix_ms,
         stats=router_stats(gateway, int(time.time() * 1000)),
         interval_ms=round(config.interval_s * 1000),
+        models=model_signals(gateway),
+        latency_bounds_ms=list(LATENCY_BOUNDS_MS),
     )
     await stub.report(report, timeout=config.timeout_s)
 

@@ -1,15 +1,22 @@
 """A gateway's figures as ``RouterStats``: what ``GetRouterStats`` answers for the in-server
 gateway, and what a separate ``llmgw gateway`` reports (``RouterService.Report``).
 
-One function for both, so the server's own figures and every reported gateway's add up
-field by field. Counters are cumulative since the gateway started; ``in_flight`` is a gauge.
+One function for both (and one for the signals per model the autoscaler reads), so the
+server's own figures and every reported gateway's add up field by field. Counters are
+cumulative since the gateway started; ``in_flight`` is a gauge.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 
-from llmgw.api.llmgw.v1 import ReplicaRouterStats, RouteCandidate, RouteDecision, RouterStats
+from llmgw.api.llmgw.v1 import (
+    ModelSignals,
+    ReplicaRouterStats,
+    RouteCandidate,
+    RouteDecision,
+    RouterStats,
+)
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.routelog import RouteRecord
 from llmgw.gateway.routing.explain import explain, predicted_reuse
@@ -45,6 +52,12 @@ def router_stats(gateway: Gateway, now_ms: int) -> RouterStats:
         route_checked_requests=totals.checked,
         route_checked_prompt_tokens=totals.prompt,
     )
+
+
+def model_signals(gateway: Gateway) -> list[ModelSignals]:
+    """``gateway``'s signals per model for the autoscaler (cumulative; ``modelsignals``),
+    their histograms over ``modelsignals.LATENCY_BOUNDS_MS``."""
+    return gateway.signals.signals({})
 
 
 def route_decision(record: RouteRecord) -> RouteDecision:
@@ -98,9 +111,11 @@ def replica_rows(gateway: Gateway, routed: Mapping[str, int]) -> list[ReplicaRou
                 delivered_hit_ratio=facts.hit_ratio if facts is not None else None,
                 kv_capacity_tokens=facts.kv_tokens if facts is not None else 0,
                 kv_usage=facts.kv_usage if facts is not None else None,
+                engine_waiting=facts.waiting if facts is not None else None,
+                engine_running=facts.running if facts is not None else None,
             )
         )
     return rows
 
 
-__all__ = ["MAX_CANDIDATES", "replica_rows", "route_decision", "router_stats"]
+__all__ = ["MAX_CANDIDATES", "model_signals", "replica_rows", "route_decision", "router_stats"]

@@ -217,7 +217,9 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
     async with Store(config.db_path) as store:
         plane = await _loaded_plane(store, config)
         slot = _GatewaySlot()
-        reports = RouterReports()  # gateways' reports: RouterService in, GetRouterStats out
+        # gateways' reports: RouterService in, GetRouterStats and the autoscaler's signals
+        # out (with the in-server gateway's own: RouterReports.signals)
+        reports = RouterReports(local=slot)
         logs = LogRelay()  # StreamLogs calls, relayed over the agents' streams
         control = ControlService(plane, gateway=slot, reports=reports, logs=logs)
         agents = AgentService(plane, heartbeat_interval_ms=config.heartbeat_interval_ms, logs=logs)

@@ -22,6 +22,7 @@ from llmgw.gateway.engines import (
 from llmgw.gateway.metrics import GatewayMetrics
 from llmgw.gateway.routing.policy import PrefixPolicy
 from llmgw.gateway.routing.table import RoutingTable, Target
+from llmgw.gateway.stats import replica_rows
 from llmgw.gateway.upstream import UpstreamPool
 from llmgw.sim.engine.metrics import EngineGauges, EngineStats, render_metrics
 
@@ -46,6 +47,7 @@ def test_the_real_vllm_sample_is_read() -> None:
     assert sample.queries == {"0": 79.0} and sample.hits == {"0": 0.0}
     assert (sample.block_size, sample.kv_tokens) == (128, 364 * 128)
     assert sample.kv_usage == 0.0  # said (idle), not unknown
+    assert (sample.waiting, sample.running) == (0, 0)
     busy = SAMPLE.read_text().replace(
         'vllm:kv_cache_usage_perc{engine="0",model_name="smollm2-135m"} 0.0',
         'vllm:kv_cache_usage_perc{engine="0",model_name="smollm2-135m"} 0.022',
@@ -60,6 +62,20 @@ def test_kv_usage_is_read_from_the_simulated_engines_page() -> None:
     sample = parse_engine_metrics(text)
     assert sample.kv_usage == pytest.approx(0.4375)
     assert (sample.block_size, sample.kv_tokens) == (16, 500 * 16)
+    assert (sample.waiting, sample.running) == (1, 3)  # not the waiting_by_reason family
+
+
+def test_engine_queues_add_up_over_dp_ranks_and_unsaid_is_unknown() -> None:
+    def queue(name: str, engine: str, value: str) -> str:
+        return f'vllm:num_requests_{name}{{engine="{engine}",model_name="m"}} {value}\n'
+
+    text = queue("waiting", "0", "2.0") + queue("waiting", "1", "5.0") + queue("running", "0", "7")
+    sample = parse_engine_metrics(text)
+    assert (sample.waiting, sample.running) == (7, 7)
+    assert parse_engine_metrics(queue("waiting", "0", "NaN")).waiting is None
+    assert parse_engine_metrics(queue("running", "0", "-3")).running == 0
+    said = parse_engine_metrics(page(10, 4).decode())
+    assert (said.waiting, said.running) == (None, None)  # not said: unknown, not idle
 
 
 def test_kv_usage_is_the_mean_over_dp_ranks_and_bad_values_are_left_out() -> None:
@@ -234,6 +250,9 @@ async def test_the_simulated_engine_is_polled_and_bounds_the_approximate_tree() 
     facts = gateway.engines.facts("r1")
     assert facts is not None and facts.block_size == 16 and facts.kv_tokens == 500 * 16
     assert facts.kv_usage is not None and facts.kv_usage == counters.kv_usage
+    assert (facts.waiting, facts.running) == (0, 0)  # idle when polled, and said so
+    (row,) = replica_rows(gateway, {})
+    assert (row.engine_waiting, row.engine_running) == (0, 0)
     assert facts.queried_tokens == counters.queries["0"] > 0
     assert facts.hit_tokens == counters.hits["0"] > 0  # the second request hit the first's
     assert gateway.metrics.reuse["delivered"] == counters.hits["0"]

@@ -20,7 +20,8 @@ figures (when it runs) into the fleet's ``RouterStats``:
   never too little.)
 - Replica rows are those of the live figures, merged by replica id: ``in_flight`` summed
   over the live figures, ``requests`` summed over everything kept (the retired total too);
-  the engine's own figures (``delivered_hit_ratio``, ``kv_capacity_tokens``, ``kv_usage``)
+  the engine's own figures (``delivered_hit_ratio``, ``kv_capacity_tokens``, ``kv_usage``,
+  ``engine_waiting``, ``engine_running``)
   are the freshest figures' that have them (the in-server gateway's are read now, so
   they are the freshest). The retired total keeps a replica's requests only while some
   kept report names that replica, so memory stays bounded; a row's own counter may then
@@ -29,6 +30,10 @@ figures (when it runs) into the fleet's ``RouterStats``:
 - Recent decisions (``recent_decisions``) are every kept report's, each stamped with its
   gateway's id, and the in-server gateway's, merged by time: the last ``max_decisions``.
   The retired total keeps none.
+
+- Signals per model (``RouterReport.models``, for the autoscaler): only the latest of each
+  live gateway counts, with the in-server gateway's, read now: :meth:`RouterReports.signals`
+  (``llmgw.server.wire.reportsignals``). Nothing of them is folded into the retired total.
 
 Memory is bounded: at most ``max_gateways`` reports (a new gateway beyond that, with every
 slot live, is refused with RESOURCE_EXHAUSTED naming the limit), each checked by
@@ -50,7 +55,14 @@ from typing import TypeVar
 from grpclib.const import Status
 
 from llmgw.api.llmgw.v1 import ReplicaRouterStats, RouteDecision, RouterReport, RouterStats
+from llmgw.gateway import Gateway
 from llmgw.server.errors import ServerError, quoted
+from llmgw.server.wire.reportsignals import (
+    GatewaySignals,
+    SignalsRefused,
+    check_signals,
+    local_signals,
+)
 
 log = logging.getLogger(__name__)
 
@@ -81,6 +93,8 @@ class ReportLimits:
     max_interval_ms: int = 300_000  # a gateway's reporting interval
     max_decisions: int = MAX_DECISIONS  # recent decisions in one report
     max_candidates: int = 64  # candidates of one reported decision
+    max_models: int = 256  # models of one report's signals (llmgw.gateway.modelsignals)
+    max_bounds: int = 64  # histogram bounds of one report's signals
 
 
 class ReportRefused(ServerError):
@@ -117,6 +131,15 @@ def check_report(report: RouterReport, limits: ReportLimits = ReportLimits()) ->
         raise _invalid(f"stats.requests_by_status has more than {limits.max_keys} entries")
     _check_rows(stats.replicas, limits)
     _check_decisions(stats.recent_decisions, limits)
+    try:
+        check_signals(
+            report,
+            max_models=limits.max_models,
+            max_bounds=limits.max_bounds,
+            max_id_chars=limits.max_id_chars,
+        )
+    except SignalsRefused as exc:
+        raise _invalid(str(exc)) from exc
     return stats
 
 
@@ -285,6 +308,8 @@ def _first_row(row: ReplicaRouterStats, requests: int) -> ReplicaRouterStats:
         delivered_hit_ratio=row.delivered_hit_ratio,
         kv_capacity_tokens=row.kv_capacity_tokens,
         kv_usage=row.kv_usage,
+        engine_waiting=row.engine_waiting,
+        engine_running=row.engine_running,
     )
 
 
@@ -298,6 +323,10 @@ def _merge_row(merged: ReplicaRouterStats, older: ReplicaRouterStats) -> None:
         merged.kv_capacity_tokens = older.kv_capacity_tokens
     if merged.kv_usage is None:
         merged.kv_usage = older.kv_usage
+    if merged.engine_waiting is None:
+        merged.engine_waiting = older.engine_waiting
+    if merged.engine_running is None:
+        merged.engine_running = older.engine_running
 
 
 _SCALARS: tuple[Callable[[RouterStats], int], ...] = (
@@ -342,6 +371,7 @@ class _Kept:
     stats: RouterStats  # as received and checked; never changed
     received_s: float  # monotonic
     live_for_s: float
+    signals: GatewaySignals  # its models' signals (reportsignals.py)
 
     def live(self, now_s: float) -> bool:
         return now_s - self.received_s <= self.live_for_s
@@ -357,10 +387,15 @@ class RouterReports:
     """The latest report per gateway instance, and the retired total (module docstring)."""
 
     def __init__(
-        self, limits: ReportLimits = ReportLimits(), *, clock: Callable[[], float] = time.monotonic
+        self,
+        limits: ReportLimits = ReportLimits(),
+        *,
+        clock: Callable[[], float] = time.monotonic,
+        local: Callable[[], Gateway | None] | None = None,
     ) -> None:
         self._limits = limits
         self._clock = clock
+        self._local = local  # the in-server gateway while it serves (for signals())
         self._kept: dict[str, _Kept] = {}
         self._retired = RouterStats()
         self._ever = False
@@ -393,7 +428,14 @@ class RouterReports:
         else:
             log.info("gateway %s reports its figures", report.gateway_id)
         live_for = _live_for(report.interval_ms)
-        kept = _Kept(report.gateway_id, report.started_at_unix_ms, stats, now, live_for)
+        signals = GatewaySignals(
+            report.gateway_id,
+            report.started_at_unix_ms,
+            tuple(report.latency_bounds_ms),
+            tuple(sorted(report.models, key=lambda m: m.model)),
+            now,
+        )
+        kept = _Kept(report.gateway_id, report.started_at_unix_ms, stats, now, live_for, signals)
         self._kept[report.gateway_id] = kept
         if gone is not None:  # after the new report is kept: its replicas' requests stay
             self._fold(gone)
@@ -407,6 +449,17 @@ class RouterReports:
             StatsPart(k.stats, k.live(now), k.received_s, k.gateway_id) for k in self._kept.values()
         )
         return parts
+
+    def signals(self) -> list[GatewaySignals]:
+        """Every live gateway's latest signals per model (reportsignals.py), by gateway id,
+        and the in-server gateway's (gateway id ``""``, read now) while it serves. The
+        autoscale loop's one source of what the gateways measured."""
+        now = self._clock()
+        out = [k.signals for _, k in sorted(self._kept.items()) if k.live(now)]
+        gateway = self._local() if self._local is not None else None
+        if gateway is not None:
+            out.insert(0, local_signals(gateway, now))
+        return out
 
     def _check_same_gateway(self, before: _Kept, report: RouterReport, now: float) -> None:
         if report.started_at_unix_ms < before.started_at_ms and before.live(now):
@@ -436,6 +489,7 @@ class RouterReports:
 __all__ = [
     "DEFAULT_LIVE_S",
     "LIVE_INTERVALS",
+    "GatewaySignals",
     "ReportLimits",
     "ReportRefused",
     "RouterReports",

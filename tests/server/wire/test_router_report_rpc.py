@@ -28,6 +28,7 @@ from llmgw.api.llmgw.v1 import (
     RouterStats,
 )
 from llmgw.gateway.app import Gateway
+from llmgw.gateway.modelsignals import LATENCY_BOUNDS_MS
 from llmgw.gateway.reporter import ReportConfig, instance_id, report_forever
 from llmgw.gateway.routing.table import RoutingTable, Target
 from llmgw.server.state.plane import ControlPlane
@@ -173,6 +174,8 @@ async def test_the_reporter_sends_the_gateways_figures_then_stops_when_cancelled
     for _ in range(3):
         gateway.metrics.decided("approximate", "hit", 1e-4, replica_id="r7")
         gateway.metrics.request_done(200)
+        gateway.signals.arrived("m")
+    gateway.signals.first_byte("m", 0.25, ok=True)
     config = ReportConfig(instance_id("gw-host:8000"), 1_700_000_000_000, interval_s=0.1)
     assert config.gateway_id.startswith("gw-host:8000#") and config.gateway_id != instance_id(
         "gw-host:8000"
@@ -192,6 +195,11 @@ async def test_the_reporter_sends_the_gateways_figures_then_stops_when_cancelled
     assert stats.decisions == 4
     assert stats.decisions_by_tier_outcome == {"approximate/hit": 3, "approximate/miss": 1}
     assert [(r.replica_id, r.requests) for r in stats.replicas] == [("r7", 4)]
+    (sent,) = server.reports.signals()  # and its signals per model, for the autoscaler
+    assert sent.gateway_id == config.gateway_id and sent.bounds_ms == LATENCY_BOUNDS_MS
+    assert [(m.model, m.arrivals, m.answered, m.ttft_counts[-1]) for m in sent.models] == [
+        ("m", 3, 1, 1)
+    ]
 
 
 async def test_the_reporter_rides_out_failures_and_says_a_refusal_once(

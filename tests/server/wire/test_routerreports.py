@@ -98,7 +98,12 @@ def test_counters_add_up_and_rows_merge_by_replica() -> None:
         row("r1", in_flight=2, requests=4, delivered_hit_ratio=0.5, kv_usage=0.25),
         row("r2", in_flight=1, requests=1, kv_capacity_tokens=800),
     )
-    older = stats(7, row("r1", in_flight=4, requests=7, kv_capacity_tokens=4096, kv_usage=0.9))
+    older = stats(
+        7,
+        row("r1", in_flight=4, requests=7, kv_capacity_tokens=4096, kv_usage=0.9),
+    )
+    older.replicas[0].engine_waiting, older.replicas[0].engine_running = 3, 8
+    fresh.replicas[0].engine_waiting = 1  # fresher: wins; running only the older says
     parts = [
         StatsPart(older, live=True, fresh_s=1.0),
         StatsPart(server, live=True, fresh_s=math.inf),
@@ -116,6 +121,8 @@ def test_counters_add_up_and_rows_merge_by_replica() -> None:
     assert (r1.delivered_hit_ratio, r1.kv_usage, r1.kv_capacity_tokens) == (0.5, 0.25, 4096)
     assert (r2.replica_id, r2.in_flight, r2.requests, r2.kv_capacity_tokens) == ("r2", 1, 1, 800)
     assert r2.delivered_hit_ratio is None and r2.kv_usage is None
+    assert (r1.engine_waiting, r1.engine_running) == (1, 8)
+    assert (r2.engine_waiting, r2.engine_running) == (None, None)
 
 
 def test_a_stale_part_counts_its_counters_but_not_its_rows_or_gauges() -> None:
