@@ -7,7 +7,9 @@ API keys) is on the native port only. Unless turned off, the OpenAI gateway
 (``llmgw.gateway``) serves on a third port, fed in process from the plane. SIGINT and
 SIGTERM stop every port, flush heartbeat times and the event history and close the
 database. The reconciler (``llmgw.server.reconcile_loop``) runs in the same loop, unless
-turned off or test hooks are on. The gRPC-web port also serves the server's own Prometheus
+turned off or test hooks are on, and with it the autoscaler (``llmgw.server.autoscale_loop``),
+over every gateway's signals (``RouterReports.signals``, the in-server gateway's included)
+and replica rows. The gRPC-web port also serves the server's own Prometheus
 metrics on ``/metrics`` (``llmgw.server.wire.metrics``: agents' KV event counters, the KV
 block store).
 
@@ -354,7 +356,7 @@ def _autoscale_loop(
     )
     return AutoscaleLoop(
         plane,
-        reports=lambda: gateway_reports(reports, slot()),
+        reports=lambda: gateway_reports(reports),
         rows=lambda: fleet_rows(reports, slot()),
         config=settings,
     )
@@ -369,9 +371,18 @@ def fleet_rows(reports: RouterReports, gateway: Gateway | None) -> list[ReplicaR
     return list(combine(parts, now_ms).replicas)
 
 
-def gateway_reports(reports: RouterReports, gateway: Gateway | None) -> list[GatewayReport]:
-    """Every live gateway's latest figures for the autoscaler, stamped when taken."""
-    return []
+def gateway_reports(reports: RouterReports) -> list[GatewayReport]:
+    """Every live gateway's latest signals (the in-server gateway's read now), as the
+    autoscaler's window takes them: one gateway process per id and start time."""
+    return [
+        GatewayReport(
+            gateway=f"{s.gateway_id}@{s.started_at_unix_ms}",
+            at=s.received_s,
+            bounds=s.bounds_ms,
+            models={m.model: m for m in s.models},
+        )
+        for s in reports.signals()
+    ]
 
 
 def _grpc_web_server(
