@@ -16,7 +16,9 @@ Every ``interval_s`` (``llmgw server --autoscale-interval``, default 5 s) a roun
 3. calls :func:`plan` with the :class:`Memory` the deployment's last round returned (kept
    in memory only: a restarted server starts afresh), then :func:`share_budget` over every
    deployment when a pool has a GPU budget (``--gpu-budget POOL=N``; a fixed-count
-   deployment of such a pool weighs as a claim of its count, mode "advise");
+   deployment of such a pool weighs as a claim of its count, mode "advise"); a decision
+   for more replicas while the reconciler finds no place for some the count already asks
+   for holds the count instead (reason ``hold``, saying why: more would find none either);
 4. in mode "act", stores a new count through the path ``llmgw scale`` takes
    (``DesiredState.update``: durable before it shows, published on Watch) and pokes the
    reconciler; mode "advise" changes nothing;
@@ -43,7 +45,13 @@ import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
-from llmgw.api.llmgw.v1 import AutoscaleStatus, Deployment, ReplicaRouterStats, ShardState
+from llmgw.api.llmgw.v1 import (
+    AutoscaleStatus,
+    Deployment,
+    DeploymentStatus,
+    ReplicaRouterStats,
+    ShardState,
+)
 from llmgw.server.core.autoscale import (
     ACT,
     ADVISE,
@@ -120,6 +128,7 @@ class _Round:
     policy: Policy
     current: Current
     signals: Signals
+    unplaceable: str = ""  # why replicas it already asks for have no place ("": none)
 
 
 class AutoscaleLoop:
@@ -192,11 +201,13 @@ class AutoscaleLoop:
             if deployment.autoscale is None or profile is None:
                 continue
             figures = measure(self._histories, deployment_models(profile))
+            status = self.plane.statuses.status(deployment, remember=False)
             out[name] = _Round(
                 deployment=deployment,
                 policy=Policy.from_proto(deployment.autoscale),
-                current=self._current(deployment, gpus_per_replica(profile)),
+                current=_current(deployment, status, gpus_per_replica(profile)),
                 signals=_signals(figures, engine_figures(rows, self._ready(name))),
+                unplaceable=status.unplaceable_reason if status.unplaceable else "",
             )
         return out
 
@@ -210,20 +221,6 @@ class AutoscaleLoop:
             and plane.replica_view(record).state is ShardState.READY
         }
 
-    def _current(self, deployment: Deployment, gpus: int) -> Current:
-        status = self.plane.statuses.status(deployment, remember=False)
-        # Replicas the count asks for and the reconciler has not placed yet are coming too,
-        # unless it found no place for them.
-        unplaced = 0 if status.unplaceable_reason else max(0, status.desired - status.replicas)
-        return Current(
-            count=deployment.replicas,
-            ready=status.ready,
-            coming=status.starting + unplaced,
-            gpus_per_replica=gpus,
-            pool=deployment.pool,
-            priority=deployment.priority,
-        )
-
     def _decide(self, rounds: Mapping[str, _Round], now: float) -> dict[str, Decision]:
         """The planner's decisions, then the pools' GPU budgets over them."""
         tuning = self.config.planner
@@ -233,10 +230,21 @@ class AutoscaleLoop:
             decision = plan(one.policy, one.signals, one.current, memory, now, tuning)
             claims[name] = Claim(decision, one.current, one.policy)
         budgets = self.config.budgets
-        if not budgets:
-            return {name: claim.decision for name, claim in claims.items()}
-        claims.update(self._fixed_claims(rounds.keys()))
-        return share_budget(claims, budgets)
+        if budgets:
+            claims.update(self._fixed_claims(rounds.keys()))
+            decisions = share_budget(claims, budgets)
+        else:
+            decisions = {name: claim.decision for name, claim in claims.items()}
+        return {name: self._placeable(one, decisions[name]) for name, one in rounds.items()}
+
+    def _placeable(self, one: _Round, decision: Decision) -> Decision:
+        """``decision``, unless it asks for more replicas while some it already asks for
+        have no place: then the count holds (more would find none either), saying why."""
+        if not one.unplaceable or decision.desired <= one.current.count:
+            return decision
+        memory = self.memory.get(one.deployment.name, Memory())  # the planner changed nothing
+        why = f"no place for more replicas: {one.unplaceable}"
+        return Decision(one.current.count, "hold", why, decision.signal, memory)
 
     def _fixed_claims(self, autoscaled: Iterable[str]) -> dict[str, Claim]:
         """The deployments of a budgeted pool without a policy, as claims of their count."""
@@ -248,7 +256,8 @@ class AutoscaleLoop:
             if name in skip or profile is None or deployment.pool not in self.config.budgets:
                 continue
             count = deployment.replicas
-            current = self._current(deployment, gpus_per_replica(profile))
+            status = self.plane.statuses.status(deployment, remember=False)
+            current = _current(deployment, status, gpus_per_replica(profile))
             decision = Decision(count, "hold", "a fixed count", "", Memory())
             out[name] = Claim(decision, current, Policy(min=count, max=count, mode=ADVISE))
         return out
@@ -299,6 +308,20 @@ class AutoscaleLoop:
             del self.memory[name]
         for name in set(board.autoscaled()) - keep_names:
             board.set_autoscale(name, None)
+
+
+def _current(deployment: Deployment, status: DeploymentStatus, gpus: int) -> Current:
+    # Replicas the count asks for and the reconciler has not placed yet are coming too,
+    # unless it found no place for them.
+    unplaced = 0 if status.unplaceable_reason else max(0, status.desired - status.replicas)
+    return Current(
+        count=deployment.replicas,
+        ready=status.ready,
+        coming=status.starting + unplaced,
+        gpus_per_replica=gpus,
+        pool=deployment.pool,
+        priority=deployment.priority,
+    )
 
 
 def _set_count(n: int) -> Callable[[Deployment], None]:
