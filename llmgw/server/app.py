@@ -250,25 +250,17 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
                 raise _cannot_listen(config.http_listen, "--http-listen", "gRPC-web", exc) from exc
             async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
                 slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
-                tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
+                rounds = {"tick": _ticker(plane, config.tick_s)}
                 loop = _reconcile_loop(config, plane, agents)
-                reconcile_task = (
-                    tasks.create_task(loop.run(config.reconcile_every_s), name="reconcile")
-                    if loop is not None
-                    else None
-                )
-                scaler = _autoscale_loop(config, plane, reports, slot) if loop is not None else None
-                autoscale_task = (
-                    tasks.create_task(scaler.run(), name="autoscale") if scaler else None
-                )
+                if loop is not None:  # the autoscaler's counts need a reconciler to act on
+                    rounds["reconcile"] = loop.run(config.reconcile_every_s)
+                    rounds["autoscale"] = _autoscale_loop(config, plane, reports, slot).run()
+                running = [tasks.create_task(r, name=name) for name, r in rounds.items()]
                 await _serving_message(config, auth, tls)
                 with stop_on_signals(stop):
                     await stop.wait()
-                tick_task.cancel()
-                if reconcile_task is not None:
-                    reconcile_task.cancel()
-                if autoscale_task is not None:
-                    autoscale_task.cancel()
+                for task in running:
+                    task.cancel()
         finally:
             slot.gateway = None
             await web.stop()
