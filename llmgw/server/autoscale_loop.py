@@ -77,6 +77,7 @@ from llmgw.server.core.autoscale_window import (
 )
 from llmgw.server.core.reconcile_state import Lifecycle
 from llmgw.server.errors import StoreUnwritable
+from llmgw.server.state.history import ACTING
 from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.store import now_ms
 from llmgw.server.state.storeschema import AuditRecord
@@ -171,17 +172,18 @@ class AutoscaleLoop:
                 log.exception("autoscaler round failed; trying again next round")
 
     async def round(self) -> dict[str, Decision]:
-        """One round: measure, decide, store, show. The decisions by deployment."""
+        """One round: measure, decide, store, show. The decisions by deployment (one the
+        planner failed for has none: its count and status stay as they were)."""
         async with self._lock:
             now = self.clock()
             self._take(now)
             rounds = self._rounds()
             decisions = self._decide(rounds, now)
-            for name, one in sorted(rounds.items()):
-                await self._settle(one, decisions[name])
+            for name in sorted(decisions):
+                await self._settle(rounds[name], decisions[name])
             self._forget(rounds.keys())
             self.plane.publish_statuses(rounds.keys())
-            return {name: decisions[name] for name in rounds}
+            return decisions
 
     def _take(self, now: float) -> None:
         """Keep each live gateway's new report; forget the gateways that left."""
@@ -227,7 +229,11 @@ class AutoscaleLoop:
         claims = {}
         for name, one in rounds.items():
             memory = self.memory.get(name, Memory())
-            decision = plan(one.policy, one.signals, one.current, memory, now, tuning)
+            try:
+                decision = plan(one.policy, one.signals, one.current, memory, now, tuning)
+            except Exception:  # a planner bug: this deployment's count holds, the others go on
+                log.exception("autoscaler: no decision for deployment %s this round", name)
+                continue
             claims[name] = Claim(decision, one.current, one.policy)
         budgets = self.config.budgets
         if budgets:
@@ -235,7 +241,11 @@ class AutoscaleLoop:
             decisions = share_budget(claims, budgets)
         else:
             decisions = {name: claim.decision for name, claim in claims.items()}
-        return {name: self._placeable(one, decisions[name]) for name, one in rounds.items()}
+        return {
+            name: self._placeable(one, decisions[name])
+            for name, one in rounds.items()
+            if name in decisions
+        }
 
     def _placeable(self, one: _Round, decision: Decision) -> Decision:
         """``decision``, unless it asks for more replicas while some it already asks for
@@ -270,6 +280,7 @@ class AutoscaleLoop:
         at = now_ms()
         changed = one.policy.mode == ACT and decision.desired != count
         if changed:
+            ACTING.set((ACTOR, f"autoscale {decision.reason}"))  # who a revision names
             stored = await self.plane.desired.update(name, _set_count(decision.desired))
             if stored is None:  # deleted meanwhile
                 return

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,10 @@ from llmgw.api.llmgw.v1 import (
     ShardStatus,
 )
 from llmgw.protocol import PROTOCOL_VERSION
+from llmgw.server import autoscale_loop
 from llmgw.server.autoscale_loop import AutoscaleConfig, AutoscaleLoop
+from llmgw.server.core import autoscale
+from llmgw.server.core.autoscale import Decision, Policy
 from llmgw.server.core.autoscale_window import GatewayReport
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.state.desired import Change
@@ -305,3 +309,30 @@ async def test_a_pools_gpu_budget_caps_the_count_and_says_budget(tmp_path: Path)
         assert status is not None and status.autoscale is not None
         assert status.autoscale.gpu_budget == 4 and status.autoscale.reason == "budget"
         assert shown["batch"] is not None and shown["batch"].autoscale is None
+
+
+async def test_a_planner_failure_for_one_deployment_leaves_the_others_decided(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    await _apply(plane, 1)
+    other = Deployment(name="other", profile=PROFILE.name, replicas=1)
+    other.autoscale = AutoscalePolicy(min=1, max=5, ttft_p90_ms=800, mode="act")
+    await plane.desired.apply(Change((), other, PROFILE))
+    planner = autoscale.plan
+
+    def failing(policy: Policy, *args: Any, **kwargs: Any) -> Decision:
+        if policy.max == 5:
+            raise ZeroDivisionError("a planner bug")
+        return planner(policy, *args, **kwargs)
+
+    monkeypatch.setattr(autoscale_loop, "plan", failing)
+    fleet = Fleet(plane)
+    await fleet.settle()
+    fleet.clock.now += 1.0
+    decisions = await fleet.scaler.round()
+    assert set(decisions) == {"chat"}
+    shown = {d.name: d.status for d in plane.snapshot().deployments}
+    assert shown["chat"] is not None and shown["chat"].autoscale is not None
+    assert shown["other"] is not None and shown["other"].autoscale is None
+    assert "no decision for deployment other" in caplog.text
+    assert plane.desired.deployments["other"].replicas == 1
