@@ -196,7 +196,8 @@ class AutoscaleLoop:
     def _rounds(self) -> dict[str, _Round]:
         """What each deployment with a policy stands on now."""
         desired = self.plane.desired
-        rows = list(self.rows())
+        rows = {row.replica_id: row for row in self.rows()}
+        ready = self._ready()
         out = {}
         for name, deployment in desired.deployments.items():
             profile = desired.profiles.get(deployment.profile)
@@ -204,24 +205,25 @@ class AutoscaleLoop:
                 continue
             figures = measure(self._histories, deployment_models(profile))
             status = self.plane.statuses.status(deployment, remember=False)
+            mine = ready.get(name, set())
+            engines = engine_figures([rows[r] for r in mine if r in rows], mine)
             out[name] = _Round(
                 deployment=deployment,
                 policy=Policy.from_proto(deployment.autoscale),
                 current=_current(deployment, status, gpus_per_replica(profile)),
-                signals=_signals(figures, engine_figures(rows, self._ready(name))),
+                signals=_signals(figures, engines),
                 unplaceable=status.unplaceable_reason if status.unplaceable else "",
             )
         return out
 
-    def _ready(self, name: str) -> set[str]:
+    def _ready(self) -> dict[str, set[str]]:
+        """The READY live replicas of each deployment, by deployment."""
         plane = self.plane
-        return {
-            record.replica_id
-            for record in plane.replicas.values()
-            if record.plan.deployment == name
-            and record.lifecycle in _LIVE
-            and plane.replica_view(record).state is ShardState.READY
-        }
+        out: dict[str, set[str]] = {}
+        for record in plane.replicas.values():
+            if record.lifecycle in _LIVE and plane.replica_view(record).state is ShardState.READY:
+                out.setdefault(record.plan.deployment, set()).add(record.replica_id)
+        return out
 
     def _decide(self, rounds: Mapping[str, _Round], now: float) -> dict[str, Decision]:
         """The planner's decisions, then the pools' GPU budgets over them."""
