@@ -105,6 +105,7 @@ RowsFn = Callable[[], Iterable[ReplicaRouterStats]]
 """The gateways' replica rows, merged (GetRouterStats' ``replicas``)."""
 
 _LIVE = (Lifecycle.ACTIVE, Lifecycle.SURGE)
+_BATCH = 64  # deployments measured or settled between two turns of the event loop
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,9 +178,11 @@ class AutoscaleLoop:
         async with self._lock:
             now = self.clock()
             self._take(now)
-            rounds = self._rounds()
+            rounds = await self._rounds()
             decisions = self._decide(rounds, now)
-            for name in sorted(decisions):
+            for i, name in enumerate(sorted(decisions)):
+                if i % _BATCH == _BATCH - 1:
+                    await asyncio.sleep(0)  # let the in-server gateway serve meanwhile
                 await self._settle(rounds[name], decisions[name])
             self._forget(rounds.keys())
             self.plane.publish_statuses(rounds.keys())
@@ -193,13 +196,15 @@ class AutoscaleLoop:
             kept[report.gateway] = keep(self._histories.get(report.gateway, ()), report, window)
         self._histories = kept
 
-    def _rounds(self) -> dict[str, _Round]:
+    async def _rounds(self) -> dict[str, _Round]:
         """What each deployment with a policy stands on now."""
         desired = self.plane.desired
         rows = {row.replica_id: row for row in self.rows()}
         ready = self._ready()
         out = {}
-        for name, deployment in desired.deployments.items():
+        for i, (name, deployment) in enumerate(list(desired.deployments.items())):
+            if i % _BATCH == _BATCH - 1:
+                await asyncio.sleep(0)  # let the in-server gateway serve meanwhile
             profile = desired.profiles.get(deployment.profile)
             if deployment.autoscale is None or profile is None:
                 continue
@@ -278,7 +283,7 @@ class AutoscaleLoop:
         """Act on one deployment's decision (mode act), show it, audit a change."""
         name, count = one.deployment.name, one.current.count
         board = self.plane.statuses
-        before = board.autoscaled().get(name)
+        before = board.autoscale_of(name)
         at = now_ms()
         changed = one.policy.mode == ACT and decision.desired != count
         if changed:

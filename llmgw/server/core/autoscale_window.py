@@ -158,10 +158,11 @@ def _delta(now: Sequence[int], before: Sequence[int], bounds: Sequence[float]) -
     if len(now) != len(bounds) + 1:
         return None
     if not before:
-        before = [0] * len(now)
-    if len(before) != len(now) or any(a < b for a, b in zip(now, before, strict=True)):
+        return list(now)
+    if len(before) != len(now):
         return None
-    return [a - b for a, b in zip(now, before, strict=True)]
+    delta = [a - b for a, b in zip(now, before, strict=True)]
+    return delta if min(delta) >= 0 else None
 
 
 def _rebucket(

@@ -69,6 +69,10 @@ class DeploymentBoard:
         else:
             self._autoscale[name] = status
 
+    def autoscale_of(self, name: str) -> AutoscaleStatus | None:
+        """The autoscaler's last view of deployment ``name`` (None: none)."""
+        return self._autoscale.get(name)
+
     def autoscaled(self) -> dict[str, AutoscaleStatus]:
         """The autoscaler's view of every deployment it has decided for, by name."""
         return dict(self._autoscale)
