@@ -5,7 +5,8 @@ two requests at a time, and bursts of streamed chat through the in-server gatewa
 Shown: a deployment with ``min = 1, max = 3`` in mode act scales to 3 under a burst whose
 queueing pushes its TTFT p90 over the target, and back to 1 once the load ends, each
 change an event by the autoscaler in ``llmgw describe``; one in mode advise under the
-same burst keeps its count and says, in its status and its events, what it would do."""
+same burst, sent through a separate ``llmgw gateway`` that reports its figures to the
+server, keeps its count and says, in its status and its events, what it would do."""
 
 from __future__ import annotations
 
@@ -104,11 +105,13 @@ def _chat(base: str, model: str, stop: threading.Event) -> None:
 
 
 @contextmanager
-def _burst(base: str, *models: str) -> Iterator[None]:
-    """``CLIENTS`` clients per model sending streamed chats while inside."""
+def _burst(*targets: tuple[str, str]) -> Iterator[None]:
+    """``CLIENTS`` clients per (gateway URL, model) sending streamed chats while inside."""
     stop = threading.Event()
-    with ThreadPoolExecutor(CLIENTS * len(models)) as pool:
-        futures = [pool.submit(_chat, base, m, stop) for m in models for _ in range(CLIENTS)]
+    with ThreadPoolExecutor(CLIENTS * len(targets)) as pool:
+        futures = [
+            pool.submit(_chat, base, model, stop) for base, model in targets for _ in range(CLIENTS)
+        ]
         try:
             yield
         finally:
@@ -132,7 +135,9 @@ def test_a_burst_scales_to_max_and_back_and_advise_only_says(
     fleet.cli("apply", "-f", str(path))
     wait_for(lambda: _ready(fleet, "chat") == 1 and _ready(fleet, "notes") == 1, 60, "both ready")
 
-    with _burst(fleet.gateway_url, "chat", "notes"):
+    # notes' requests go through a separate gateway: the server knows them from its reports
+    separate = fleet.start_gateway("gateway", "--report-interval", "1")
+    with _burst((fleet.gateway_url, "chat"), (separate, "notes")):
         wait_for(lambda: _ready(fleet, "chat") == 3, 120, "chat scaled to 3 replicas")
         notes = wait_for(
             lambda: (a := _autoscale(fleet, "notes")).get("desired", 0) > 1 and a,
