@@ -74,6 +74,8 @@ def run_server_command(args: argparse.Namespace) -> int:
             insecure_no_auth=args.insecure_no_auth,
             http_limits=http_limits(args),
             gpu_budgets=gpu_budgets(args.gpu_budget),
+            autoscale_interval_s=_seconds(args.autoscale_interval, "--autoscale-interval", 600),
+            autoscale_window_s=_seconds(args.autoscale_window, "--autoscale-window", 3600),
         )
         asyncio.run(within_fd_limits(run_server(config)))
     except ServerError as exc:
@@ -183,4 +185,11 @@ def _not_negative(value: float, flag: str) -> float:
 def _positive(value: float, flag: str) -> float:
     if value <= 0:
         raise CliError(f"{flag} must be positive, not {value}")
+    return value
+
+
+def _seconds(value: float, flag: str, most: float) -> float:
+    """A positive number of seconds, at most ``most``; else a CliError naming the flag."""
+    if not 0 < value <= most:  # NaN fails both
+        raise CliError(f"{flag} must be more than 0 and at most {most:g} seconds, not {value:g}")
     return value

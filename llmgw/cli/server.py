@@ -31,6 +31,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_gateway_flags(p)
     _add_state_flags(p)
     _add_fleet_flags(p)
+    _add_autoscale_flags(p)
     _add_grpc_limits(p)
     add_listen_flags(p, "the gRPC, gRPC-web and gateway ports")
     add_browser_flags(p, PORTS)
@@ -156,6 +157,25 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
         help="the most GPUs the autoscaler may give the deployments of pool POOL together "
         "(repeat for each pool); a higher [deployments.NAME] priority gets them first and "
         "may take them from a lower one. Default: no budget",
+    )
+
+
+def _add_autoscale_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--autoscale-interval",
+        type=float,
+        default=5.0,
+        metavar="SECONDS",
+        help="how often the autoscaler decides the count of each deployment with an "
+        "[autoscale] policy (default: 5; at most 600)",
+    )
+    p.add_argument(
+        "--autoscale-window",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="the window of the gateways' figures it decides on: p90 TTFT and ITL, "
+        "arrival rate (default: 30; at most 3600)",
     )
 
 

@@ -7,7 +7,9 @@ API keys) is on the native port only. Unless turned off, the OpenAI gateway
 (``llmgw.gateway``) serves on a third port, fed in process from the plane. SIGINT and
 SIGTERM stop every port, flush heartbeat times and the event history and close the
 database. The reconciler (``llmgw.server.reconcile_loop``) runs in the same loop, unless
-turned off or test hooks are on. The gRPC-web port also serves the server's own Prometheus
+turned off or test hooks are on, and with it the autoscaler (``llmgw.server.autoscale_loop``),
+over every gateway's signals (``RouterReports.signals``, the in-server gateway's included)
+and replica rows. The gRPC-web port also serves the server's own Prometheus
 metrics on ``/metrics`` (``llmgw.server.wire.metrics``: agents' KV event counters, the KV
 block store).
 
@@ -45,11 +47,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import ssl
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from llmgw.addresses import AddressError, bracketed, parse_host_port, state_home
+from llmgw.api.llmgw.v1 import ReplicaRouterStats
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.gateway import (
     TOKENIZE_TIMEOUT_S,
@@ -59,8 +64,16 @@ from llmgw.gateway import (
     HoldConfig,
     HttpServer,
     ServerLimits,
+    router_stats,
 )
 from llmgw.httpguard import BrowserAccess, HttpGuard, is_loopback_host
+from llmgw.server.autoscale_loop import (
+    DEFAULT_INTERVAL_S,
+    DEFAULT_WINDOW_S,
+    AutoscaleConfig,
+    AutoscaleLoop,
+)
+from llmgw.server.core.autoscale_window import GatewayReport
 from llmgw.server.errors import ConfigError
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.state.inventory import InventoryConfig
@@ -79,7 +92,7 @@ from llmgw.server.wire.grpcport import ConnectionLimits, LimitedServer
 from llmgw.server.wire.grpcweb import BrowserGate, GrpcWebApp, most_body_bytes
 from llmgw.server.wire.logrelay import LogRelay
 from llmgw.server.wire.metrics import server_metrics
-from llmgw.server.wire.routerreports import RouterReports
+from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
 from llmgw.server.wire.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.wire.testhooks import AgentCommandHook
 from llmgw.signals import stop_on_signals
@@ -148,6 +161,8 @@ class ServerConfig:
     browsers: BrowserAccess = BrowserAccess()  # --cors-origin, --allowed-host (HTTP ports)
     insecure_no_auth: bool = False  # --insecure-no-auth: beyond loopback with no tokens
     http_limits: ServerLimits = ServerLimits()  # both HTTP ports' (flags: cli/httplimits.py)
+    autoscale_interval_s: float = DEFAULT_INTERVAL_S  # --autoscale-interval
+    autoscale_window_s: float = DEFAULT_WINDOW_S  # --autoscale-window
     # --gpu-budget POOL=N: the GPUs the autoscaler may give each pool's deployments together
     gpu_budgets: dict[str, int] = field(default_factory=dict)
 
@@ -239,19 +254,17 @@ async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> No
                 raise _cannot_listen(config.http_listen, "--http-listen", "gRPC-web", exc) from exc
             async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
                 slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
-                tick_task = tasks.create_task(_ticker(plane, config.tick_s), name="tick")
+                rounds = {"tick": _ticker(plane, config.tick_s)}
                 loop = _reconcile_loop(config, plane, agents, control.in_flight)
-                reconcile_task = (
-                    tasks.create_task(loop.run(config.reconcile_every_s), name="reconcile")
-                    if loop is not None
-                    else None
-                )
+                if loop is not None:  # the autoscaler's counts need a reconciler to act on
+                    rounds["reconcile"] = loop.run(config.reconcile_every_s)
+                    rounds["autoscale"] = _autoscale_loop(config, plane, reports, slot).run()
+                running = [tasks.create_task(r, name=name) for name, r in rounds.items()]
                 await _serving_message(config, auth, tls)
                 with stop_on_signals(stop):
                     await stop.wait()
-                tick_task.cancel()
-                if reconcile_task is not None:
-                    reconcile_task.cancel()
+                for task in running:
+                    task.cancel()
         finally:
             slot.gateway = None
             await web.stop()
@@ -329,6 +342,47 @@ def _reconcile_loop(
         log.warning("test hooks on: the reconciler is off (it would stop the hooks' shards)")
         return None
     return ReconcileLoop(plane, agents.send, port_range=config.engine_ports, in_flight=in_flight)
+
+
+def _autoscale_loop(
+    config: ServerConfig, plane: ControlPlane, reports: RouterReports, slot: _GatewaySlot
+) -> AutoscaleLoop:
+    """The autoscaler over every gateway's figures: the separate gateways' reports and
+    the in-server gateway's, read at each round."""
+    settings = AutoscaleConfig(
+        interval_s=config.autoscale_interval_s,
+        window_s=config.autoscale_window_s,
+        budgets=dict(config.gpu_budgets),
+    )
+    return AutoscaleLoop(
+        plane,
+        reports=lambda: gateway_reports(reports),
+        rows=lambda: fleet_rows(reports, slot()),
+        config=settings,
+    )
+
+
+def fleet_rows(reports: RouterReports, gateway: Gateway | None) -> list[ReplicaRouterStats]:
+    """Every gateway's replica rows merged, as ``GetRouterStats`` answers them."""
+    now_ms = int(time.time() * 1000)
+    parts = reports.parts()
+    if gateway is not None:  # read now: the freshest figures there are
+        parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
+    return list(combine(parts, now_ms).replicas)
+
+
+def gateway_reports(reports: RouterReports) -> list[GatewayReport]:
+    """Every live gateway's latest signals (the in-server gateway's read now), as the
+    autoscaler's window takes them: one gateway process per id and start time."""
+    return [
+        GatewayReport(
+            gateway=f"{s.gateway_id}@{s.started_at_unix_ms}",
+            at=s.received_s,
+            bounds=s.bounds_ms,
+            models={m.model: m for m in s.models},
+        )
+        for s in reports.signals()
+    ]
 
 
 def _grpc_web_server(

@@ -12,8 +12,9 @@ the loop, the benchmark and the tests use; the planner's rules are filled in beh
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from llmgw.api.llmgw.v1 import AutoscalePolicy
 
@@ -97,6 +98,10 @@ class Tuning:
     max_step_up: int = 4  # replicas added in one decision at most
     max_step_down: int = 1
     min_samples: int = 5  # fewer answered requests in the window: the percentiles say nothing
+    down_ratio: float = 0.6  # "below target": the window's p90s at most this share of target
+    up_util: float = 0.8  # plan replicas to carry at most this share of the learned capacity
+    queue_per_replica: float = 1.0  # engines' waiting requests per READY replica: over target
+    settle_s: float = 15.0  # after the last change came READY, the window's p90s are stale
 
 
 @dataclass(frozen=True, slots=True)
@@ -127,8 +132,275 @@ def plan(
     now: float,
     tuning: Tuning = Tuning(),
 ) -> Decision:
-    """The count ``policy`` wants now, always within ``[policy.min, policy.max]``."""
-    raise NotImplementedError  # filled in by the planner's part of issue #16
+    """The count ``policy`` wants now, always within ``[policy.min, policy.max]``.
+
+    The rules, in order: a count outside ``[min, max]`` is brought inside at once; from
+    zero, a replica starts as soon as anything waits or arrives; while a change is still
+    coming (replicas placed but not READY) nothing else changes; above target (a p90 over
+    its target, the engines queueing, or arrivals past the learned capacity) the count goes
+    up at once, by up to ``tuning.max_step_up``; below target (p90s at most
+    ``tuning.down_ratio`` of the targets and the arrivals fitting on fewer replicas) for
+    ``policy.scale_down_after_s`` it goes down by ``tuning.max_step_down``, then one more
+    step each window while it stays below; to zero only when ``min`` is 0 and nothing
+    arrived or ran for ``scale_down_after_s``.
+    """
+    memory = _observe(policy, signals, current, memory, now, tuning)
+    count = current.count
+    if count < policy.min or count > policy.max:
+        desired = min(max(count, policy.min), policy.max)
+        reason = "scale_up" if desired > count else "scale_down"
+        message = f"count {count} outside [min {policy.min}, max {policy.max}]: {count}→{desired}"
+        return _change(desired, reason, message, f"replicas={count}", memory, now)
+    if count == 0:
+        return _from_zero(policy, signals, memory, now, tuning)
+    if current.coming > 0:
+        message = f"{current.coming} replica(s) of {count} still coming; no change until READY"
+        return _hold(count, "pending", message, _signal(policy, signals), memory)
+    pressure = _pressure(policy, signals, current, memory, now, tuning)
+    if pressure is not None and current.ready < count:
+        message = f"{pressure.message}; {count - current.ready} of {count} not placed yet"
+        return _hold(count, "pending", message, pressure.signal, memory)
+    if pressure is not None:
+        return _scale_up(policy, current, memory, now, tuning, pressure)
+    return _scale_down_or_hold(policy, signals, current, memory, now, tuning)
+
+
+@dataclass(frozen=True, slots=True)
+class _Pressure:
+    """Why the deployment is over target, and how many replicas that asks for."""
+
+    wants: int
+    message: str
+    signal: str
+
+
+def _observe(
+    policy: Policy,
+    signals: Signals,
+    current: Current,
+    memory: Memory,
+    now: float,
+    tuning: Tuning,
+) -> Memory:
+    """``memory`` with this round's window taken in: idle since, settled since, capacity."""
+    idle = signals.arrival_rps <= 0.0 and signals.in_flight == 0 and signals.waiting == 0
+    idle_since = (memory.idle_since if memory.idle_since is not None else now) if idle else None
+    extra = dict(memory.extra)
+    if current.coming > 0:
+        extra = {"coming": 1.0}
+    elif extra.pop("coming", None) is not None:
+        extra["settled_at"] = now
+    memory = replace(memory, idle_since=idle_since, extra=extra)
+    if _settled_for(memory, now) >= tuning.window_s:  # the window is all of the count now
+        memory = replace(memory, capacity_rps=_learn(policy, signals, current, memory, tuning))
+    return memory
+
+
+def _settled_for(memory: Memory, now: float) -> float:
+    """Seconds since the last change came READY (infinite when none was seen coming)."""
+    settled_at = memory.extra.get("settled_at")
+    return math.inf if settled_at is None else now - settled_at
+
+
+def _learn(
+    policy: Policy,
+    signals: Signals,
+    current: Current,
+    memory: Memory,
+    tuning: Tuning,
+) -> float | None:
+    """The requests/s at which one READY replica breaks its target, learned from windows
+    where every replica was READY all along: one over target at ``x`` rps per replica says it is at
+    most ``x``; one within target at ``x`` above what was learned says it is at least ``x``.
+    Unknown until a window went over target (then the planner plans ahead of it, at
+    ``tuning.up_util`` of it)."""
+    capacity = memory.capacity_rps
+    ratio = _ratio(policy, signals, tuning)
+    steady = current.ready == current.count > 0 and current.coming == 0
+    if ratio is None or not steady or signals.arrival_rps <= 0.0:
+        return capacity
+    per_replica = signals.arrival_rps / current.ready
+    if ratio[0] > 1.0:
+        return per_replica if capacity is None else min(capacity, per_replica)
+    if capacity is not None and per_replica > capacity:
+        return per_replica
+    return capacity
+
+
+def _ratio(policy: Policy, signals: Signals, tuning: Tuning) -> tuple[float, str] | None:
+    """The worst p90 as a share of its target, and the signal it is (None: too few samples,
+    or no target measured)."""
+    if signals.samples < tuning.min_samples:
+        return None
+    found = [
+        (value / target, f"{name}={value:.0f}")
+        for name, value, target in (
+            ("ttft_p90_ms", signals.ttft_p90_ms, policy.ttft_p90_ms),
+            ("itl_p90_ms", signals.itl_p90_ms, policy.itl_p90_ms),
+        )
+        if value is not None and target > 0.0
+    ]
+    return max(found) if found else None
+
+
+def _needed(signals: Signals, capacity: float | None, tuning: Tuning) -> int | None:
+    """Replicas the window's arrivals need at ``tuning.up_util`` of the learned capacity."""
+    if capacity is None or capacity <= 0.0:
+        return None
+    return math.ceil(signals.arrival_rps / (capacity * tuning.up_util) - 1e-9)
+
+
+def _pressure(
+    policy: Policy,
+    signals: Signals,
+    current: Current,
+    memory: Memory,
+    now: float,
+    tuning: Tuning,
+) -> _Pressure | None:
+    """Why the deployment should grow now, or None when nothing says so."""
+    count = current.count
+    found: list[_Pressure] = []
+    fresh = _settled_for(memory, now) >= tuning.settle_s
+    ratio = _ratio(policy, signals, tuning)
+    if ratio is not None and ratio[0] > 1.0 and fresh:
+        wants = math.ceil(count * ratio[0] - 1e-9)
+        message = f"{_words(ratio[1])} over target {_target(policy, ratio[1])} on {count}"
+        found.append(_Pressure(wants, message, ratio[1]))
+    queued = signals.engine_waiting or 0
+    if queued > tuning.queue_per_replica * max(current.ready, 1):
+        message = f"engines queue {queued} requests on {current.ready} READY"
+        found.append(_Pressure(count + 1, message, f"engine_waiting={queued}"))
+    needed = _needed(signals, memory.capacity_rps, tuning)
+    if needed is not None and needed > count:
+        message = f"{signals.arrival_rps:.2f} req/s > {count} × {memory.capacity_rps:.2f} learned"
+        found.append(_Pressure(needed, message, f"arrival_rps={signals.arrival_rps:.2f}"))
+    if not found:
+        return None
+    top = max(found, key=lambda p: p.wants)
+    return replace(top, wants=max(top.wants, count + 1))
+
+
+def _scale_up(
+    policy: Policy,
+    current: Current,
+    memory: Memory,
+    now: float,
+    tuning: Tuning,
+    pressure: _Pressure,
+) -> Decision:
+    count = current.count
+    desired = min(pressure.wants, count + tuning.max_step_up, policy.max)
+    memory = replace(memory, low_since=None)
+    if desired <= count:
+        message = f"{pressure.message}; at max {policy.max}"
+        return _hold(count, "hold", message, pressure.signal, memory)
+    message = f"{pressure.message}: {count}→{desired}"
+    return _change(desired, "scale_up", message, pressure.signal, memory, now)
+
+
+def _is_low(
+    policy: Policy,
+    signals: Signals,
+    current: Current,
+    memory: Memory,
+    tuning: Tuning,
+) -> bool:
+    """Below target with room to spare: a replica fewer would still meet the targets."""
+    if memory.idle_since is not None:
+        return True
+    if signals.waiting > 0 or (signals.engine_waiting or 0) > 0:
+        return False
+    ratio = _ratio(policy, signals, tuning)
+    if ratio is None:  # too few answered to say: light, unless much is upstream
+        return signals.samples < tuning.min_samples and signals.in_flight <= current.ready
+    capacity = memory.capacity_rps
+    fits = (
+        capacity is None or signals.arrival_rps <= capacity * (current.count - 1) * tuning.up_util
+    )
+    return ratio[0] <= tuning.down_ratio and fits
+
+
+def _scale_down_or_hold(
+    policy: Policy,
+    signals: Signals,
+    current: Current,
+    memory: Memory,
+    now: float,
+    tuning: Tuning,
+) -> Decision:
+    count = current.count
+    signal = _signal(policy, signals)
+    if not _is_low(policy, signals, current, memory, tuning):
+        return _hold(
+            count, "hold", f"within target on {count}", signal, replace(memory, low_since=None)
+        )
+    low_since = memory.low_since if memory.low_since is not None else now
+    memory = replace(memory, low_since=low_since)
+    idle_for = now - memory.idle_since if memory.idle_since is not None else 0.0
+    floor = policy.min if idle_for >= policy.scale_down_after_s else max(policy.min, 1)
+    needed = _needed(signals, memory.capacity_rps, tuning) or 0
+    desired = max(count - tuning.max_step_down, floor, needed)
+    low_for = now - low_since
+    since_change = now - memory.last_change if memory.last_change is not None else math.inf
+    if desired >= count:
+        return _hold(count, "hold", f"below target on {count}; at its floor", signal, memory)
+    if low_for < policy.scale_down_after_s or since_change < tuning.window_s:
+        message = f"below target for {low_for:.0f} s of {policy.scale_down_after_s:.0f} s"
+        return _hold(count, "hold", message, signal, memory)
+    if desired == 0:
+        message = f"idle for {idle_for:.0f} s: {count}→0"
+        return _change(0, "to_zero", message, f"idle_s={idle_for:.0f}", memory, now)
+    message = f"below target for {low_for:.0f} s: {count}→{desired}"
+    return _change(desired, "scale_down", message, signal, memory, now)
+
+
+def _from_zero(
+    policy: Policy,
+    signals: Signals,
+    memory: Memory,
+    now: float,
+    tuning: Tuning,
+) -> Decision:
+    if signals.waiting <= 0 and signals.arrival_rps <= 0.0 and signals.in_flight == 0:
+        return _hold(0, "hold", "idle at zero", "waiting=0", memory)
+    wants = max(1, policy.min, _needed(signals, memory.capacity_rps, tuning) or 0)
+    desired = min(wants, tuning.max_step_up, policy.max)
+    message = f"{signals.waiting} waiting, {signals.arrival_rps:.2f} req/s at zero: 0→{desired}"
+    return _change(desired, "from_zero", message, f"waiting={signals.waiting}", memory, now)
+
+
+def _signal(policy: Policy, signals: Signals) -> str:
+    """The signal a hold stood on: the first target's p90, or the arrivals."""
+    if policy.ttft_p90_ms > 0.0 and signals.ttft_p90_ms is not None:
+        return f"ttft_p90_ms={signals.ttft_p90_ms:.0f}"
+    if policy.itl_p90_ms > 0.0 and signals.itl_p90_ms is not None:
+        return f"itl_p90_ms={signals.itl_p90_ms:.0f}"
+    return f"arrival_rps={signals.arrival_rps:.2f}"
+
+
+def _words(signal: str) -> str:
+    """``ttft_p90_ms=1240`` → ``ttft p90 1240 ms``."""
+    name, _, value = signal.partition("=")
+    return f"{name.split('_')[0]} p90 {value} ms"
+
+
+def _target(policy: Policy, signal: str) -> str:
+    target = policy.ttft_p90_ms if signal.startswith("ttft") else policy.itl_p90_ms
+    return f"{target:.0f} ms"
+
+
+def _hold(count: int, reason: str, message: str, signal: str, memory: Memory) -> Decision:
+    return Decision(desired=count, reason=reason, message=message, signal=signal, memory=memory)
+
+
+def _change(
+    desired: int, reason: str, message: str, signal: str, memory: Memory, now: float
+) -> Decision:
+    memory = replace(memory, last_change=now)
+    if reason != "scale_down":
+        memory = replace(memory, low_since=None)
+    return Decision(desired=desired, reason=reason, message=message, signal=signal, memory=memory)
 
 
 def share_budget(claims: Mapping[str, Claim], budgets: Mapping[str, int]) -> dict[str, Decision]:
@@ -137,5 +409,65 @@ def share_budget(claims: Mapping[str, Claim], budgets: Mapping[str, int]) -> dic
     ones (down to their ``min``); a cut decision says ``budget``. Pools without a budget
     and deployments without a claim pass as they are. A fixed-count deployment of a pool
     counts against its budget: the loop passes it as a claim whose policy has
-    ``min == max == count`` (mode "advise")."""
-    raise NotImplementedError  # filled in by the planner's part of issue #16
+    ``min == max == count`` (mode "advise").
+
+    Within a pool every claim first gets its ``min`` (a floor the budget never cuts: a
+    pool whose floors exceed its budget is over it, and each decision that met its floor
+    only says so); then, highest priority first, a priority level keeps what it runs now
+    (up to what it wants) before it grows, so two deployments of one priority never take
+    replicas from each other; ties are granted in name order.
+    """
+    out = {name: claim.decision for name, claim in claims.items()}
+    pools: dict[str, list[str]] = {}
+    for name, claim in claims.items():
+        if claim.current.pool in budgets:
+            pools.setdefault(claim.current.pool, []).append(name)
+    for pool, names in pools.items():
+        granted = _grant(pool, {name: claims[name] for name in names}, budgets[pool])
+        out.update(granted)
+    return out
+
+
+def _grant(pool: str, claims: Mapping[str, Claim], budget: int) -> dict[str, Decision]:
+    """One pool's claims cut to ``budget`` GPUs (the rules in :func:`share_budget`)."""
+    grant = {name: min(claim.policy.min, claim.decision.desired) for name, claim in claims.items()}
+    left = budget - sum(
+        grant[name] * claim.current.gpus_per_replica for name, claim in claims.items()
+    )
+    for priority in sorted({claim.current.priority for claim in claims.values()}, reverse=True):
+        level = sorted(name for name, claim in claims.items() if claim.current.priority == priority)
+        for name in level:  # keep what runs now
+            keep = min(claims[name].decision.desired, claims[name].current.count)
+            left -= _give(grant, name, keep, claims[name].current.gpus_per_replica, left)
+        for name in level:  # then grow
+            left -= _give(
+                grant,
+                name,
+                claims[name].decision.desired,
+                claims[name].current.gpus_per_replica,
+                left,
+            )
+    return {
+        name: _cut(pool, budget, claim, grant[name])
+        for name, claim in claims.items()
+        if grant[name] < claim.decision.desired
+    }
+
+
+def _give(grant: dict[str, int], name: str, upto: int, gpus: int, left: int) -> int:
+    """Raise ``grant[name]`` toward ``upto`` within ``left`` GPUs; the GPUs it took."""
+    more = max(upto - grant[name], 0)
+    if gpus > 0:
+        more = min(more, max(left, 0) // gpus)
+    grant[name] += more
+    return more * gpus
+
+
+def _cut(pool: str, budget: int, claim: Claim, granted: int) -> Decision:
+    decision = claim.decision
+    gpus = claim.current.gpus_per_replica
+    message = (
+        f"pool {pool} budget {budget} GPUs: wants {decision.desired} × {gpus} GPUs, "
+        f"granted {granted} (priority {claim.current.priority}); planner: {decision.message}"
+    )
+    return replace(decision, desired=granted, reason="budget", message=message)

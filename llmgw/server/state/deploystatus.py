@@ -8,15 +8,29 @@ and, after anything that may change one (a shard report, replica records, a node
 a round), for the statuses that changed (``changed``), which it publishes as ``deployment``
 Watch events. The computation itself is the pure
 :func:`llmgw.server.core.deployment_status.deployment_status`.
+
+The autoscaler's view of a deployment with a policy (``DeploymentStatus.autoscale``) is
+what the autoscale loop (``llmgw.server.autoscale_loop``) set last (``set_autoscale``),
+its ``current`` always the deployment's count now; it counts the loop's decisions by
+reason for the server's ``/metrics`` (``decisions``). A deployment without a policy shows
+none.
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter
 from collections.abc import Callable, Collection, Iterable, Mapping
 from dataclasses import replace
 
-from llmgw.api.llmgw.v1 import Deployment, DeploymentStatus, NodeState, Shard, ShardState
+from llmgw.api.llmgw.v1 import (
+    AutoscaleStatus,
+    Deployment,
+    DeploymentStatus,
+    NodeState,
+    Shard,
+    ShardState,
+)
 from llmgw.protocol import read_shard_state
 from llmgw.server.core.deployment_status import (
     ReplicaFacts,
@@ -43,6 +57,25 @@ class DeploymentBoard:
         self._retiring: dict[str, set[str]] = {}  # deployment → ids of its RETIRING replicas
         self._verdicts: dict[str, RoundVerdict] = {}
         self._shown: dict[str, DeploymentStatus] = {}
+        self._autoscale: dict[str, AutoscaleStatus] = {}  # deployment → the loop's last view
+        self.decisions: Counter[tuple[str, str]] = Counter()  # (deployment, reason) → rounds
+
+    def set_autoscale(self, name: str, status: AutoscaleStatus | None) -> None:
+        """The autoscaler's view of deployment ``name`` now (None: it has no policy)."""
+        if status is None:
+            self._autoscale.pop(name, None)
+            for key in [k for k in self.decisions if k[0] == name]:
+                del self.decisions[key]
+        else:
+            self._autoscale[name] = status
+
+    def autoscale_of(self, name: str) -> AutoscaleStatus | None:
+        """The autoscaler's last view of deployment ``name`` (None: none)."""
+        return self._autoscale.get(name)
+
+    def autoscaled(self) -> dict[str, AutoscaleStatus]:
+        """The autoscaler's view of every deployment it has decided for, by name."""
+        return dict(self._autoscale)
 
     def track(self, records: Iterable[ReplicaRecord]) -> set[str]:
         """Take new or changed replica records; the deployments they belong to."""
@@ -96,6 +129,9 @@ class DeploymentBoard:
             now_ms=now_ms(),
             retiring=len(self._retiring.get(deployment.name, ())),
         )
+        autoscale = self._autoscale.get(deployment.name)
+        if autoscale is not None and deployment.autoscale is not None:
+            status.autoscale = replace(autoscale, current=deployment.replicas)
         if remember:
             self._shown[deployment.name] = status
         return status

@@ -32,6 +32,11 @@ token, like ``/healthz``. Families::
     llmgw_deployment_replicas_desired{deployment}       a deployment's replica count
     llmgw_deployment_replicas_ready{deployment}         its live replicas ready now (every shard
                                                         READY on a READY node; DeploymentStatus)
+    llmgw_autoscale_desired{deployment}                 the autoscaler's count for a deployment
+                                                        with a policy (its last round; in mode
+                                                        advise what it would set)
+    llmgw_autoscale_decisions_total{deployment,reason}  the autoscaler's rounds by the reason
+                                                        the planner gave (scale_up, hold, …)
     llmgw_nodes{state}                                  nodes by state (ready, not_ready,
                                                         cordoned; every state, 0 included)
     llmgw_replicas{state}                               replicas not retired, by state (pending,
@@ -127,6 +132,8 @@ class FleetFigures:
     nodes: Mapping[str, int] = field(default_factory=dict)
     replicas: Mapping[str, int] = field(default_factory=dict)
     shards: Mapping[str, int] = field(default_factory=dict)
+    autoscaled: tuple[tuple[str, int], ...] = ()  # (deployment, the autoscaler's count)
+    decisions: tuple[tuple[str, str, int], ...] = ()  # (deployment, reason, rounds)
 
 
 def fleet_figures(plane: ControlPlane) -> FleetFigures:
@@ -147,7 +154,9 @@ def fleet_figures(plane: ControlPlane) -> FleetFigures:
         _state_label(read_shard_state(shard.status.state if shard.status else 0))
         for shard in inventory.shards.values()
     )
-    return FleetFigures(tuple(deployments), nodes, replicas, shards)
+    autoscaled = tuple(sorted((n, s.desired) for n, s in plane.statuses.autoscaled().items()))
+    decisions = tuple(sorted((n, r, c) for (n, r), c in plane.statuses.decisions.items()))
+    return FleetFigures(tuple(deployments), nodes, replicas, shards, autoscaled, decisions)
 
 
 def _state_label(state: NodeState | ShardState) -> str:
@@ -234,6 +243,7 @@ def _fleet_lines(out: list[str], fleet: FleetFigures) -> None:
     family(out, ready, "gauge", "A deployment's live replicas ready now.")
     for name, _, count in fleet.deployments:
         _sample(out, ready, label_set([("deployment", name)]), count)
+    _autoscale_lines(out, fleet)
     _by_state(out, "llmgw_nodes", "Nodes by state.", _NODE_STATES, fleet.nodes)
     _by_state(
         out, "llmgw_replicas", "Replicas not retired, by state.", _SHARD_STATES, fleet.replicas
@@ -242,6 +252,16 @@ def _fleet_lines(out: list[str], fleet: FleetFigures) -> None:
     family(out, "llmgw_build_info", "gauge", "This build: always 1, labelled.")
     build = label_set([("version", __version__), ("python", platform.python_version())])
     _sample(out, "llmgw_build_info", build, 1)
+
+
+def _autoscale_lines(out: list[str], fleet: FleetFigures) -> None:
+    desired, decisions = "llmgw_autoscale_desired", "llmgw_autoscale_decisions_total"
+    family(out, desired, "gauge", "The autoscaler's replica count for a deployment.")
+    for name, count in fleet.autoscaled:
+        _sample(out, desired, label_set([("deployment", name)]), count)
+    family(out, decisions, "counter", "The autoscaler's decisions, by the planner's reason.")
+    for name, reason, count in fleet.decisions:
+        _sample(out, decisions, label_set([("deployment", name), ("reason", reason)]), count)
 
 
 def _by_state(
