@@ -104,7 +104,10 @@ class Tuning:
     settle_s: float = 15.0  # after the last change came READY, the window's p90s are stale
     busy_util: float = 0.85  # plan replicas to have at most this share of their slots busy
     max_ratio: float = 2.0  # a p90 over target at most doubles the count
-    down_util: float = 0.75  # a replica goes only if the rest would have this share busy
+    down_util: float = 0.7  # a replica goes only if the rest would have this share busy
+    lead_s: float = 60.0  # a change's time to READY until one was seen
+    max_growth: float = 1.0  # growing, the arrivals' trend adds up to this factor (1: off)
+    trend_smoothing: float = 0.1  # how far one round moves the arrivals' smoothed slope
     smoothing: float = 0.3  # how far one round moves the smoothed requests on hand
 
 
@@ -140,13 +143,19 @@ def plan(
 
     The rules, in order: a count outside ``[min, max]`` is brought inside at once; from
     zero, a replica starts as soon as anything waits or arrives; while a change is still
-    coming (replicas placed but not READY) nothing else changes; above target (a p90 over
-    its target, the engines queueing, or arrivals past the learned capacity) the count goes
-    up at once, by up to ``tuning.max_step_up``; below target (p90s at most
-    ``tuning.down_ratio`` of the targets and the arrivals fitting on fewer replicas) for
-    ``policy.scale_down_after_s`` it goes down by ``tuning.max_step_down``, then one more
-    step each window while it stays below; to zero only when ``min`` is 0 and nothing
-    arrived or ran for ``scale_down_after_s``.
+    coming (replicas placed but not READY) nothing else changes; above target the count
+    goes up at once, by up to ``tuning.max_step_up``, to the most that any of these asks:
+    a p90 over its target (× its excess, at most ``tuning.max_ratio``; not while the
+    window still holds the time before the last change came READY), the engines queueing
+    more than ``tuning.queue_per_replica`` per READY replica (one more), the requests on
+    hand (smoothed) over ``tuning.busy_util`` of the replicas' slots (an engine's slots
+    are learned from the running count whenever the engines queue), arrivals past the
+    learned capacity (``Memory.capacity_rps``). Below target (TTFT p90 at most
+    ``tuning.down_ratio`` of its target, ITL p90 meeting its target on one replica fewer,
+    the requests on hand within ``tuning.down_util`` of one replica fewer's slots, none
+    held) for ``policy.scale_down_after_s``, it goes down by ``tuning.max_step_down``,
+    then one more step each window while it stays below; to zero only when ``min`` is 0
+    and nothing arrived or ran for ``scale_down_after_s``.
     """
     memory = _observe(policy, signals, current, memory, now, tuning)
     count = current.count
@@ -195,6 +204,9 @@ def _observe(
         extra["coming"] = 1.0
     elif extra.pop("coming", None) is not None:
         extra["settled_at"] = now
+        if memory.last_change is not None:  # how long a change takes to come READY
+            extra["lead"] = now - memory.last_change
+    _trend(extra, signals, now, tuning)
     memory = replace(memory, idle_since=idle_since, extra=extra)
     slots = _slots(signals, current)
     if slots is not None:
@@ -211,6 +223,16 @@ def _settled_for(memory: Memory, now: float) -> float:
     """Seconds since the last change came READY (infinite when none was seen coming)."""
     settled_at = memory.extra.get("settled_at")
     return math.inf if settled_at is None else now - settled_at
+
+
+def _trend(extra: dict[str, float], signals: Signals, now: float, tuning: Tuning) -> None:
+    """The arrivals' slope (req/s per s, smoothed over rounds) into ``extra``."""
+    then, rps = extra.get("rps_at"), extra.get("rps")
+    if then is not None and rps is not None and now > then:
+        slope = (signals.arrival_rps - rps) / (now - then)
+        trend = extra.get("trend", 0.0)
+        extra["trend"] = trend + (slope - trend) * tuning.trend_smoothing
+    extra["rps_at"], extra["rps"] = now, signals.arrival_rps
 
 
 def _slots(signals: Signals, current: Current) -> float | None:
@@ -230,14 +252,25 @@ def _busy(signals: Signals) -> int:
     return max(signals.in_flight, engines) + signals.waiting
 
 
-def _needed_busy(memory: Memory, tuning: Tuning) -> int | None:
+def _needed_busy(memory: Memory, tuning: Tuning, ahead: bool = False) -> int | None:
     """Replicas for what is on hand (smoothed over rounds) at ``tuning.busy_util`` of the
     learned slots."""
     slots = memory.extra.get("slots")
     busy = memory.extra.get("busy")
     if slots is None or slots <= 0.0 or busy is None:
         return None
-    return math.ceil(busy / (slots * tuning.busy_util) - 1e-9)
+    growth = _growth(memory, tuning) if ahead else 1.0
+    return math.ceil(busy * growth / (slots * tuning.busy_util) - 1e-9)
+
+
+def _growth(memory: Memory, tuning: Tuning) -> float:
+    """How much the arrivals will have grown by the time a replica started now is READY
+    (their trend over the learned start-up time; 1 when falling or unknown)."""
+    rps, trend = memory.extra.get("rps", 0.0), memory.extra.get("trend", 0.0)
+    if rps <= 0.0 or trend <= 0.0:
+        return 1.0
+    lead = memory.extra.get("lead", tuning.lead_s)
+    return min(1.0 + trend * lead / rps, tuning.max_growth)
 
 
 def _learn(
@@ -320,8 +353,9 @@ def _pressure(
         found.append(_Pressure(busy, message, f"in_flight={on_hand:.0f}"))
     if not found:
         return None
-    top = max(found, key=lambda p: p.wants)
-    return replace(top, wants=max(top.wants, count + 1))
+    top = max(found, key=lambda p: p.wants)  # growing anyway: for what comes meanwhile too
+    ahead = _needed_busy(memory, tuning, ahead=True) or 0
+    return replace(top, wants=max(top.wants, count + 1, ahead))
 
 
 def _scale_up(

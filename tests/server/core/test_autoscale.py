@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -101,6 +102,17 @@ def test_learned_slots_size_the_count_for_what_is_on_hand() -> None:
     assert plan(POLICY, calm, _steady(4), memory, now=1.0).reason == "hold"
 
 
+def test_growing_anyway_it_can_size_for_the_arrivals_trend_over_the_start_up() -> None:
+    memory = Memory(extra={"slots": 8.0, "busy": 30.0, "rps": 10.0, "rps_at": 0.0})
+    rising = replace(ON_TARGET, arrival_rps=12.0, in_flight=30)  # +0.4 req/s per s
+    plain = plan(POLICY, rising, _steady(4), memory, now=5.0)
+    assert plain.desired == 5  # 30 / (0.85 × 8)
+    assert plain.memory.extra["trend"] == pytest.approx(0.4 * Tuning().trend_smoothing)
+    ahead = Tuning(max_growth=2.0, trend_smoothing=1.0)
+    decision = plan(POLICY, rising, _steady(4), memory, 5.0, ahead)
+    assert decision.desired == 8  # 30 × (1 + 0.4 × 60 / 12) capped at × 2 → 60 / 6.8 → 9, step
+
+
 def test_never_acts_while_a_change_is_still_coming() -> None:
     hot = Signals(ttft_p90_ms=5000.0, samples=50, arrival_rps=5.0, engine_waiting=30)
     coming = Current(count=4, ready=2, coming=2, gpus_per_replica=1)
@@ -153,8 +165,8 @@ def test_scale_down_waits_until_what_is_on_hand_fits_on_fewer_replicas() -> None
     memory = Memory(low_since=0.0, extra={"slots": 2.0})
     fast_but_full = Signals(ttft_p90_ms=100.0, samples=500, arrival_rps=3.0, in_flight=12)
     decision = plan(POLICY, fast_but_full, _steady(8), memory, now=1000.0)
-    assert (decision.desired, decision.reason) == (8, "hold")  # 12 > 75 % of 7 × 2 slots
-    emptier = replace(fast_but_full, in_flight=10)
+    assert (decision.desired, decision.reason) == (8, "hold")  # 12 > 70 % of 7 × 2 slots
+    emptier = replace(fast_but_full, in_flight=9)
     assert plan(POLICY, emptier, _steady(8), memory, now=1000.0).desired == 7
 
 
