@@ -17,7 +17,7 @@ gateway are described in ``bench.autoscale_sim``):
 * **planner**: ``llmgw.server.core.autoscale.plan`` then ``share_budget``, called as the
   server's autoscale loop calls them (every 5 s, a 30 s window of the gateway's
   cumulative histograms differenced, the engines' queues of READY replicas, its own
-  ``Memory`` carried), with the deployment's policy (min 1, max 16, ttft_p90_ms and
+  ``Memory`` carried), with the deployment's policy (min 1, max 24, ttft_p90_ms and
   itl_p90_ms the SLO's targets, scale_down_after_s 300) and ``PLANNER_TUNING``.
 
 Reported per policy: GPU-hours (from placement, cold starts included, until a retired
