@@ -98,10 +98,17 @@ class Tuning:
     max_step_up: int = 4  # replicas added in one decision at most
     max_step_down: int = 1
     min_samples: int = 5  # fewer answered requests in the window: the percentiles say nothing
-    down_ratio: float = 0.6  # "below target": the window's p90s at most this share of target
-    up_util: float = 0.8  # plan replicas to carry at most this share of the learned capacity
+    down_ratio: float = 0.6  # "below target": the window's TTFT p90 at most this share of target
+    up_util: float = 1.0  # plan replicas to carry at most this share of the learned capacity
     queue_per_replica: float = 1.0  # engines' waiting requests per READY replica: over target
     settle_s: float = 15.0  # after the last change came READY, the window's p90s are stale
+    busy_util: float = 0.85  # plan replicas to have at most this share of their slots busy
+    max_ratio: float = 2.0  # a p90 over target at most doubles the count
+    down_util: float = 0.7  # a replica goes only if the rest would have this share busy
+    lead_s: float = 60.0  # a change's time to READY until one was seen
+    max_growth: float = 1.0  # growing, the arrivals' trend adds up to this factor (1: off)
+    trend_smoothing: float = 0.1  # how far one round moves the arrivals' smoothed slope
+    smoothing: float = 0.3  # how far one round moves the smoothed requests on hand
 
 
 @dataclass(frozen=True, slots=True)
@@ -136,13 +143,19 @@ def plan(
 
     The rules, in order: a count outside ``[min, max]`` is brought inside at once; from
     zero, a replica starts as soon as anything waits or arrives; while a change is still
-    coming (replicas placed but not READY) nothing else changes; above target (a p90 over
-    its target, the engines queueing, or arrivals past the learned capacity) the count goes
-    up at once, by up to ``tuning.max_step_up``; below target (p90s at most
-    ``tuning.down_ratio`` of the targets and the arrivals fitting on fewer replicas) for
-    ``policy.scale_down_after_s`` it goes down by ``tuning.max_step_down``, then one more
-    step each window while it stays below; to zero only when ``min`` is 0 and nothing
-    arrived or ran for ``scale_down_after_s``.
+    coming (replicas placed but not READY) nothing else changes; above target the count
+    goes up at once, by up to ``tuning.max_step_up``, to the most that any of these asks:
+    a p90 over its target (× its excess, at most ``tuning.max_ratio``; not while the
+    window still holds the time before the last change came READY), the engines queueing
+    more than ``tuning.queue_per_replica`` per READY replica (one more), the requests on
+    hand (smoothed) over ``tuning.busy_util`` of the replicas' slots (an engine's slots
+    are learned from the running count whenever the engines queue), arrivals past the
+    learned capacity (``Memory.capacity_rps``). Below target (TTFT p90 at most
+    ``tuning.down_ratio`` of its target, ITL p90 meeting its target on one replica fewer,
+    the requests on hand within ``tuning.down_util`` of one replica fewer's slots, none
+    held) for ``policy.scale_down_after_s``, it goes down by ``tuning.max_step_down``,
+    then one more step each window while it stays below; to zero only when ``min`` is 0
+    and nothing arrived or ran for ``scale_down_after_s``.
     """
     memory = _observe(policy, signals, current, memory, now, tuning)
     count = current.count
@@ -187,10 +200,20 @@ def _observe(
     idle_since = (memory.idle_since if memory.idle_since is not None else now) if idle else None
     extra = dict(memory.extra)
     if current.coming > 0:
-        extra = {"coming": 1.0}
+        extra.pop("settled_at", None)
+        extra["coming"] = 1.0
     elif extra.pop("coming", None) is not None:
         extra["settled_at"] = now
+        if memory.last_change is not None:  # how long a change takes to come READY
+            extra["lead"] = now - memory.last_change
+    _trend(extra, signals, now, tuning)
     memory = replace(memory, idle_since=idle_since, extra=extra)
+    slots = _slots(signals, current)
+    if slots is not None:
+        extra["slots"] = slots
+    smooth = extra.get("busy")
+    busy = float(_busy(signals))
+    extra["busy"] = busy if smooth is None else smooth + (busy - smooth) * tuning.smoothing
     if _settled_for(memory, now) >= tuning.window_s:  # the window is all of the count now
         memory = replace(memory, capacity_rps=_learn(policy, signals, current, memory, tuning))
     return memory
@@ -200,6 +223,54 @@ def _settled_for(memory: Memory, now: float) -> float:
     """Seconds since the last change came READY (infinite when none was seen coming)."""
     settled_at = memory.extra.get("settled_at")
     return math.inf if settled_at is None else now - settled_at
+
+
+def _trend(extra: dict[str, float], signals: Signals, now: float, tuning: Tuning) -> None:
+    """The arrivals' slope (req/s per s, smoothed over rounds) into ``extra``."""
+    then, rps = extra.get("rps_at"), extra.get("rps")
+    if then is not None and rps is not None and now > then:
+        slope = (signals.arrival_rps - rps) / (now - then)
+        trend = extra.get("trend", 0.0)
+        extra["trend"] = trend + (slope - trend) * tuning.trend_smoothing
+    extra["rps_at"], extra["rps"] = now, signals.arrival_rps
+
+
+def _slots(signals: Signals, current: Current) -> float | None:
+    """Requests one READY replica runs at once when full, seen when the engines queue
+    (an engine queues only when its batch or its KV cache is full; the gateway sends a
+    request to a full one only when every one is full)."""
+    running, queued = signals.engine_running, signals.engine_waiting
+    if running is None or not queued or current.ready == 0 or current.ready != current.count:
+        return None
+    return running / current.ready
+
+
+def _busy(signals: Signals) -> int:
+    """Requests the deployment has on hand now: upstream (running or queued in the engines)
+    and held by the gateways."""
+    engines = (signals.engine_running or 0) + (signals.engine_waiting or 0)
+    return max(signals.in_flight, engines) + signals.waiting
+
+
+def _needed_busy(memory: Memory, tuning: Tuning, ahead: bool = False) -> int | None:
+    """Replicas for what is on hand (smoothed over rounds) at ``tuning.busy_util`` of the
+    learned slots."""
+    slots = memory.extra.get("slots")
+    busy = memory.extra.get("busy")
+    if slots is None or slots <= 0.0 or busy is None:
+        return None
+    growth = _growth(memory, tuning) if ahead else 1.0
+    return math.ceil(busy * growth / (slots * tuning.busy_util) - 1e-9)
+
+
+def _growth(memory: Memory, tuning: Tuning) -> float:
+    """How much the arrivals will have grown by the time a replica started now is READY
+    (their trend over the learned start-up time; 1 when falling or unknown)."""
+    rps, trend = memory.extra.get("rps", 0.0), memory.extra.get("trend", 0.0)
+    if rps <= 0.0 or trend <= 0.0:
+        return 1.0
+    lead = memory.extra.get("lead", tuning.lead_s)
+    return min(1.0 + trend * lead / rps, tuning.max_growth)
 
 
 def _learn(
@@ -263,8 +334,8 @@ def _pressure(
     found: list[_Pressure] = []
     fresh = _settled_for(memory, now) >= tuning.settle_s
     ratio = _ratio(policy, signals, tuning)
-    if ratio is not None and ratio[0] > 1.0 and fresh:
-        wants = math.ceil(count * ratio[0] - 1e-9)
+    if ratio is not None and ratio[0] > 1.0 and fresh:  # a p90's excess says little of how
+        wants = math.ceil(count * min(ratio[0], tuning.max_ratio) - 1e-9)  # many more
         message = f"{_words(ratio[1])} over target {_target(policy, ratio[1])} on {count}"
         found.append(_Pressure(wants, message, ratio[1]))
     queued = signals.engine_waiting or 0
@@ -275,10 +346,16 @@ def _pressure(
     if needed is not None and needed > count:
         message = f"{signals.arrival_rps:.2f} req/s > {count} × {memory.capacity_rps:.2f} learned"
         found.append(_Pressure(needed, message, f"arrival_rps={signals.arrival_rps:.2f}"))
+    busy = _needed_busy(memory, tuning)
+    if busy is not None and busy > count:
+        slots, on_hand = memory.extra["slots"], memory.extra["busy"]
+        message = f"{on_hand:.0f} on hand > {tuning.busy_util:.0%} of {count} × {slots:.0f} slots"
+        found.append(_Pressure(busy, message, f"in_flight={on_hand:.0f}"))
     if not found:
         return None
-    top = max(found, key=lambda p: p.wants)
-    return replace(top, wants=max(top.wants, count + 1))
+    top = max(found, key=lambda p: p.wants)  # growing anyway: for what comes meanwhile too
+    ahead = _needed_busy(memory, tuning, ahead=True) or 0
+    return replace(top, wants=max(top.wants, count + 1, ahead))
 
 
 def _scale_up(
@@ -309,16 +386,31 @@ def _is_low(
     """Below target with room to spare: a replica fewer would still meet the targets."""
     if memory.idle_since is not None:
         return True
-    if signals.waiting > 0 or (signals.engine_waiting or 0) > 0:
+    if signals.waiting > 0:
         return False
-    ratio = _ratio(policy, signals, tuning)
-    if ratio is None:  # too few answered to say: light, unless much is upstream
-        return signals.samples < tuning.min_samples and signals.in_flight <= current.ready
-    capacity = memory.capacity_rps
-    fits = (
-        capacity is None or signals.arrival_rps <= capacity * (current.count - 1) * tuning.up_util
-    )
-    return ratio[0] <= tuning.down_ratio and fits
+    fewer = current.count - 1
+    slots = memory.extra.get("slots")
+    if slots is not None:  # what is on hand fits on fewer replicas' slots
+        fits = memory.extra.get("busy", 0.0) <= slots * fewer * tuning.down_util
+    else:
+        fits = not signals.engine_waiting
+    if signals.samples < tuning.min_samples:  # too few answered to say: light, unless much
+        return fits and signals.in_flight <= current.ready  # is upstream
+    return fits and _below(policy, signals, current.count, tuning.down_ratio)
+
+
+def _below(policy: Policy, signals: Signals, count: int, down_ratio: float = 0.6) -> bool:
+    """The window's p90s would meet their targets on one replica fewer. TTFT stays near
+    the prefill's time until the engines fill up, then climbs steeply: it must be at most
+    ``down_ratio`` of its target (the engines' fill is checked apart). ITL grows with the
+    batch, at most in proportion: its p90 × count / (count − 1) must meet its target."""
+    if policy.ttft_p90_ms > 0.0 and signals.ttft_p90_ms is not None:
+        if signals.ttft_p90_ms > policy.ttft_p90_ms * down_ratio:
+            return False
+    if policy.itl_p90_ms > 0.0 and signals.itl_p90_ms is not None and count > 1:
+        if signals.itl_p90_ms * count / (count - 1) > policy.itl_p90_ms:
+            return False
+    return True
 
 
 def _scale_down_or_hold(
@@ -340,7 +432,8 @@ def _scale_down_or_hold(
     idle_for = now - memory.idle_since if memory.idle_since is not None else 0.0
     floor = policy.min if idle_for >= policy.scale_down_after_s else max(policy.min, 1)
     needed = _needed(signals, memory.capacity_rps, tuning) or 0
-    desired = max(count - tuning.max_step_down, floor, needed)
+    busy = _needed_busy(memory, tuning) or 0
+    desired = max(count - tuning.max_step_down, floor, needed, busy)
     low_for = now - low_since
     since_change = now - memory.last_change if memory.last_change is not None else math.inf
     if desired >= count:

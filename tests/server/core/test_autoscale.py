@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -60,7 +61,9 @@ def test_over_target_scales_up_at_once_in_proportion_bounded_by_the_step() -> No
     assert decision.signal == "ttft_p90_ms=1240"
     assert "ttft p90 1240 ms over target 800 ms on 2" in decision.message
     very_hot = replace(hot, ttft_p90_ms=8000.0)
-    assert plan(POLICY, very_hot, _steady(2), Memory(), now=10.0).desired == 2 + 4
+    assert plan(POLICY, very_hot, _steady(2), Memory(), now=10.0).desired == 4  # at most × 2
+    unbounded = Tuning(max_ratio=100.0)
+    assert plan(POLICY, very_hot, _steady(2), Memory(), 10.0, unbounded).desired == 2 + 4
     assert plan(POLICY, very_hot, _steady(7), Memory(), now=10.0).desired == 8  # max
 
 
@@ -79,16 +82,35 @@ def test_itl_target_alone_drives_the_count() -> None:
 
 
 def test_engines_queueing_scales_up_before_the_percentiles_show_it() -> None:
-    queued = replace(ON_TARGET, engine_waiting=6, engine_running=16)
+    queued = replace(ON_TARGET, engine_waiting=3, engine_running=6)
     decision = plan(POLICY, queued, _steady(2), Memory(), now=1.0)
-    assert (decision.desired, decision.reason, decision.signal) == (
-        3,
-        "scale_up",
-        "engine_waiting=6",
-    )
-    assert (
-        plan(POLICY, replace(queued, engine_waiting=2), _steady(2), Memory(), 1.0).reason == "hold"
-    )
+    assert decision.memory.extra["slots"] == 3.0  # 6 running on 2 while they queue
+    assert (decision.desired, decision.reason) == (4, "scale_up")  # 9 on hand / (0.85 × 3)
+    assert decision.signal == "in_flight=9"
+    no_slots = Tuning(busy_util=100.0)
+    decision = plan(POLICY, queued, _steady(2), Memory(), 1.0, no_slots)
+    assert (decision.desired, decision.signal) == (3, "engine_waiting=3")
+
+
+def test_learned_slots_size_the_count_for_what_is_on_hand() -> None:
+    memory = Memory(extra={"slots": 8.0})
+    busy = replace(ON_TARGET, in_flight=30, engine_running=14, engine_waiting=0)
+    decision = plan(POLICY, busy, _steady(4), memory, now=1.0)
+    assert (decision.desired, decision.reason) == (5, "scale_up")  # 30 / (0.85 × 8) → 5
+    assert "30 on hand > 85% of 4 × 8 slots" in decision.message
+    calm = replace(busy, in_flight=20)
+    assert plan(POLICY, calm, _steady(4), memory, now=1.0).reason == "hold"
+
+
+def test_growing_anyway_it_can_size_for_the_arrivals_trend_over_the_start_up() -> None:
+    memory = Memory(extra={"slots": 8.0, "busy": 30.0, "rps": 10.0, "rps_at": 0.0})
+    rising = replace(ON_TARGET, arrival_rps=12.0, in_flight=30)  # +0.4 req/s per s
+    plain = plan(POLICY, rising, _steady(4), memory, now=5.0)
+    assert plain.desired == 5  # 30 / (0.85 × 8)
+    assert plain.memory.extra["trend"] == pytest.approx(0.4 * Tuning().trend_smoothing)
+    ahead = Tuning(max_growth=2.0, trend_smoothing=1.0)
+    decision = plan(POLICY, rising, _steady(4), memory, 5.0, ahead)
+    assert decision.desired == 8  # 30 × (1 + 0.4 × 60 / 12) capped at × 2 → 60 / 6.8 → 9, step
 
 
 def test_never_acts_while_a_change_is_still_coming() -> None:
@@ -139,12 +161,22 @@ def test_a_round_above_down_ratio_restarts_the_low_window() -> None:
     assert "below target for 0 s" in decision.message
 
 
-def test_scale_down_never_goes_below_what_the_learned_capacity_needs() -> None:
-    memory = Memory(low_since=0.0, capacity_rps=2.0)
-    busy_but_fast = Signals(ttft_p90_ms=100.0, samples=500, arrival_rps=12.0, in_flight=12)
-    decision = plan(POLICY, busy_but_fast, _steady(8), memory, now=1000.0)
-    assert decision.desired == 8  # 12 req/s at 0.8 × 2.0 learned: 7 would be over
-    assert decision.reason == "hold"
+def test_scale_down_waits_until_what_is_on_hand_fits_on_fewer_replicas() -> None:
+    memory = Memory(low_since=0.0, extra={"slots": 2.0})
+    fast_but_full = Signals(ttft_p90_ms=100.0, samples=500, arrival_rps=3.0, in_flight=12)
+    decision = plan(POLICY, fast_but_full, _steady(8), memory, now=1000.0)
+    assert (decision.desired, decision.reason) == (8, "hold")  # 12 > 70 % of 7 × 2 slots
+    emptier = replace(fast_but_full, in_flight=9)
+    assert plan(POLICY, emptier, _steady(8), memory, now=1000.0).desired == 7
+
+
+def test_itl_below_target_is_projected_onto_one_replica_fewer() -> None:
+    policy = Policy(min=1, max=8, itl_p90_ms=40.0)
+    memory = Memory(low_since=0.0)
+    near = Signals(itl_p90_ms=34.0, samples=100, arrival_rps=1.0, in_flight=2)
+    assert plan(policy, near, _steady(4), memory, now=1000.0).desired == 4  # 34 × 4/3 > 40
+    room = replace(near, itl_p90_ms=29.0)
+    assert plan(policy, room, _steady(4), memory, now=1000.0).desired == 3  # 29 × 4/3 ≤ 40
 
 
 def test_to_zero_only_when_min_is_zero_and_idle_that_long() -> None:
@@ -194,13 +226,11 @@ def test_capacity_is_learned_where_the_target_broke_and_raised_where_it_held() -
     assert plan(POLICY, lower, coming, memory, now=2.0).memory.capacity_rps == 3.0
 
 
-def test_learned_capacity_scales_up_ahead_of_the_target() -> None:
-    rising = Signals(ttft_p90_ms=600.0, samples=100, arrival_rps=7.0, in_flight=10)
-    decision = plan(POLICY, rising, _steady(4), Memory(capacity_rps=2.0), now=1.0)
-    assert (decision.desired, decision.reason) == (5, "scale_up")  # 7 / (0.8 × 2.0)
-    assert decision.signal == "arrival_rps=7.00"
-    within = plan(POLICY, rising, _steady(5), decision.memory, now=2.0)
-    assert (within.desired, within.reason) == (5, "hold")
+def test_learned_capacity_scales_up_when_the_percentiles_say_nothing_yet() -> None:
+    long_answers = Signals(samples=2, arrival_rps=9.0, in_flight=10)
+    decision = plan(POLICY, long_answers, _steady(4), Memory(capacity_rps=2.0), now=1.0)
+    assert (decision.desired, decision.reason) == (5, "scale_up")  # 9 / 2.0 → 5
+    assert decision.signal == "arrival_rps=9.00"
 
 
 _CASES = st.tuples(
