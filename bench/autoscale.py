@@ -61,8 +61,8 @@ from llmgw.server.core.autoscale import (
     Signals,
     Tuning,
     plan,
-    share_budget,
 )
+from llmgw.server.core.autoscale_budget import share_budget
 
 PLANNER_TUNING = Tuning()
 MIN_REPLICAS = 1

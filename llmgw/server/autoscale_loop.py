@@ -63,8 +63,8 @@ from llmgw.server.core.autoscale import (
     Signals,
     Tuning,
     plan,
-    share_budget,
 )
+from llmgw.server.core.autoscale_budget import share_budget
 from llmgw.server.core.autoscale_window import (
     EngineFigures,
     GatewayReport,

@@ -3,8 +3,8 @@
 Pure: no clock, no I/O. The server's autoscale loop (``llmgw.server.autoscale_loop``) builds
 a :class:`Signals` window per deployment from the gateways' reports and the engines' polled
 figures, calls :func:`plan` once per round with the :class:`Memory` it returned last time,
-then :func:`share_budget` over every deployment of a pool with a GPU budget, and (mode
-"act") stores the count.
+then ``share_budget`` (``llmgw.server.core.autoscale_budget``) over every deployment of a
+pool with a GPU budget, and (mode "act") stores the count.
 
 INTERFACE FIXED FOR THE PARALLEL WORK OF ISSUE #16: the names and fields below are what
 the loop, the benchmark and the tests use; the planner's rules are filled in behind them.
@@ -20,7 +20,7 @@ from llmgw.api.llmgw.v1 import AutoscalePolicy
 
 __all__ = [
     "ACT", "ADVISE", "Claim", "Current", "Decision", "Memory", "Policy", "Signals", "Tuning",
-    "plan", "share_budget",
+    "plan",
 ]  # fmt: skip
 
 ACT = "act"
@@ -96,19 +96,19 @@ class Tuning:
 
     window_s: float = 30.0
     max_step_up: int = 4  # replicas added in one decision at most
-    max_step_down: int = 1
+    max_step_down: int = 4  # replicas removed in one decision at most
     min_samples: int = 5  # fewer answered requests in the window: the percentiles say nothing
     down_ratio: float = 0.6  # "below target": the window's TTFT p90 at most this share of target
     up_util: float = 1.0  # plan replicas to carry at most this share of the learned capacity
     queue_per_replica: float = 1.0  # engines' waiting requests per READY replica: over target
     settle_s: float = 15.0  # after the last change came READY, the window's p90s are stale
-    busy_util: float = 0.85  # plan replicas to have at most this share of their slots busy
+    busy_util: float = 0.75  # plan replicas to have at most this share of their slots busy
     max_ratio: float = 2.0  # a p90 over target at most doubles the count
-    down_util: float = 0.7  # a replica goes only if the rest would have this share busy
+    down_util: float = 0.65  # a replica goes only if the rest would have this share busy
     lead_s: float = 60.0  # a change's time to READY until one was seen
     max_growth: float = 1.0  # growing, the arrivals' trend adds up to this factor (1: off)
     trend_smoothing: float = 0.1  # how far one round moves the arrivals' smoothed slope
-    smoothing: float = 0.3  # how far one round moves the smoothed requests on hand
+    smoothing: float = 1.0  # how far one round moves the smoothed requests on hand (1: none)
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,20 +142,25 @@ def plan(
     """The count ``policy`` wants now, always within ``[policy.min, policy.max]``.
 
     The rules, in order: a count outside ``[min, max]`` is brought inside at once; from
-    zero, a replica starts as soon as anything waits or arrives; while a change is still
-    coming (replicas placed but not READY) nothing else changes; above target the count
-    goes up at once, by up to ``tuning.max_step_up``, to the most that any of these asks:
-    a p90 over its target (× its excess, at most ``tuning.max_ratio``; not while the
-    window still holds the time before the last change came READY), the engines queueing
-    more than ``tuning.queue_per_replica`` per READY replica (one more), the requests on
-    hand (smoothed) over ``tuning.busy_util`` of the replicas' slots (an engine's slots
-    are learned from the running count whenever the engines queue), arrivals past the
-    learned capacity (``Memory.capacity_rps``). Below target (TTFT p90 at most
-    ``tuning.down_ratio`` of its target, ITL p90 meeting its target on one replica fewer,
-    the requests on hand within ``tuning.down_util`` of one replica fewer's slots, none
-    held) for ``policy.scale_down_after_s``, it goes down by ``tuning.max_step_down``,
-    then one more step each window while it stays below; to zero only when ``min`` is 0
-    and nothing arrived or ran for ``scale_down_after_s``.
+    zero, a replica starts as soon as anything waits or arrives; while replicas are coming
+    (placed but not READY) they count as capacity on its way, not asked for again: the
+    count goes up only where the load (the arrivals past the learned capacity, the requests
+    on hand past ``tuning.busy_util`` of the slots) needs more than the count with them, and
+    nothing else changes; above target the count goes up at once, by up to
+    ``tuning.max_step_up``, to the most that any of these asks: a p90 over its target (× its
+    excess, at most ``tuning.max_ratio``; not while the window still holds the time before
+    the last change came READY), the engines queueing more than ``tuning.queue_per_replica``
+    per READY replica (one more), the requests on hand (smoothed by ``tuning.smoothing``)
+    over ``tuning.busy_util`` of the replicas' slots (an engine's slots are learned from
+    the running count whenever the engines queue, ``tuning.settle_s`` after a change came
+    READY), arrivals past the learned capacity (``Memory.capacity_rps``). Below target
+    (TTFT p90 at most ``tuning.down_ratio`` of its target, ITL p90 meeting its target on
+    one replica fewer, the requests on hand within ``tuning.down_util`` of one replica
+    fewer's slots, none held) for ``policy.scale_down_after_s``, it goes down, by up to
+    ``tuning.max_step_down``, to the fewest replicas whose slots hold the most on hand of
+    about the last ``scale_down_after_s`` within ``tuning.down_util`` (one step where the
+    slots are unknown), then again each window while it stays below; to zero only when
+    ``min`` is 0 and nothing arrived or ran for ``scale_down_after_s``.
     """
     memory = _observe(policy, signals, current, memory, now, tuning)
     count = current.count
@@ -166,9 +171,13 @@ def plan(
         return _change(desired, reason, message, f"replicas={count}", memory, now)
     if count == 0:
         return _from_zero(policy, signals, memory, now, tuning)
-    if current.coming > 0:
-        message = f"{current.coming} replica(s) of {count} still coming; no change until READY"
-        return _hold(count, "pending", message, _signal(policy, signals), memory)
+    if current.ready < count:  # a change on its way is not asked for again
+        load = _load_pressure(signals, current, memory, tuning)
+        if load is not None:
+            return _scale_up(policy, current, memory, now, tuning, load)
+        if current.coming > 0:
+            message = f"{current.coming} replica(s) of {count} still coming; their load is met"
+            return _hold(count, "pending", message, _signal(policy, signals), memory)
     pressure = _pressure(policy, signals, current, memory, now, tuning)
     if pressure is not None and current.ready < count:
         message = f"{pressure.message}; {count - current.ready} of {count} not placed yet"
@@ -209,11 +218,12 @@ def _observe(
     _trend(extra, signals, now, tuning)
     memory = replace(memory, idle_since=idle_since, extra=extra)
     slots = _slots(signals, current)
-    if slots is not None:
-        extra["slots"] = slots
+    if slots is not None and _settled_for(memory, now) >= tuning.settle_s:
+        extra["slots"] = slots  # not while the queues are still on the replicas of before
     smooth = extra.get("busy")
     busy = float(_busy(signals))
     extra["busy"] = busy if smooth is None else smooth + (busy - smooth) * tuning.smoothing
+    _peak(extra, extra["busy"], now, policy.scale_down_after_s / 2.0)
     if _settled_for(memory, now) >= tuning.window_s:  # the window is all of the count now
         memory = replace(memory, capacity_rps=_learn(policy, signals, current, memory, tuning))
     return memory
@@ -281,10 +291,12 @@ def _learn(
     tuning: Tuning,
 ) -> float | None:
     """The requests/s at which one READY replica breaks its target, learned from windows
-    where every replica was READY all along: one over target at ``x`` rps per replica says it is at
-    most ``x``; one within target at ``x`` above what was learned says it is at least ``x``.
-    Unknown until a window went over target (then the planner plans ahead of it, at
-    ``tuning.up_util`` of it)."""
+    where every replica was READY all along: one over target at ``x`` rps per replica says it
+    is at most ``x`` only while the replicas are full now (the engines or the gateways queue,
+    where the engines report: a window that still holds a burst's slow answers after the
+    arrivals fell says nothing of what a replica carries); one within target at ``x`` above
+    what was learned says it is at least ``x``. Unknown until a window went over target
+    (then the planner plans ahead of it, at ``tuning.up_util`` of it)."""
     capacity = memory.capacity_rps
     ratio = _ratio(policy, signals, tuning)
     steady = current.ready == current.count > 0 and current.coming == 0
@@ -292,6 +304,8 @@ def _learn(
         return capacity
     per_replica = signals.arrival_rps / current.ready
     if ratio[0] > 1.0:
+        if signals.engine_waiting is not None and not (signals.waiting or signals.engine_waiting):
+            return capacity
         return per_replica if capacity is None else min(capacity, per_replica)
     if capacity is not None and per_replica > capacity:
         return per_replica
@@ -342,6 +356,18 @@ def _pressure(
     if queued > tuning.queue_per_replica * max(current.ready, 1):
         message = f"engines queue {queued} requests on {current.ready} READY"
         found.append(_Pressure(count + 1, message, f"engine_waiting={queued}"))
+    found += _load_needs(signals, count, memory, tuning)
+    if not found:
+        return None
+    top = max(found, key=lambda p: p.wants)  # growing anyway: for what comes meanwhile too
+    ahead = _needed_busy(memory, tuning, ahead=True) or 0
+    return replace(top, wants=max(top.wants, count + 1, ahead))
+
+
+def _load_needs(signals: Signals, count: int, memory: Memory, tuning: Tuning) -> list[_Pressure]:
+    """What the load asks of ``count`` replicas (coming ones included): the arrivals past
+    the learned capacity, the requests on hand past ``tuning.busy_util`` of the slots."""
+    found: list[_Pressure] = []
     needed = _needed(signals, memory.capacity_rps, tuning)
     if needed is not None and needed > count:
         message = f"{signals.arrival_rps:.2f} req/s > {count} × {memory.capacity_rps:.2f} learned"
@@ -351,11 +377,21 @@ def _pressure(
         slots, on_hand = memory.extra["slots"], memory.extra["busy"]
         message = f"{on_hand:.0f} on hand > {tuning.busy_util:.0%} of {count} × {slots:.0f} slots"
         found.append(_Pressure(busy, message, f"in_flight={on_hand:.0f}"))
+    return found
+
+
+def _load_pressure(
+    signals: Signals, current: Current, memory: Memory, tuning: Tuning
+) -> _Pressure | None:
+    """While replicas are on their way: a scale-up only where the load needs more than the
+    count that already includes them (a p90 over target, or the engines queueing, is what
+    the coming ones are for, and is not asked for again)."""
+    found = _load_needs(signals, current.count, memory, tuning)
     if not found:
         return None
-    top = max(found, key=lambda p: p.wants)  # growing anyway: for what comes meanwhile too
-    ahead = _needed_busy(memory, tuning, ahead=True) or 0
-    return replace(top, wants=max(top.wants, count + 1, ahead))
+    top = max(found, key=lambda p: p.wants)
+    message = f"{top.message}, {current.count - current.ready} of them not READY yet"
+    return replace(top, message=message)
 
 
 def _scale_up(
@@ -432,8 +468,8 @@ def _scale_down_or_hold(
     idle_for = now - memory.idle_since if memory.idle_since is not None else 0.0
     floor = policy.min if idle_for >= policy.scale_down_after_s else max(policy.min, 1)
     needed = _needed(signals, memory.capacity_rps, tuning) or 0
-    busy = _needed_busy(memory, tuning) or 0
-    desired = max(count - tuning.max_step_down, floor, needed, busy)
+    fewest = _fewest(policy, signals, count, memory, tuning)
+    desired = max(count - tuning.max_step_down, floor, needed, fewest)
     low_for = now - low_since
     since_change = now - memory.last_change if memory.last_change is not None else math.inf
     if desired >= count:
@@ -446,6 +482,32 @@ def _scale_down_or_hold(
         return _change(0, "to_zero", message, f"idle_s={idle_for:.0f}", memory, now)
     message = f"below target for {low_for:.0f} s: {count}→{desired}"
     return _change(desired, "scale_down", message, signal, memory, now)
+
+
+def _peak(extra: dict[str, float], busy: float, now: float, span: float) -> None:
+    """The most on hand (smoothed) over the last ``span`` to ``2 × span`` seconds into
+    ``extra["peak"]``: the maxima of this ``span``-long bucket and the one before."""
+    bucket = math.floor(now / span) if span > 0.0 else now
+    last = extra.get("peak_bucket")
+    if last != bucket:
+        extra["peak_before"] = extra.get("peak_now", 0.0) if last == bucket - 1 else 0.0
+        extra["peak_now"], extra["peak_bucket"] = 0.0, bucket
+    extra["peak_now"] = max(extra["peak_now"], busy)
+    extra["peak"] = max(extra["peak_now"], extra["peak_before"])
+
+
+def _fewest(policy: Policy, signals: Signals, count: int, memory: Memory, tuning: Tuning) -> int:
+    """The fewest replicas a step down may leave: the most on hand over the last
+    ``policy.scale_down_after_s`` (about: :func:`_peak`) within ``tuning.down_util`` of
+    their slots, the ITL p90 scaled up with the batch within its target (one replica fewer
+    where the slots are not known yet)."""
+    slots = memory.extra.get("slots")
+    if slots is None or slots <= 0.0:
+        return count - 1
+    fewest = math.ceil(memory.extra.get("peak", 0.0) / (slots * tuning.down_util) - 1e-9)
+    if policy.itl_p90_ms > 0.0 and signals.itl_p90_ms is not None:
+        fewest = max(fewest, math.ceil(count * signals.itl_p90_ms / policy.itl_p90_ms - 1e-9))
+    return fewest
 
 
 def _from_zero(
@@ -494,73 +556,3 @@ def _change(
     if reason != "scale_down":
         memory = replace(memory, low_since=None)
     return Decision(desired=desired, reason=reason, message=message, signal=signal, memory=memory)
-
-
-def share_budget(claims: Mapping[str, Claim], budgets: Mapping[str, int]) -> dict[str, Decision]:
-    """Each deployment's decision once every pool's GPU budget (``budgets[pool]``, in GPUs)
-    holds: deployments of higher ``priority`` get GPUs first and may take them from lower
-    ones (down to their ``min``); a cut decision says ``budget``. Pools without a budget
-    and deployments without a claim pass as they are. A fixed-count deployment of a pool
-    counts against its budget: the loop passes it as a claim whose policy has
-    ``min == max == count`` (mode "advise").
-
-    Within a pool every claim first gets its ``min`` (a floor the budget never cuts: a
-    pool whose floors exceed its budget is over it, and each decision that met its floor
-    only says so); then, highest priority first, a priority level keeps what it runs now
-    (up to what it wants) before it grows, so two deployments of one priority never take
-    replicas from each other; ties are granted in name order.
-    """
-    out = {name: claim.decision for name, claim in claims.items()}
-    pools: dict[str, list[str]] = {}
-    for name, claim in claims.items():
-        if claim.current.pool in budgets:
-            pools.setdefault(claim.current.pool, []).append(name)
-    for pool, names in pools.items():
-        granted = _grant(pool, {name: claims[name] for name in names}, budgets[pool])
-        out.update(granted)
-    return out
-
-
-def _grant(pool: str, claims: Mapping[str, Claim], budget: int) -> dict[str, Decision]:
-    """One pool's claims cut to ``budget`` GPUs (the rules in :func:`share_budget`)."""
-    grant = {name: min(claim.policy.min, claim.decision.desired) for name, claim in claims.items()}
-    left = budget - sum(
-        grant[name] * claim.current.gpus_per_replica for name, claim in claims.items()
-    )
-    for priority in sorted({claim.current.priority for claim in claims.values()}, reverse=True):
-        level = sorted(name for name, claim in claims.items() if claim.current.priority == priority)
-        for name in level:  # keep what runs now
-            keep = min(claims[name].decision.desired, claims[name].current.count)
-            left -= _give(grant, name, keep, claims[name].current.gpus_per_replica, left)
-        for name in level:  # then grow
-            left -= _give(
-                grant,
-                name,
-                claims[name].decision.desired,
-                claims[name].current.gpus_per_replica,
-                left,
-            )
-    return {
-        name: _cut(pool, budget, claim, grant[name])
-        for name, claim in claims.items()
-        if grant[name] < claim.decision.desired
-    }
-
-
-def _give(grant: dict[str, int], name: str, upto: int, gpus: int, left: int) -> int:
-    """Raise ``grant[name]`` toward ``upto`` within ``left`` GPUs; the GPUs it took."""
-    more = max(upto - grant[name], 0)
-    if gpus > 0:
-        more = min(more, max(left, 0) // gpus)
-    grant[name] += more
-    return more * gpus
-
-
-def _cut(pool: str, budget: int, claim: Claim, granted: int) -> Decision:
-    decision = claim.decision
-    gpus = claim.current.gpus_per_replica
-    message = (
-        f"pool {pool} budget {budget} GPUs: wants {decision.desired} × {gpus} GPUs, "
-        f"granted {granted} (priority {claim.current.priority}); planner: {decision.message}"
-    )
-    return replace(decision, desired=granted, reason="budget", message=message)

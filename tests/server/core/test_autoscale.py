@@ -19,8 +19,8 @@ from llmgw.server.core.autoscale import (
     Signals,
     Tuning,
     plan,
-    share_budget,
 )
+from llmgw.server.core.autoscale_budget import share_budget
 
 POLICY = Policy(min=1, max=8, ttft_p90_ms=800.0, scale_down_after_s=300.0)
 ON_TARGET = Signals(ttft_p90_ms=500.0, samples=100, arrival_rps=4.0, in_flight=4)
@@ -96,8 +96,8 @@ def test_learned_slots_size_the_count_for_what_is_on_hand() -> None:
     memory = Memory(extra={"slots": 8.0})
     busy = replace(ON_TARGET, in_flight=30, engine_running=14, engine_waiting=0)
     decision = plan(POLICY, busy, _steady(4), memory, now=1.0)
-    assert (decision.desired, decision.reason) == (5, "scale_up")  # 30 / (0.85 × 8) → 5
-    assert "30 on hand > 85% of 4 × 8 slots" in decision.message
+    assert (decision.desired, decision.reason) == (5, "scale_up")  # 30 / (0.75 × 8) → 5
+    assert "30 on hand > 75% of 4 × 8 slots" in decision.message
     calm = replace(busy, in_flight=20)
     assert plan(POLICY, calm, _steady(4), memory, now=1.0).reason == "hold"
 
@@ -120,6 +120,26 @@ def test_never_acts_while_a_change_is_still_coming() -> None:
     assert (decision.desired, decision.reason) == (4, "pending")
     idle = plan(POLICY, IDLE, coming, Memory(low_since=0.0, idle_since=0.0), now=1000.0)
     assert (idle.desired, idle.reason) == (4, "pending")
+
+
+def test_while_coming_only_load_past_the_count_with_them_scales_up_and_never_twice() -> None:
+    memory = Memory(extra={"slots": 4.0, "busy": 30.0})
+    wide = replace(POLICY, max=16)
+    burst = Signals(ttft_p90_ms=5000.0, samples=50, arrival_rps=5.0, in_flight=30,
+                    engine_waiting=14, engine_running=8)  # fmt: skip
+    coming = Current(count=4, ready=2, coming=2, gpus_per_replica=1)
+    decision = plan(wide, burst, coming, memory, now=1.0)
+    assert (decision.desired, decision.reason) == (8, "scale_up")  # 30 / (0.75 × 4) → 10, step
+    assert "2 of them not READY yet" in decision.message
+    more = Current(count=8, ready=2, coming=6, gpus_per_replica=1)
+    decision = plan(wide, burst, more, decision.memory, now=6.0)
+    assert decision.desired == 10
+    asked = Current(count=10, ready=2, coming=8, gpus_per_replica=1)
+    again = plan(wide, burst, asked, decision.memory, now=11.0)
+    assert (again.desired, again.reason) == (10, "pending")  # what is on its way is not re-asked
+    light = replace(burst, in_flight=10, engine_waiting=2)  # p90 and queue stale: they wait
+    fresh = Memory(extra={"slots": 4.0})
+    assert plan(POLICY, light, coming, fresh, now=1.0).reason == "pending"
 
 
 def test_unplaced_replicas_hold_a_scale_up_but_not_a_scale_down() -> None:
@@ -226,6 +246,33 @@ def test_capacity_is_learned_where_the_target_broke_and_raised_where_it_held() -
     assert plan(POLICY, lower, coming, memory, now=2.0).memory.capacity_rps == 3.0
 
 
+def test_capacity_is_not_learned_down_from_a_burst_s_slow_answers_after_it_ended() -> None:
+    # the loop's case: learned 20 req/s per replica in a burst; after it the window still
+    # holds its slow answers while the arrivals fell to 1.45 req/s and nothing queues
+    after = Signals(ttft_p90_ms=2400.0, samples=60, arrival_rps=1.45, in_flight=1,
+                    engine_waiting=0, engine_running=1)  # fmt: skip
+    memory = Memory(capacity_rps=20.0)
+    assert plan(POLICY, after, _steady(2), memory, now=1.0).memory.capacity_rps == 20.0
+    full = replace(after, engine_waiting=6, engine_running=16)  # full now: it says at most
+    assert plan(POLICY, full, _steady(2), memory, now=1.0).memory.capacity_rps == 0.725
+
+
+def test_scale_down_steps_to_what_the_most_on_hand_of_the_last_minutes_needs() -> None:
+    memory = Memory(low_since=0.0, extra={"slots": 8.0, "busy": 10.0})
+    light = Signals(ttft_p90_ms=100.0, samples=500, arrival_rps=3.0, in_flight=10)
+    decision = plan(POLICY, light, _steady(8), memory, now=400.0)
+    assert (decision.desired, decision.reason) == (4, "scale_down")  # 8 − step 4; 10 needs 2
+    # 30 on hand in the 150 s bucket before this one (150-300 s): kept for the next bucket
+    peaked = Memory(low_since=0.0, extra={"slots": 8.0, "busy": 10.0, "peak_now": 30.0,
+                                          "peak_bucket": 1.0})  # fmt: skip
+    assert plan(POLICY, light, _steady(8), peaked, now=400.0).desired == 6  # 30 / 5.2 → 6
+    gone = plan(POLICY, light, _steady(8), peaked, now=460.0)  # two buckets on: forgotten
+    assert gone.desired == 4
+    itl_policy = replace(POLICY, itl_p90_ms=40.0)
+    slow_tokens = replace(light, itl_p90_ms=34.0)  # 8 × 34 / 40 → 7 keep the ITL in target
+    assert plan(itl_policy, slow_tokens, _steady(8), memory, now=400.0).desired == 7
+
+
 def test_learned_capacity_scales_up_when_the_percentiles_say_nothing_yet() -> None:
     long_answers = Signals(samples=2, arrival_rps=9.0, in_flight=10)
     decision = plan(POLICY, long_answers, _steady(4), Memory(capacity_rps=2.0), now=1.0)
@@ -266,8 +313,12 @@ def test_any_window_gives_a_count_within_min_max_in_bounded_steps(
     inside = policy.min <= count <= policy.max
     if inside and count > 0:
         assert count - tuning.max_step_down <= decision.desired <= count + tuning.max_step_up
-    if inside and current.coming > 0:
-        assert decision.desired == count
+    if inside and current.coming > 0:  # never down while coming; a change never asked twice
+        assert decision.desired >= count
+        grown = decision.desired - count
+        again = replace(current, count=decision.desired, coming=current.coming + grown)
+        if grown < tuning.max_step_up:  # what it asked for, not a step toward it
+            assert plan(policy, signals, again, decision.memory, now + 5.0).desired == again.count
     if decision.desired == 0 and count > 0:
         assert decision.reason == "to_zero" and rps == 0.0 and waiting == 0
     assert decision.reason in {
