@@ -87,7 +87,7 @@ def test_llmgw_apply_sends_a_huge_file_in_one_request(cluster: Cluster, tmp_path
         f'[deployments.d{i}]\nprofile = "p"\nreplicas = 0\n' for i in range(CLI_DEPLOYMENTS)
     ))  # fmt: skip
     started = time.monotonic()
-    applied = cluster.cli("apply", "-f", str(path))
+    applied = cluster.cli("apply", "-f", str(path), timeout=90)  # ~20 s on a quiet 2-core machine
     took = time.monotonic() - started
     lines = applied.stdout.splitlines()
     assert lines[0].startswith("deployment d0 applied: profile p (")

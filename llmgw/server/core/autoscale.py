@@ -6,8 +6,9 @@ figures, calls :func:`plan` once per round with the :class:`Memory` it returned 
 then ``share_budget`` (``llmgw.server.core.autoscale_budget``) over every deployment of a
 pool with a GPU budget, and (mode "act") stores the count.
 
-INTERFACE FIXED FOR THE PARALLEL WORK OF ISSUE #16: the names and fields below are what
-the loop, the benchmark and the tests use; the planner's rules are filled in behind them.
+The rules, in the order they apply, are :func:`plan`'s docstring; ``bench autoscale``
+(``bench/autoscale.py``) replays a day through them against static counts and an HPA-like
+rule (BENCHMARKS.md).
 """
 
 from __future__ import annotations
@@ -167,7 +168,7 @@ def plan(
     if count < policy.min or count > policy.max:
         desired = min(max(count, policy.min), policy.max)
         reason = "scale_up" if desired > count else "scale_down"
-        message = f"count {count} outside [min {policy.min}, max {policy.max}]: {count}→{desired}"
+        message = f"count {count} outside [min {policy.min}, max {policy.max}]"
         return _change(desired, reason, message, f"replicas={count}", memory, now)
     if count == 0:
         return _from_zero(policy, signals, memory, now, tuning)
@@ -408,7 +409,7 @@ def _scale_up(
     if desired <= count:
         message = f"{pressure.message}; at max {policy.max}"
         return _hold(count, "hold", message, pressure.signal, memory)
-    message = f"{pressure.message}: {count}→{desired}"
+    message = f"{pressure.message}"
     return _change(desired, "scale_up", message, pressure.signal, memory, now)
 
 
@@ -478,9 +479,9 @@ def _scale_down_or_hold(
         message = f"below target for {low_for:.0f} s of {policy.scale_down_after_s:.0f} s"
         return _hold(count, "hold", message, signal, memory)
     if desired == 0:
-        message = f"idle for {idle_for:.0f} s: {count}→0"
+        message = f"idle for {idle_for:.0f} s"
         return _change(0, "to_zero", message, f"idle_s={idle_for:.0f}", memory, now)
-    message = f"below target for {low_for:.0f} s: {count}→{desired}"
+    message = f"below target for {low_for:.0f} s"
     return _change(desired, "scale_down", message, signal, memory, now)
 
 
@@ -521,7 +522,7 @@ def _from_zero(
         return _hold(0, "hold", "idle at zero", "waiting=0", memory)
     wants = max(1, policy.min, _needed(signals, memory.capacity_rps, tuning) or 0)
     desired = min(wants, tuning.max_step_up, policy.max)
-    message = f"{signals.waiting} waiting, {signals.arrival_rps:.2f} req/s at zero: 0→{desired}"
+    message = f"{signals.waiting} waiting, {signals.arrival_rps:.2f} req/s at zero"
     return _change(desired, "from_zero", message, f"waiting={signals.waiting}", memory, now)
 
 
