@@ -77,7 +77,7 @@ async def test_a_huge_apply_leaves_healthz_answering(cluster: Cluster) -> None:
     assert result.ok and "deployment d0 applied" in result.message
     assert took > 1.0, f"the apply took {took:.1f}s: too small to tell"
     assert len(latencies) >= 3
-    assert max(latencies) < 0.5, f"/healthz took up to {max(latencies):.2f}s during the apply"
+    assert max(latencies) < 1.0, f"/healthz took up to {max(latencies):.2f}s during the apply"
 
 
 def test_llmgw_apply_sends_a_huge_file_in_one_request(cluster: Cluster, tmp_path: Path) -> None:
