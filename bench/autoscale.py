@@ -18,7 +18,12 @@ gateway are described in ``bench.autoscale_sim``):
   server's autoscale loop calls them (every 5 s, a 30 s window of the gateway's
   cumulative histograms differenced, the engines' queues of READY replicas, its own
   ``Memory`` carried), with the deployment's policy (min 1, max 24, ttft_p90_ms and
-  itl_p90_ms the SLO's targets, scale_down_after_s 300) and ``PLANNER_TUNING``.
+  itl_p90_ms the SLO's targets, scale_down_after_s 300) and ``PLANNER_TUNING``;
+* **oracle** (a bound, not a policy anyone can run): it reads the trace generator's true
+  rate over the next ``ORACLE_LEAD_S`` seconds and keeps the replicas that rate needs by
+  square-root staffing (slots for the offered load R = rate × a full batch's time per
+  request, plus ``beta`` × √R), every 5 s; twice, at ``ORACLE_BETAS``. It shows what this
+  engine model leaves to be won over HPA by anyone who could see the future.
 
 Reported per policy: GPU-hours (from placement, cold starts included, until a retired
 replica's batch has finished), SLO attainment (the share of requests whose TTFT and ITL
@@ -50,7 +55,9 @@ from bench.autoscale_sim import (
     Request,
     SimConfig,
     View,
+    make_bursts,
     make_trace,
+    rate_at,
     replica_capacity_rps,
 )
 from llmgw.server.core.autoscale import (
@@ -68,6 +75,8 @@ PLANNER_TUNING = Tuning()
 MIN_REPLICAS = 1
 MAX_REPLICAS = 24
 DEFAULT_SEED = 16
+ORACLE_LEAD_S = 60.0  # the cold start (40 s) and a round's margin
+ORACLE_BETAS = (1.5, 1.0)
 
 
 def quick(config: SimConfig) -> SimConfig:
@@ -106,6 +115,23 @@ class Hpa:
             if ratio <= 1.0:
                 return view.count
         return math.ceil(ratio * (view.ready + (view.coming if ratio > 1.0 else 0)))
+
+
+class Oracle:
+    """The future-reading bound (module docstring) as a policy."""
+
+    def __init__(self, config: SimConfig, beta: float) -> None:
+        self.config = config
+        self.beta = beta
+        self.bursts = make_bursts(config)
+        self.seconds_per_slot = config.batch / replica_capacity_rps(config)
+
+    def __call__(self, view: View) -> int:
+        steps = range(0, int(ORACLE_LEAD_S) + 1, 5)
+        rate = max(rate_at(self.config, view.now + s, self.bursts) for s in steps)
+        load = rate * self.seconds_per_slot
+        slots = load + self.beta * math.sqrt(load)
+        return min(max(math.ceil(slots / self.config.batch), MIN_REPLICAS), MAX_REPLICAS)
 
 
 class Planner:
@@ -200,6 +226,10 @@ def run_bench(config: SimConfig) -> tuple[Facts, list[Row], Counter[str]]:
         ("HPA-like", f"{MIN_REPLICAS}-{MAX_REPLICAS}", Hpa(), 15.0, start),
         ("planner", f"{MIN_REPLICAS}-{MAX_REPLICAS}", planner, 5.0, start),
     ]  # fmt: skip
+    runs += [
+        (f"oracle, beta {beta}", f"{MIN_REPLICAS}-{MAX_REPLICAS}", Oracle(config, beta), 5.0, start)
+        for beta in ORACLE_BETAS
+    ]
     rows = [
         _row(name, replicas, Fleet(config, trace, decide, interval, initial).run())
         for name, replicas, decide, interval, initial in runs
@@ -207,9 +237,9 @@ def run_bench(config: SimConfig) -> tuple[Facts, list[Row], Counter[str]]:
     return facts, rows, planner.reasons
 
 
-def _ratios(rows: Sequence[Row]) -> dict[str, float]:
+def _ratios(rows: Sequence[Row], policy: str = "planner") -> dict[str, float]:
     by = {r.policy: r for r in rows}
-    ours, peak, hpa = by["planner"], by["static at peak"], by["HPA-like"]
+    ours, peak, hpa = by[policy], by["static at peak"], by["HPA-like"]
     violations = (1.0 - ours.slo) * ours.requests
     hpa_violations = (1.0 - hpa.slo) * hpa.requests
     return {
@@ -217,6 +247,20 @@ def _ratios(rows: Sequence[Row]) -> dict[str, float]:
         "goodput_vs_hpa": ours.goodput_per_gpu_hour / hpa.goodput_per_gpu_hour,
         "violations_vs_hpa": violations / hpa_violations if hpa_violations else math.inf,
     }
+
+
+def _compared(row: Row) -> bool:
+    """A row whose ratios against static at peak and HPA are reported."""
+    return row.policy.startswith(("planner", "oracle"))
+
+
+def _ratio_line(rows: Sequence[Row], policy: str) -> str:
+    ratios = _ratios(rows, policy)
+    return (
+        f"{policy}: goodput/GPU-h {ratios['goodput_vs_static_peak']:.2f}x static at peak, "
+        f"{ratios['goodput_vs_hpa']:.2f}x HPA-like; SLO violations "
+        f"{ratios['violations_vs_hpa']:.2f}x HPA-like's"
+    )
 
 
 def render(config: SimConfig, facts: Facts, rows: Sequence[Row], reasons: Counter[str]) -> str:
@@ -238,12 +282,8 @@ def render(config: SimConfig, facts: Facts, rows: Sequence[Row], reasons: Counte
         f"| {r.peak_count} |"
         for r in rows
     )
-    ratios = _ratios(rows)
+    lines += ["", *(_ratio_line(rows, r.policy) for r in rows if _compared(r))]
     lines += [
-        "",
-        f"planner: goodput/GPU-h {ratios['goodput_vs_static_peak']:.2f}x static at peak, "
-        f"{ratios['goodput_vs_hpa']:.2f}x HPA-like; SLO violations "
-        f"{ratios['violations_vs_hpa']:.2f}x HPA-like's",
         "planner's changes by reason: " + ", ".join(f"{k} {v}" for k, v in sorted(reasons.items())),
     ]
     return "\n".join(lines)
@@ -266,7 +306,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     wall = time.perf_counter() - began
     if args.json:
         doc = {"config": asdict(config), "facts": asdict(facts), "rows": [asdict(r) for r in rows]}
-        print(json.dumps(doc | {"ratios": _ratios(rows), "reasons": dict(reasons)}, indent=2))
+        ratios = {r.policy: _ratios(rows, r.policy) for r in rows if _compared(r)}
+        print(json.dumps(doc | {"ratios": ratios, "reasons": dict(reasons)}, indent=2))
         return 0
     print(render(config, facts, rows, reasons))
     print(

@@ -79,7 +79,10 @@ def test_hpa_counts_replicas_still_coming_as_idle_for_a_scale_up() -> None:
 
 def test_every_policy_replays_the_same_requests_and_the_planner_stays_in_bounds() -> None:
     facts, rows, reasons = bench.run_bench(SMALL)
-    assert [r.policy for r in rows] == ["static at peak", "static at mean", "HPA-like", "planner"]
+    oracles = [f"oracle, beta {beta}" for beta in bench.ORACLE_BETAS]
+    assert [r.policy for r in rows] == [
+        "static at peak", "static at mean", "HPA-like", "planner", *oracles
+    ]  # fmt: skip
     assert {r.requests for r in rows} == {facts.requests}
     by = {r.policy: r for r in rows}
     assert by["static at peak"].gpu_hours == pytest.approx(facts.static_peak * 0.5, rel=0.05)
@@ -91,3 +94,15 @@ def test_every_policy_replays_the_same_requests_and_the_planner_stays_in_bounds(
     assert planner.gpu_hours < by["static at peak"].gpu_hours
     text = bench.render(SMALL, facts, rows, reasons)
     assert "| planner | 1-24 |" in text and "x static at peak" in text
+    assert f"{oracles[0]}: goodput/GPU-h" in text
+
+
+def test_the_oracle_staffs_the_coming_rate_with_square_root_headroom() -> None:
+    config = replace(SMALL, bursts=0)
+    oracle = bench.Oracle(config, beta=1.5)
+    noon = config.day_s / 2  # the peak: 4 req/s, flat within the next minute
+    load = 4.0 * config.batch / sim.replica_capacity_rps(config)
+    want = -(-(load + 1.5 * load**0.5) // config.batch)
+    assert oracle(_view(now=noon)) == want
+    assert bench.Oracle(config, beta=0.0)(_view(now=noon)) < want  # no headroom: fewer
+    assert oracle(_view(now=0.0)) < want  # night
