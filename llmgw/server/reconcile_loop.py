@@ -61,7 +61,7 @@ from collections.abc import Awaitable, Callable, Mapping
 
 from llmgw.api.llmgw.v1 import ControlMessage, NodeState
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange, format_port_range
-from llmgw.server.core.fingerprint import profile_fingerprint
+from llmgw.server.core.fingerprint import profile_fingerprint, remembered
 from llmgw.server.core.reconcile_state import (
     CrashLoop,
     Decision,
@@ -188,7 +188,7 @@ class ReconcileLoop:
         return ReconcileInput(
             deployments=deployments,
             profiles=dict(plane.desired.profiles),
-            fingerprint=profile_fingerprint,
+            fingerprint=remembered(profile_fingerprint),
             place=LazyPlacer(plane, self.port_range, now, self._busy(now)),
             replicas=dict(plane.replicas),
             shards=dict(plane.inventory.shards),

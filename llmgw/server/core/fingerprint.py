@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from pathlib import PurePosixPath
 
 from llmgw.api.llmgw.v1 import EngineProfile
 from llmgw.server.core.profiles import CPU_CLASS
 
-__all__ = ["profile_fingerprint"]
+__all__ = ["profile_fingerprint", "remembered"]
 
 
 # -- fingerprint ---------------------------------------------------------------------------
@@ -53,3 +54,23 @@ def profile_fingerprint(profile: EngineProfile) -> str:
     }
     blob = json.dumps(canonical, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
     return "fp-" + hashlib.sha256(blob.encode("ascii")).hexdigest()[:16]
+
+
+def remembered(
+    of: Callable[[EngineProfile], str] = profile_fingerprint,
+) -> Callable[[EngineProfile], str]:
+    """``of`` (a fingerprint, a refusal) computed once per profile *object*: for one round's
+    snapshot, whose profiles stay the same objects, unchanged, while it runs (thousands of
+    deployments of a few profiles ask the same few questions each round). Keep it no
+    longer than the snapshot: a profile changed in place would keep its old answer."""
+    seen: dict[int, tuple[EngineProfile, str]] = {}
+
+    def cached(profile: EngineProfile) -> str:
+        hit = seen.get(id(profile))
+        if hit is not None and hit[0] is profile:  # the object held: its id is not reused
+            return hit[1]
+        value = of(profile)
+        seen[id(profile)] = (profile, value)
+        return value
+
+    return cached

@@ -73,6 +73,7 @@ from llmgw.api.llmgw.v1 import (
     ShardState,
     StopShard,
 )
+from llmgw.server.core.fingerprint import remembered
 from llmgw.server.core.placing import (
     holding,
     next_serials,
@@ -151,6 +152,7 @@ class _Round:
             self.by_deployment.setdefault(record.plan.deployment, {})[record.replica_id] = record
         self.unusable = unusable_nodes(state.nodes)
         self.taken = holding(self.records.values(), state.shards)
+        self.refusal = remembered(profile_refusal)  # once per profile in a round
 
     # --- views ----------------------------------------------------------------------
 
@@ -349,9 +351,11 @@ class _Round:
         if profile is None:
             self.unplaceable[deployment.name] = f"profile {deployment.profile!r} is not defined"
             return
-        if why := profile_refusal(profile):
+        if why := self.refusal(profile):
             self.unplaceable[deployment.name] = why
             return
+        if not deployment.replicas and not self.by_deployment.get(deployment.name):
+            return  # none wanted, none there: nothing to settle (most of a huge apply)
         fingerprint = self.s.fingerprint(profile)
         current = _Current(deployment.profile, fingerprint, self.s.replace)
         self.settle_surges(deployment.name, current)
@@ -376,8 +380,10 @@ class _Round:
 
     def of(self, deployment: str, *lifecycles: Lifecycle) -> list[ReplicaRecord]:
         """The deployment's replicas in these lifecycles, oldest first."""
-        records = self.by_deployment.get(deployment, {}).values()
-        return sorted((r for r in records if r.lifecycle in lifecycles), key=_key)
+        records = self.by_deployment.get(deployment)
+        if not records:
+            return []
+        return sorted((r for r in records.values() if r.lifecycle in lifecycles), key=_key)
 
     def settle_surges(self, name: str, current: _Current) -> None:
         """Promote READY surges, retire stale ones; keep at most one (the oldest)."""
@@ -511,7 +517,7 @@ class _Round:
         return shard is None or _state(shard) is ShardState.STOPPED
 
     def start(self, record: ReplicaRecord, plan: ShardPlan, leader_address: str) -> None:
-        if why := profile_refusal(record.profile):
+        if why := self.refusal(record.profile):
             self.unplaceable.setdefault(record.plan.deployment, why)
             return
         message = start_message(record, plan, leader_address)

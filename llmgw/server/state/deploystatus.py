@@ -57,6 +57,7 @@ class DeploymentBoard:
         self._retiring: dict[str, set[str]] = {}  # deployment → ids of its RETIRING replicas
         self._verdicts: dict[str, RoundVerdict] = {}
         self._shown: dict[str, DeploymentStatus] = {}
+        self._inputs: dict[str, tuple[object, ...]] = {}  # what each shown status stood on
         self._autoscale: dict[str, AutoscaleStatus] = {}  # deployment → the loop's last view
         self.decisions: Counter[tuple[str, str]] = Counter()  # (deployment, reason) → rounds
 
@@ -117,23 +118,32 @@ class DeploymentBoard:
         return replace(deployment, status=self.status(deployment, remember=remember))
 
     def status(self, deployment: Deployment, *, remember: bool = True) -> DeploymentStatus:
-        """The deployment's status now (remembered as the one shown, unless not to)."""
+        """The deployment's status now (remembered as the one shown, unless not to).
+
+        ``deployment_status`` is a function of its inputs (the transition times change only
+        with a condition's status): where they are those of the status shown, that status
+        is the answer, the same object, so :meth:`changed` need not compare them (each
+        round asks it of every deployment)."""
+        name = deployment.name
         now = time.monotonic()
-        replicas = sorted(self._live.get(deployment.name, {}).values(), key=_serial)
-        facts = [self._facts(deployment, r, now) for r in replicas]
+        replicas = sorted(self._live.get(name, {}).values(), key=_serial)
+        facts = tuple(self._facts(deployment, r, now) for r in replicas)
+        verdict = self._verdicts.get(name, RoundVerdict())
+        retiring = len(self._retiring.get(name, ()))
+        autoscale = self._autoscale.get(name) if deployment.autoscale is not None else None
+        inputs = (deployment.replicas, deployment.profile, facts, verdict, retiring)
+        shown = self._shown.get(name)
+        if shown is not None and autoscale is None and shown.autoscale is None:
+            if self._inputs.get(name) == inputs:
+                return shown
         status = deployment_status(
-            deployment,
-            facts,
-            self._verdicts.get(deployment.name, RoundVerdict()),
-            previous=self._shown.get(deployment.name),
-            now_ms=now_ms(),
-            retiring=len(self._retiring.get(deployment.name, ())),
+            deployment, facts, verdict, previous=shown, now_ms=now_ms(), retiring=retiring
         )
-        autoscale = self._autoscale.get(deployment.name)
-        if autoscale is not None and deployment.autoscale is not None:
+        if autoscale is not None:
             status.autoscale = replace(autoscale, current=deployment.replicas)
         if remember:
-            self._shown[deployment.name] = status
+            self._shown[name] = status
+            self._inputs[name] = inputs
         return status
 
     def changed(
@@ -146,10 +156,11 @@ class DeploymentBoard:
             deployment = deployments.get(name)
             if deployment is None:
                 self._shown.pop(name, None)
+                self._inputs.pop(name, None)
                 continue
             before = self._shown.get(name)
             status = self.status(deployment)
-            if status != before:
+            if status is not before and status != before:
                 out.append(replace(deployment, status=status))
         return out
 

@@ -49,7 +49,7 @@ from llmgw.api.llmgw.v1 import (
     WatchEvent,
 )
 from llmgw.server.core.deployment_keys import kept_count
-from llmgw.server.core.fingerprint import profile_fingerprint
+from llmgw.server.core.fingerprint import profile_fingerprint, remembered
 from llmgw.server.core.profiles import CPU_CLASS, Document, parse_document
 from llmgw.server.core.profiles import render_document as _render
 from llmgw.server.errors import ProfileError
@@ -244,6 +244,7 @@ class DesiredState:
         self._lock = asyncio.Lock()
         self._edit_lock = asyncio.Lock()
         self.profiles: dict[str, EngineProfile] = {}
+        self._fingerprint = remembered(profile_fingerprint)
         self.deployments: dict[str, Deployment] = {}
         # Each deployment as last applied (llmgw apply, ApplyDeployment), before any live
         # start, drain or reprofile edited it: a dry run says when a file undoes such an edit.
@@ -279,9 +280,10 @@ class DesiredState:
         return self.retire if kind == "retire" else self.replace
 
     def fingerprint(self, profile_name: str) -> str:
-        """The fingerprint of a stored profile, or "" when there is none by that name."""
+        """The fingerprint of a stored profile, or "" when there is none by that name (once
+        per stored profile: an apply stores new profile objects, never changes one)."""
         profile = self.profiles.get(profile_name)
-        return profile_fingerprint(profile) if profile is not None else ""
+        return self._fingerprint(profile) if profile is not None else ""
 
     async def apply(self, change: Change, *, retire: str = "", live: bool = False) -> None:
         """Store ``change`` (and a request to retire replica ``retire``) durably, in one
@@ -318,6 +320,8 @@ class DesiredState:
             if retire:
                 self.retire.add(retire)
             self.profiles.update(profiles)
+            if profiles:  # the replaced profiles' answers let go
+                self._fingerprint = remembered(profile_fingerprint)
             for deployment in deployments:
                 self.deployments[deployment.name] = deployment
                 if not live or deployment.name not in self.applied:
