@@ -39,6 +39,7 @@ from llmgw.server.state.storehealth import (
     unwritable,
 )
 from llmgw.server.state.storeschema import AuditRecord
+from llmgw.server.state.storesqlite import SqliteBackend
 from llmgw.server.wire.controlsvc import ControlService
 from llmgw.server.wire.grpcweb import GrpcWebApp
 
@@ -119,8 +120,10 @@ class _Disk:
         self.full = False
         self.refused = 0
         self._error = error
-        self._db = store._db
-        store._db = self  # type: ignore[assignment]
+        backend = store.backend
+        assert isinstance(backend, SqliteBackend)
+        self._db = backend.conn
+        backend.conn = self  # type: ignore[assignment]
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._db, name)
