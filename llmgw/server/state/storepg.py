@@ -101,7 +101,8 @@ def _unwritable(exc: BaseException) -> bool:
         return state == _READ_ONLY or state.startswith(_UNWRITABLE_CLASSES)
     if isinstance(exc, asyncpg.InterfaceError):
         return "connection is closed" in str(exc)
-    return isinstance(exc, OSError | TimeoutError)
+    # InternalClientError: the protocol's state broke under it (a connection terminated)
+    return isinstance(exc, OSError | TimeoutError | asyncpg.exceptions.InternalClientError)
 
 
 def _read_only(exc: BaseException) -> bool:
@@ -114,12 +115,24 @@ def _mapped(url: str) -> Iterator[None]:
     """asyncpg's, the socket's and the timeout's exceptions as the server's: the one place."""
     try:
         yield
-    except (asyncpg.PostgresError, asyncpg.InterfaceError, OSError, TimeoutError) as exc:
+    except (
+        asyncpg.PostgresError,
+        asyncpg.InterfaceError,
+        asyncpg.exceptions.InternalClientError,
+        OSError,
+        TimeoutError,
+    ) as exc:
         said = str(exc).replace(url, redact_url(url))
         if _unwritable(exc):
             prefix = UNAVAILABLE_PREFIX if _read_only(exc) else UNREACHABLE_PREFIX
             raise StoreUnwritable(f"{prefix}: {said or type(exc).__name__}") from exc
         raise StoreError(f"state database {redact_url(url)}: {said}") from exc
+
+
+def _discard(conn: Any) -> None:
+    """Close a connection that failed at once: the pool opens a new one for the next use."""
+    with contextlib.suppress(Exception):
+        conn.terminate()
 
 
 @dataclass(slots=True)
@@ -200,15 +213,26 @@ class PgBackend:
         """The current transaction's connection (begun now if this is its first
         statement), else one from the pool for this statement alone."""
         tx = self._tx.get()
-        if tx is None:
-            async with self._open_pool.acquire() as conn:
-                yield conn
+        if tx is not None:
+            if tx.conn is None:
+                tx.conn = await self._open_pool.acquire()
+                tx.tx = tx.conn.transaction()
+                await tx.tx.start()
+            yield tx.conn
             return
-        if tx.conn is None:
-            tx.conn = await self._open_pool.acquire()
-            tx.tx = tx.conn.transaction()
-            await tx.tx.start()
-        yield tx.conn
+        conn = await self._open_pool.acquire()
+        try:
+            yield conn
+        except BaseException as exc:
+            if _unwritable(exc):
+                _discard(conn)
+            raise
+        finally:
+            await self._release(conn)
+
+    async def _release(self, conn: Any) -> None:
+        with contextlib.suppress(Exception):  # a connection that fails its reset is dropped
+            await self._open_pool.release(conn)
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with _mapped(self._url):
@@ -239,28 +263,35 @@ class PgBackend:
         token = self._tx.set(tx)
         try:
             yield
-        except BaseException:
+        except BaseException as exc:
             self._tx.reset(token)
-            await self._end(tx, commit=False)
+            await self._end(tx, exc)
             raise
         self._tx.reset(token)
-        await self._end(tx, commit=True)
+        await self._end(tx, None)
 
-    async def _end(self, tx: _Tx, *, commit: bool) -> None:
+    async def _end(self, tx: _Tx, error: BaseException | None) -> None:
+        """Commit (``error`` None) or roll back; a connection that failed is not reused."""
         if tx.conn is None:
             return  # no statement ran
+        healthy = not isinstance(error, StoreUnwritable)
         try:
-            with _mapped(self._url):
-                if commit:
-                    await tx.tx.commit()
-                else:
-                    with contextlib.suppress(
-                        asyncpg.PostgresError, asyncpg.InterfaceError, OSError
-                    ):
-                        await tx.tx.rollback()
+            if error is None:
+                try:
+                    with _mapped(self._url):
+                        await tx.tx.commit()
+                except StoreUnwritable:
+                    healthy = False
+                    raise
+            elif healthy:
+                try:
+                    await tx.tx.rollback()
+                except Exception:  # the rollback's failure is not the caller's error
+                    healthy = False
         finally:
-            with contextlib.suppress(Exception):  # a broken connection is dropped by the pool
-                await self._open_pool.release(tx.conn)
+            if not healthy:
+                _discard(tx.conn)
+            await self._release(tx.conn)
 
     def changes(self) -> int:
         return self._changes
