@@ -12,6 +12,8 @@ identity and the server checks it before it writes anything:
   ``llmgw_meta`` table (:func:`check_llmgw_tables`), or, for a file from before that table
   existed, llmgw's own tables at a schema version llmgw wrote. Anything else is refused
   with what it is, and nothing is written to it.
+- A PostgreSQL database (``--db postgresql://…``) must be empty or hold the meta table;
+  one with other tables is another program's and is refused untouched (``storepg``).
 - The meta table holds the **cluster id** (:func:`ensure_cluster_id`): random, made when
   the database is, added on the first start of an older file. The server sends it to every
   agent on registration and each agent remembers it, so an agent whose engines belong to

@@ -10,13 +10,14 @@ row of ``llmgw_meta``. A migration runs in one transaction under an advisory loc
 servers opening one new database at once do not both build it. A database that holds
 tables but no ``llmgw_meta`` is another program's: it is refused untouched.
 
-Connections come from a small asyncpg pool; a transaction takes one at its first
-statement, and a lost one is replaced at the next. Failures are mapped in one place,
-:func:`_mapped`: a server that cannot be reached, a connection lost, a cluster that is
-read-only, out of disk or shutting down (SQLSTATE classes 08, 53, 57, 58 and 25006)
-become StoreUnwritable (never sticky: PostgreSQL keeps its own writes whole), every other
-driver error a StoreError; no asyncpg exception leaves this module. The URL's password is
-never in a message (``storebackend.redact_url``).
+Connections come from a small asyncpg pool, opened on demand (none is kept up in the
+background, so a server gone costs nothing until the next statement); a transaction takes
+one at its first statement, and one that failed is closed and replaced at the next.
+Failures are mapped in one place, :func:`_mapped`: a server that cannot be reached, a
+connection lost, a cluster that is read-only, out of disk or shutting down (SQLSTATE
+classes 08, 53, 57, 58 and 25006) become StoreUnwritable (never sticky: PostgreSQL keeps
+its own writes whole), every other driver error a StoreError; no asyncpg exception leaves
+this module. The URL's password is never in a message (``storebackend.redact_url``).
 """
 
 from __future__ import annotations
@@ -165,12 +166,14 @@ class PgBackend:
             with _mapped(self._url):
                 self._pool = await asyncpg.create_pool(
                     self._url,
-                    min_size=1,
+                    min_size=0,  # no connection kept up in the background: one on demand
                     max_size=self._timeouts.pool_size,
                     timeout=self._timeouts.connect_s,
                     command_timeout=self._timeouts.command_s,
                 )
+            await self.fetch("SELECT 1")  # the first connection: is the database there?
         except (StoreError, ValueError) as exc:  # ValueError: a URL asyncpg cannot read
+            await self.close()
             said = str(exc).replace(self._url, self.where)
             raise StoreError(f"cannot open the state database {self.where}: {said}") from exc
         try:
