@@ -108,7 +108,9 @@ class PrivateCluster:
 def private_cluster(bindir: Path) -> Iterator[PrivateCluster]:
     """A private cluster started in a new temporary folder; stopped and removed after."""
     user = _run_as()
-    root = Path(tempfile.mkdtemp(prefix="llmgw-pg-"))
+    # Under /tmp: the postgres user can reach it (a $TMPDIR under /root it could not), and
+    # the socket's path stays within a unix socket's 107 bytes.
+    root = Path(tempfile.mkdtemp(prefix="llmgw-pg-", dir="/tmp"))
     try:
         if user is not None:
             entry = pwd.getpwnam(user)

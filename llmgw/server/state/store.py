@@ -148,17 +148,11 @@ class Store(HistoryRows):
         """Migrate (a newer schema is refused before anything is written), make the
         database durable, then read or make its cluster id."""
         await self._migrate(db)
-        await self._backend_of(db).durable()
+        await db.durable()
         cluster_id, made = await ensure_cluster_id(db, self.path_text, created_ms=now_ms())
         if made:
             log.info("%s: a new state database (cluster %s)", self.path_text, cluster_id)
         self._cluster_id = cluster_id
-
-    @staticmethod
-    def _backend_of(db: Backend) -> SqliteBackend | PgBackend:
-        if not isinstance(db, SqliteBackend | PgBackend):
-            raise TypeError(f"not a store backend: {db!r}")
-        return db
 
     # --- identity (llmgw.server.state.statefile) ------------------------------------------------
 

@@ -38,6 +38,9 @@ _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 class Backend(Protocol):
     """One open database behind the store."""
 
+    nodes_order: str
+    """What ``ORDER BY`` lists the nodes oldest first with (SQLite's ``rowid``)."""
+
     @property
     def where(self) -> str:
         """The database, for messages: a file's path, or a URL with its password hidden."""
@@ -49,6 +52,11 @@ class Backend(Protocol):
 
     async def close(self) -> None:
         """Disconnect; safe to call twice."""
+        ...
+
+    async def durable(self) -> None:
+        """After the schema is current: make a commit survive a kill -9 (SQLite's WAL and
+        ``synchronous=FULL``; PostgreSQL's commit already does)."""
         ...
 
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:

@@ -48,6 +48,7 @@ _MIGRATION_LOCK: Final = 0x6C6C6D67_77000001  # pg_advisory_xact_lock key: "llmg
 _UNWRITABLE_CLASSES: Final = ("08", "53", "57", "58")  # connection, resources, shutdown, system
 _READ_ONLY: Final = "25006"  # read_only_sql_transaction
 _COUNT = re.compile(r"(\d+)$")
+_WRITES: Final = ("INSERT", "UPDATE", "DELETE")
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,7 +56,7 @@ class PgTimeouts:
     """How long a connection attempt and one statement may take (never a driver default)."""
 
     connect_s: float = 5.0
-    command_s: float = 30.0
+    command_s: float = 10.0
     pool_size: int = 4
 
 
@@ -240,7 +241,10 @@ class PgBackend:
     async def fetch(self, sql: str, params: Sequence[Any] = ()) -> list[Row]:
         with _mapped(self._url):
             async with self._connection() as conn:
-                return list(await conn.fetch(dollar_params(sql), *params))
+                rows = list(await conn.fetch(dollar_params(sql), *params))
+        if sql.lstrip().upper().startswith(_WRITES):  # INSERT … RETURNING: a row each
+            self._changes += len(rows)
+        return rows
 
     async def execute(self, sql: str, params: Sequence[Any] = ()) -> int:
         with _mapped(self._url):
