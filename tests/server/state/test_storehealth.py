@@ -49,6 +49,8 @@ from llmgw.server.state.storehealth import (
 from llmgw.server.state.storepg import PgTimeouts
 from llmgw.server.state.storeschema import AuditRecord
 from llmgw.server.state.storesqlite import SqliteBackend
+from llmgw.server.state.tokens import Role
+from llmgw.server.wire.auth import Authenticator, hash_token
 from llmgw.server.wire.controlsvc import ControlService
 from llmgw.server.wire.grpcweb import GrpcWebApp
 
@@ -395,6 +397,9 @@ async def test_both_ports_answer_unavailable_and_keep_reading(
 
 # --- PostgreSQL gone --------------------------------------------------------------------
 
+ADMIN_TOKEN = "llmgw-test-admin-token"
+GET_CLUSTER = "/llmgw.v1.ControlService/GetCluster"
+
 
 async def test_postgresql_gone_is_unwritable_and_what_waits_lands_once_it_is_back(
     pg_cluster: PrivateCluster, pg_url: str
@@ -405,8 +410,13 @@ async def test_postgresql_gone_is_unwritable_and_what_waits_lands_once_it_is_bac
         message = _register_message()
         assert message.node is not None
         await plane.register(message.node, message, peer="127.0.0.1:1")
+        await store.add_token(Role.ADMIN, hash_token(ADMIN_TOKEN))
+        auth = Authenticator(store, refresh_s=0.0)  # re-reads the tokens on every call
+        assert await auth.check(GET_CLUSTER, f"Bearer {ADMIN_TOKEN}") is not None
         pg_cluster.stop("immediate")  # as a crash: no goodbye to the connections
         try:
+            caller = await auth.check(GET_CLUSTER, f"Bearer {ADMIN_TOKEN}")  # the tokens read
+            assert caller is not None and caller.role is Role.ADMIN
             with pytest.raises(StoreUnwritable, match="^state database unreachable: "):
                 await store.append_audit(AuditRecord(1, "a", "b", "c", "d"))
             assert (store.health.problem or "").startswith("state database unreachable: ")
