@@ -57,3 +57,26 @@ def test_token_refuses_another_scheme_and_writes_to_postgresql(
     assert " admin " in capsys.readouterr().out
     assert main(["token", "revoke", "1", "--db", pg_url]) == 0
     assert main(["token", "revoke", "1", "--db", pg_url]) != 0
+
+
+def test_the_demo_takes_a_postgresql_url_only(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from llmgw.cli import demo
+
+    asked: list[demo.DemoOptions] = []
+
+    def run_demo(options: demo.DemoOptions) -> int:
+        asked.append(options)
+        return 0
+
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    url = "postgresql://llmgw:pw@127.0.0.1:5432/demo"
+    assert main(["demo", "--headless", "--db", url]) == 0
+    assert [o.db for o in asked] == [url]
+    assert main(["demo", "--headless", "--db", "state.db"]) != 0
+    assert "the demo takes a postgresql:// URL" in capsys.readouterr().err
+    assert main(["demo", "--headless", "--db", "postgresql://u:pw@h"]) != 0
+    err = capsys.readouterr().err
+    assert "no database name" in err and ":pw@" not in err
+    assert main(["demo", "--headless"]) == 0 and asked[-1].db is None
