@@ -22,6 +22,7 @@ this module. The URL's password is never in a message (``storebackend.redact_url
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import contextvars
 import functools
@@ -33,7 +34,7 @@ from typing import Any, Final
 import asyncpg
 
 from llmgw.server.errors import StoreError, StoreUnwritable
-from llmgw.server.state.statefile import META_TABLE
+from llmgw.server.state.statefile import META_SCHEMA, META_TABLE
 from llmgw.server.state.storebackend import Backend, PostgresUrl, Row, redact_url
 from llmgw.server.state.storehealth import UNAVAILABLE_PREFIX
 from llmgw.server.state.storeschema import COLUMNS_6
@@ -201,10 +202,15 @@ class PgBackend:
         """Nothing to set: PostgreSQL's commit is durable (``synchronous_commit``)."""
 
     async def close(self) -> None:
+        """Close the pool; connections that do not close within ``connect_s`` (a server
+        that stopped answering) are cut."""
         if self._pool is not None:
             pool, self._pool = self._pool, None
-            with contextlib.suppress(Exception):
-                await pool.close()
+            try:
+                async with asyncio.timeout(self._timeouts.connect_s):
+                    await pool.close()
+            except Exception:  # a timeout, or a connection that failed to close politely
+                pool.terminate()
 
     @property
     def _open_pool(self) -> Any:
@@ -318,8 +324,6 @@ class PgBackend:
         return int(found[0][0]) if found else 0
 
     async def migrate(self, scripts: Sequence[str], version: int) -> None:
-        from llmgw.server.state.statefile import META_SCHEMA
-
         columns = "".join(
             f"ALTER TABLE {table} ADD COLUMN {column} {kind};\n"
             for table, column, kind in COLUMNS_6

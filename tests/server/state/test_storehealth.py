@@ -14,7 +14,10 @@ terminated) is its own case, at the end.
 from __future__ import annotations
 
 import asyncio
+import os
+import signal
 import sqlite3
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Generator
 from pathlib import Path
 from typing import Any
@@ -453,3 +456,32 @@ async def test_a_terminated_postgresql_connection_is_replaced(
         await store.append_audit(AuditRecord(3, "a", "b", "c", "d"))
         assert store.health.problem is None
         assert [r.at_ms for r in await store.recent_audit()][-1] == 3
+
+
+def _cluster_pids(cluster: PrivateCluster) -> list[int]:
+    """The postmaster and every process it started."""
+    postmaster = int((cluster.data / "postmaster.pid").read_text().split()[0])
+    children = Path(f"/proc/{postmaster}/task/{postmaster}/children").read_text().split()
+    return [postmaster, *map(int, children)]
+
+
+async def test_a_postgresql_server_that_stops_answering_is_unwritable_within_the_timeout(
+    pg_cluster: PrivateCluster, pg_url: str
+) -> None:
+    timeouts = PgTimeouts(connect_s=1.0, command_s=1.0)
+    async with Store(pg_url, pg_timeouts=timeouts) as store:
+        await store.append_audit(AuditRecord(1, "a", "b", "c", "d"))
+        pids = _cluster_pids(pg_cluster)
+        for pid in pids:
+            os.kill(pid, signal.SIGSTOP)  # as a hung host: connections open, nothing answers
+        try:
+            started = time.monotonic()
+            with pytest.raises(StoreUnwritable, match="^state database unreachable: "):
+                await store.append_audit(AuditRecord(2, "a", "b", "c", "d"))
+            assert time.monotonic() - started < 5
+        finally:
+            for pid in pids:
+                os.kill(pid, signal.SIGCONT)
+        await store.append_audit(AuditRecord(3, "a", "b", "c", "d"))
+        assert store.health.problem is None
+        assert [r.at_ms for r in await store.recent_audit()] == [1, 3]
