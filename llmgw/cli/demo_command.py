@@ -61,14 +61,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="DIR",
         help="keep the demo's database and agent state here (default: a temp dir)",
     )
-    p.add_argument(
-        "--db",
-        default=None,
-        metavar="URL",
-        help="keep the server's state in this PostgreSQL database, "
-        "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE (default: an SQLite file in the "
-        "state dir)",
-    )
+    _add_db_flag(p)
     p.add_argument(
         "--engine-ports",
         default=None,
@@ -77,6 +70,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "else a free window of 200 ports)",
     )
     p.set_defaults(command=_run)
+
+
+def _add_db_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--db",
+        default=None,
+        metavar="URL",
+        help="keep the server's state in this PostgreSQL database, "
+        "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE (default: an SQLite file in the "
+        "state dir)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
