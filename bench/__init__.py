@@ -1,7 +1,9 @@
 """Benchmarks and the chaos run, each a module run from the repository root:
 ``python -m bench.gateway``, ``bench.http``, ``bench.kvindex``, ``bench.routing`` (its
 simulation in ``bench.routing_sim``), ``bench.reconcile``, ``bench.control``, ``bench.console``
-and ``bench.chaos``; ``--help`` says how, BENCHMARKS.md holds their results.
+``bench.chaos`` and ``bench.pg_drivers`` (asyncpg against psycopg 3 for the PostgreSQL
+store); ``--help`` says how, BENCHMARKS.md holds their results. ``bench.pgcluster`` starts a
+private PostgreSQL cluster (for that benchmark and the tests: tests/pgcluster.py).
 
 What the benchmarks share is in ``bench.kit``; the gateway benchmark's parts are in
 ``bench.gwbench``, the control benchmark's in ``bench.controlkit``, the HTTP benchmark's in

@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import pytest
+from pgcluster import db, pg_cluster, pg_url  # noqa: F401  (fixtures for every directory)
 
 if TYPE_CHECKING:
     from tlspki import Pki

@@ -126,6 +126,7 @@ class DemoOptions:
     rate: float = 3.0  # workload requests per second
     engine_ports: PortRange | None = None  # None: the default range if free, else a window
     load_s: float = DEFAULT_LOAD_S  # each simulated engine's model load (a cold start)
+    db: str | None = None  # --db postgresql://…: the server's state there; None: server.db
 
 
 # --- the processes -------------------------------------------------------------------------
@@ -134,8 +135,11 @@ class DemoOptions:
 class _Fleet:
     """The server and the agents as child processes, each in a session of its own."""
 
-    def __init__(self, root: Path, engine_ports: PortRange | None = None) -> None:
+    def __init__(
+        self, root: Path, engine_ports: PortRange | None = None, db: str | None = None
+    ) -> None:
         self.root, self.logs = root, root / "logs"
+        self.db = db or str(root / "server.db")
         try:
             self.engine_ports = engine_ports or default_or_window()
         except NoFreeWindow as exc:
@@ -151,7 +155,7 @@ class _Fleet:
         self._spawn("server", "server", "--grpc-listen", self.grpc,
                     "--http-listen", self.url.removeprefix("http://"),
                     "--gateway-listen", self.gateway.removeprefix("http://"),
-                    "--db", str(self.root / "server.db"),
+                    "--db", self.db,
                     "--engine-ports", format_port_range(self.engine_ports))  # fmt: skip
         for node_id, fixture in DEMO_NODES:
             self._spawn(node_id, "agent", "--server", self.grpc, "--node-id", node_id,
@@ -259,7 +263,7 @@ def state_dir(given: Path | None, prefix: str = "llmgw-demo-") -> Iterator[Path]
 def run_demo(options: DemoOptions) -> int:
     """``llmgw demo``: 0 after a clean stop; CliError when it could not come up."""
     with state_dir(options.state_dir) as root:
-        fleet = _Fleet(root, options.engine_ports)
+        fleet = _Fleet(root, options.engine_ports, options.db)
         try:
             fleet.start()
             return asyncio.run(_run(fleet, options))

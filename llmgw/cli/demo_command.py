@@ -61,6 +61,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         metavar="DIR",
         help="keep the demo's database and agent state here (default: a temp dir)",
     )
+    _add_db_flag(p)
     p.add_argument(
         "--engine-ports",
         default=None,
@@ -69,6 +70,17 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
         "else a free window of 200 ports)",
     )
     p.set_defaults(command=_run)
+
+
+def _add_db_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--db",
+        default=None,
+        metavar="URL",
+        help="keep the server's state in this PostgreSQL database, "
+        "postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE (default: an SQLite file in the "
+        "state dir)",
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -80,5 +92,23 @@ def _run(args: argparse.Namespace) -> int:
     load_s = DEFAULT_LOAD_S if args.model_load_seconds is None else args.model_load_seconds
     if not 0 <= load_s <= MAX_LOAD_S:  # NaN too
         raise CliError(f"--model-load-seconds must be 0 to {MAX_LOAD_S:g}, got {load_s:g}")
-    options = DemoOptions(args.headless, args.duration, args.state_dir, args.rate, ports, load_s)
+    options = DemoOptions(
+        args.headless, args.duration, args.state_dir, args.rate, ports, load_s, _db(args.db)
+    )
     return run_demo(options)
+
+
+def _db(text: str | None) -> str | None:
+    """``--db``: a PostgreSQL URL, checked (the server child is given it as it is)."""
+    if text is None:
+        return None
+    from llmgw.server.errors import ConfigError
+    from llmgw.server.state.storebackend import PostgresUrl, parse_db
+
+    try:
+        target = parse_db(text)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
+    if not isinstance(target, PostgresUrl):
+        raise CliError(f"--db {text!r}: the demo takes a postgresql:// URL (its file is its own)")
+    return target.url

@@ -60,6 +60,7 @@ LOGGER_FLOORS: dict[str, int] = {
     # messages and callbacks they handle. They stay at INFO (or WARNING) whatever
     # --log-level says, so a debug log holds no secret.
     "aiosqlite": logging.INFO,
+    "asyncpg": logging.INFO,  # the same rule for the PostgreSQL driver (--db postgresql://)
     "asyncio": logging.INFO,
     "grpclib": logging.INFO,
     "h2": logging.INFO,

@@ -38,6 +38,7 @@ from llmgw.fdlimit import within_fd_limits
 from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
 from llmgw.server.core.tomlkeys import NAME, NAME_MAX, NAME_RULE
 from llmgw.server.errors import ServerError
+from llmgw.server.state.storebackend import parse_db
 from llmgw.server.wire.grpcport import ConnectionLimits
 
 
@@ -46,7 +47,7 @@ def run_server_command(args: argparse.Namespace) -> int:
         config = ServerConfig(
             grpc_listen=Listen.parse(args.grpc_listen, "--grpc-listen"),
             http_listen=Listen.parse(args.http_listen, "--http-listen"),
-            db_path=args.db or default_db_path(),
+            db_path=parse_db(args.db) if args.db else default_db_path(),
             node_grace_s=_positive(args.node_grace, "--node-grace"),
             prune_never_ready_s=_positive(args.prune_never_ready, "--prune-never-ready"),
             heartbeat_interval_ms=int(

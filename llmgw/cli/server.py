@@ -89,12 +89,13 @@ def _add_gateway_flags(p: argparse.ArgumentParser) -> None:
 def _add_state_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--db",
-        type=Path,
         default=None,
-        metavar="FILE",
+        metavar="FILE|URL",
         help="SQLite state file (default: $XDG_STATE_HOME/llmgw/server.db), created on "
         "the first start; a file that is not an llmgw state database is refused untouched. "
-        "The server holds FILE.lock while it runs: a second server on FILE refuses",
+        "The server holds FILE.lock while it runs: a second server on FILE refuses. Or a "
+        "PostgreSQL database, postgresql://USER[:PASSWORD]@HOST[:PORT]/DATABASE (empty or "
+        "llmgw's; the password is never logged)",
     )
     p.add_argument(
         "--node-grace",

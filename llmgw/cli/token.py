@@ -1,8 +1,9 @@
 """``llmgw token``: create, list and revoke the control server's tokens.
 
-Tokens are written to the server's SQLite file directly (``--db``, the same default as
-``llmgw server``); a running server reads them within seconds. The new token is printed
-once, on stdout, and never again: only its SHA-256 is kept. Bootstrapping a server with
+Tokens are written to the server's database directly (``--db``: its SQLite file, the same
+default as ``llmgw server``, or its ``postgresql://`` URL); a running server reads them
+within seconds. The new token is printed once, on stdout, and never again: only its
+SHA-256 is kept. Bootstrapping a server with
 authentication on::
 
     llmgw token create --role admin --db FILE > admin.token
@@ -20,13 +21,13 @@ import asyncio
 import sys
 from collections.abc import Coroutine
 from datetime import UTC, datetime
-from pathlib import Path
 from typing import Any, TypeVar
 
 from llmgw.cli.errors import CliError
 from llmgw.protocol import NODE_ID_RULE, valid_node_id
-from llmgw.server.errors import StoreError
+from llmgw.server.errors import ConfigError, StoreError
 from llmgw.server.state.store import Store
+from llmgw.server.state.storebackend import DbTarget, parse_db
 from llmgw.server.state.tokens import Role, StoredToken
 from llmgw.server.wire.auth import hash_token, new_token
 
@@ -69,14 +70,23 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
 
 
 def _add_db(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--db", type=Path, default=None, metavar="FILE", help="the server's state file")
+    p.add_argument(
+        "--db",
+        default=None,
+        metavar="FILE|URL",
+        help="the server's state file, or its postgresql:// URL",
+    )
 
 
-def _db(args: argparse.Namespace) -> Path:
+def _db(args: argparse.Namespace) -> DbTarget:
     from llmgw.server.app import default_db_path
 
-    path: Path = args.db or default_db_path()
-    return path
+    if not args.db:
+        return default_db_path()
+    try:
+        return parse_db(args.db)
+    except ConfigError as exc:
+        raise CliError(str(exc)) from None
 
 
 def run_create(args: argparse.Namespace) -> int:
@@ -103,7 +113,7 @@ def bound_nodes(values: list[str], role: Role) -> list[str]:
     return nodes
 
 
-async def _create(path: Path, role: Role, digest: str, note: str, nodes: list[str]) -> int:
+async def _create(path: DbTarget, role: Role, digest: str, note: str, nodes: list[str]) -> int:
     async with Store(path) as store:
         return await store.add_token(role, digest, note, nodes)
 
@@ -118,7 +128,7 @@ def run_list(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _list(path: Path) -> list[StoredToken]:
+async def _list(path: DbTarget) -> list[StoredToken]:
     async with Store(path) as store:
         return await store.load_tokens()
 
@@ -130,7 +140,7 @@ def run_revoke(args: argparse.Namespace) -> int:
     return 0
 
 
-async def _revoke(path: Path, token_id: int) -> bool:
+async def _revoke(path: DbTarget, token_id: int) -> bool:
     async with Store(path) as store:
         return await store.delete_token(token_id)
 

@@ -33,9 +33,10 @@ With a certificate and its key (``ServerConfig.tls``, ``--tls-cert``/``--tls-key
 port serves TLS only (``llmgw.tls``: ALPN h2 on the native port, http/1.1 on the others);
 a file that cannot be read or used is a ``ConfigError`` naming it, before anything binds.
 
-The state database is held with an exclusive lock (``llmgw.server.state.statelock``) taken
-before it opens and before any port binds: a second server on the same ``--db`` refuses,
-naming the first.
+An SQLite state database is held with an exclusive lock (``llmgw.server.state.statelock``)
+taken before it opens and before any port binds: a second server on the same ``--db``
+refuses, naming the first. A PostgreSQL one (``--db postgresql://…``) has no such lock
+yet: run one server per database.
 
 Both HTTP ports run under ``ServerConfig.http_limits`` (``llmgw.gateway.httplimits``:
 head size, head/body/idle timeouts, connections in all and per peer, buffered body bytes);
@@ -81,6 +82,7 @@ from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.scalein import InFlightFn, no_in_flight
 from llmgw.server.state.statelock import hold_state_lock
 from llmgw.server.state.store import Store
+from llmgw.server.state.storebackend import DbTarget
 from llmgw.server.state.storehealth import install as install_store_health
 from llmgw.server.state.storehealth import unavailable_when_unwritable
 from llmgw.server.wire.agentsvc import AgentService
@@ -139,7 +141,7 @@ class ServerConfig:
 
     grpc_listen: Listen
     http_listen: Listen
-    db_path: Path
+    db_path: DbTarget  # --db: an SQLite file, or a PostgreSQL URL (shown with its password hidden)
     node_grace_s: float = 5.0
     prune_never_ready_s: float = 300.0  # a node that never sent a heartbeat is forgotten
     heartbeat_interval_ms: int = 1000
@@ -204,8 +206,14 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
     stop = stop or asyncio.Event()
     tls = _PortTls.load(config.tls)  # before anything binds or opens
     install_message_limit()
-    with hold_state_lock(config.db_path):  # before the database opens and any port binds
+    with _state_lock(config.db_path):  # before the database opens and any port binds
         await _serve(config, stop, tls)
+
+
+def _state_lock(db: DbTarget) -> contextlib.AbstractContextManager[object]:
+    """An SQLite file's lock (``statelock``); PostgreSQL keeps its own locks (one server
+    per database is not enforced yet there: it is issue #17's leader election)."""
+    return hold_state_lock(db) if isinstance(db, Path) else contextlib.nullcontext()
 
 
 async def _loaded_plane(store: Store, config: ServerConfig) -> ControlPlane:

@@ -5,7 +5,8 @@
     ServerError                 anything the control server raises on purpose
     ├── StoreError              the state database cannot be opened, read or written
     │   └── StoreUnwritable     it cannot be written now (disk full, read-only, I/O
-    │                           error): mutating RPCs answer UNAVAILABLE (storehealth.py)
+    │                           error, PostgreSQL unreachable): mutating RPCs answer
+    │                           UNAVAILABLE (storehealth.py)
     ├── ConfigError             a flag or setting is malformed (the message names it)
     ├── UnknownNode             an operator named a node that was never seen
     ├── ActionRefused           an operator action that cannot be done; ``status`` is the
@@ -50,8 +51,16 @@ class StoreError(ServerError):
 
 
 class StoreUnwritable(StoreError):
-    """The state database cannot be written now (full, read-only, an I/O error); the
-    message is ``state database full/read-only: <sqlite's message>``."""
+    """The state database cannot be written now (full, read-only, an I/O error, or a
+    PostgreSQL server that cannot be reached); the message is ``state database
+    full/read-only: <the driver's message>`` or ``state database unreachable: <…>``.
+
+    ``sticky``: every later write is refused without trying until the server restarts (an
+    SQLite I/O error: ``llmgw.server.state.storehealth``)."""
+
+    def __init__(self, message: str, *, sticky: bool = False) -> None:
+        super().__init__(message)
+        self.sticky = sticky
 
 
 class ConfigError(ServerError):

@@ -68,6 +68,7 @@ class Cluster:
     procs: dict[str, subprocess.Popen[bytes]] = field(default_factory=dict)
     token: str | None = None  # sent by cli() (as $LLMGW_TOKEN) once authentication is on
     engine_ports: PortRange | None = None  # None: a window of its own at the first start
+    db: str | None = None  # the server's --db; None: server.db under root
     _window: weakref.finalize[..., object] | None = field(
         default=None, init=False, repr=False, compare=False
     )
@@ -111,7 +112,7 @@ class Cluster:
             "--http-listen",
             f"127.0.0.1:{self.http_port}",
             "--db",
-            str(self.root / "server.db"),
+            self.db or str(self.root / "server.db"),
             "--gateway-listen",  # never the default port 8000: tests run beside each other
             f"127.0.0.1:{self.gateway_port}",
             *extra,
@@ -181,7 +182,7 @@ class Cluster:
         """``llmgw token create`` on the server's file; the new token."""
         out = subprocess.run(
             [sys.executable, "-m", "llmgw", "token", "create", "--role", role, "--note", note]
-            + ["--db", str(self.root / "server.db")],
+            + ["--db", self.db or str(self.root / "server.db")],
             capture_output=True,
             text=True,
             timeout=30,

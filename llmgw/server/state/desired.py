@@ -400,7 +400,7 @@ class DesiredState:
             return True
 
 
-def _read(kind: Any, blob: bytes, path: Path, table: str, name: str) -> Any:
+def _read(kind: Any, blob: bytes, path: Path | str, table: str, name: str) -> Any:
     try:
         message = kind.parse(blob)
     except Exception as exc:  # whatever the row holds, it is named, never dropped

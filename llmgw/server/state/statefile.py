@@ -12,6 +12,8 @@ identity and the server checks it before it writes anything:
   ``llmgw_meta`` table (:func:`check_llmgw_tables`), or, for a file from before that table
   existed, llmgw's own tables at a schema version llmgw wrote. Anything else is refused
   with what it is, and nothing is written to it.
+- A PostgreSQL database (``--db postgresql://…``) must be empty or hold the meta table;
+  one with other tables is another program's and is refused untouched (``storepg``).
 - The meta table holds the **cluster id** (:func:`ensure_cluster_id`): random, made when
   the database is, added on the first start of an older file. The server sends it to every
   agent on registration and each agent remembers it, so an agent whose engines belong to
@@ -29,16 +31,15 @@ from pathlib import Path
 import aiosqlite
 
 from llmgw.server.errors import StoreError
+from llmgw.server.state.storebackend import Backend
 
 META_TABLE = "llmgw_meta"
 """The table that says a database is llmgw's: ``key`` → ``value`` (``cluster_id``, ``created``)."""
 
-META_SCHEMA = f"""
-CREATE TABLE IF NOT EXISTS {META_TABLE} (
+META_SCHEMA = f"""CREATE TABLE IF NOT EXISTS {META_TABLE} (
     key     TEXT PRIMARY KEY,
     value   TEXT NOT NULL
-);
-"""
+)"""
 
 CLUSTER_ID_KEY = "cluster_id"
 CLUSTER_ID_RULE = "32 lowercase hexadecimal digits"
@@ -109,34 +110,35 @@ async def check_llmgw_tables(db: aiosqlite.Connection, path: Path, *, newest: in
     )
 
 
-async def ensure_cluster_id(db: aiosqlite.Connection, path: Path, *, created_ms: int) -> str:
-    """The database's cluster id, made (with the meta table) if it has none yet.
+async def ensure_cluster_id(db: Backend, where: str, *, created_ms: int) -> tuple[str, bool]:
+    """The database's cluster id, made (with the meta table) if it has none yet, and
+    whether it was made now.
 
     Runs in its own transaction; a stored id that is not one is a StoreError naming the row.
     """
-    await db.executescript(META_SCHEMA)
+    async with db.transaction():
+        await db.execute(META_SCHEMA)
     query = f"SELECT value FROM {META_TABLE} WHERE key = ?"
-    async with db.execute(query, (CLUSTER_ID_KEY,)) as cursor:
-        row = await cursor.fetchone()
-    if row is not None:
-        stored = str(row[0])
+    rows = await db.fetch(query, (CLUSTER_ID_KEY,))
+    if rows:
+        stored = str(rows[0][0])
         if not valid_cluster_id(stored):
             raise StoreError(
-                f"{path}: table {META_TABLE}, row {CLUSTER_ID_KEY!r}: {stored[:64]!r} is not a "
+                f"{where}: table {META_TABLE}, row {CLUSTER_ID_KEY!r}: {stored[:64]!r} is not a "
                 f"cluster id ({CLUSTER_ID_RULE}); the database is damaged: restore it from a "
                 "backup"
             )
-        return stored
-    cluster_id = new_cluster_id()
-    await db.executemany(
-        f"INSERT OR IGNORE INTO {META_TABLE} (key, value) VALUES (?, ?)",
-        [(CLUSTER_ID_KEY, cluster_id), ("created", str(created_ms))],
-    )
-    await db.commit()
-    return cluster_id
+        return stored, False
+    async with db.transaction():
+        await db.executemany(
+            f"INSERT INTO {META_TABLE} (key, value) VALUES (?, ?) ON CONFLICT DO NOTHING",
+            [(CLUSTER_ID_KEY, new_cluster_id()), ("created", str(created_ms))],
+        )
+    made = await db.fetch(query, (CLUSTER_ID_KEY,))  # another server's, if it came first
+    return str(made[0][0]), True
 
 
-def unreadable_row(path: Path, table: str, key: str, why: object) -> StoreError:
+def unreadable_row(path: Path | str, table: str, key: str, why: object) -> StoreError:
     """The error that stops a start on a stored row that cannot be read.
 
     A row skipped would be state lost without a word: a replica forgotten gives its port

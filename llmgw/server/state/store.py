@@ -1,4 +1,4 @@
-"""The control server's durable state: SQLite through aiosqlite.
+"""The control server's durable state, in SQLite or PostgreSQL.
 
 What is kept: every node ever seen (its last registration, whether it is cordoned, when it
 was first and last seen), the audit log of operator actions, and the desired state: engine
@@ -8,61 +8,58 @@ are kept, so their shards stay fenced); and the operator requests still to carry
 replicas (``retire``: drained by an operator; ``replace``: moved off a drained node); and
 the tokens of ``llmgw.server.wire.auth`` (their SHA-256 only, never the tokens).
 
-Schema versions (``PRAGMA user_version``): the tables of each, the migrations between
-them and the rows read from them are in ``llmgw.server.state.storeschema``.
-Opening an older file migrates it forward step by step in one transaction; a newer one is
-refused. Beside the versioned schema, the ``llmgw_meta`` table holds the database's
-identity (its cluster id: ``llmgw.server.state.statefile``, which also says which files are
-refused and how a new one is made).
+Two backends behind one interface (``llmgw.server.state.storebackend``): ``--db PATH`` is
+an SQLite file (``llmgw.server.state.storesqlite``: its modes, WAL, the temporary file a
+new one is built in), ``--db postgresql://…`` a PostgreSQL database
+(``llmgw.server.state.storepg``). The SQL here is written once, for both.
 
-Secrets at rest: the file holds engine API keys and profile environments, so its directory
-is 0700 and the file, its ``-wal`` and ``-shm`` 0600 (``llmgw.statefiles``); looser modes
-found on open are tightened, and said so in the log.
+Schema versions (SQLite's ``PRAGMA user_version``, PostgreSQL's ``llmgw_meta`` row): the
+tables of each, the migrations between them and the rows read from them are in
+``llmgw.server.state.storeschema``. Opening an older database migrates it forward step by
+step in one transaction; a newer one is refused. Beside the versioned schema, the
+``llmgw_meta`` table holds the database's identity (its cluster id:
+``llmgw.server.state.statefile``, which also says which databases are refused).
 
-Durability: WAL with ``synchronous=FULL``, so a write that returned survives a kill -9 of
-the server at any later moment. Heartbeat times are written in batches (they are advisory:
-a restarted server waits for agents to reconnect anyway); registrations, cordons, audit
-records, applied profiles and deployments and replica requests are written before the RPC
-that caused them answers (an apply's profiles and deployment in one transaction, a drain's
-lowered count and its retire request in one); replica records are
-written, one round's in one transaction, before any command of that round is sent.
+Secrets at rest: the database holds engine API keys and profile environments (an SQLite
+file is owner-only: ``storesqlite``).
+
+Durability: a write that returned survives a kill -9 of the server at any later moment
+(SQLite: WAL with ``synchronous=FULL``; PostgreSQL: its commit). Heartbeat times are
+written in batches (they are advisory: a restarted server waits for agents to reconnect
+anyway); registrations, cordons, audit records, applied profiles and deployments and
+replica requests are written before the RPC that caused them answers (an apply's profiles
+and deployment in one transaction, a drain's lowered count and its retire request in one);
+replica records are written, one round's in one transaction, before any command of that
+round is sent.
 
 The event history and the profile revisions are read and written by ``HistoryRows``
 (``llmgw.server.state.storehistory``), which ``Store`` is.
 
-Writes run one at a time through ``Store.health`` (``llmgw.server.state.storehealth``): one that
-sqlite refuses because the disk is full or read-only (or an I/O error) is rolled back and
-raises StoreUnwritable, and ``health`` says so until a write commits again.
+Writes run one at a time through ``Store.health`` (``llmgw.server.state.storehealth``),
+each in one transaction of its backend: one the database refuses because it cannot be
+written now (a full or read-only disk, an I/O error, a PostgreSQL server gone) is rolled
+back and raises StoreUnwritable, and ``health`` says so until a write commits again.
 """
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import logging
-import os
 import time
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Concatenate, ParamSpec, TypeVar
 
-import aiosqlite
-
 from llmgw.server.core.reconcile_state import ReplicaRecord
 from llmgw.server.errors import StoreError
 from llmgw.server.state.replicajson import decode_replica, encode_replica
-from llmgw.server.state.statefile import (
-    check_llmgw_tables,
-    ensure_cluster_id,
-    new_cluster_id,
-    refuse_foreign_file,
-    unreadable_row,
-)
+from llmgw.server.state.statefile import ensure_cluster_id, unreadable_row
+from llmgw.server.state.storebackend import Backend, DbTarget, PostgresUrl, parse_db
 from llmgw.server.state.storehealth import WriteHealth
 from llmgw.server.state.storehistory import HistoryRows, put_revisions
+from llmgw.server.state.storepg import PgBackend, PgTimeouts
 from llmgw.server.state.storeschema import (
-    COLUMNS_6,
     MIGRATIONS,
     REQUEST_KINDS,
     SCHEMA_VERSION,
@@ -71,10 +68,10 @@ from llmgw.server.state.storeschema import (
     StoredDeployment,
     StoredNode,
     StoredProfile,
-    add_columns,
+    upsert,
 )
+from llmgw.server.state.storesqlite import SqliteBackend
 from llmgw.server.state.tokens import Role, StoredToken
-from llmgw.statefiles import owner_only_umask, private_dir, private_files, sidecars
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +81,7 @@ def now_ms() -> int:
     return time.time_ns() // 1_000_000
 
 
+_PG_TIMEOUTS = PgTimeouts()
 _P = ParamSpec("_P")
 _T = TypeVar("_T")
 
@@ -92,26 +90,36 @@ def _write(
     method: Callable[Concatenate[Store, _P], Awaitable[_T]],
 ) -> Callable[Concatenate[Store, _P], Awaitable[_T]]:
     """A write of the store, through ``Store.health`` (``llmgw.server.state.storehealth``): one
-    at a time, rolled back on failure, StoreUnwritable when the disk is full or read-only."""
+    at a time, in one transaction, rolled back on failure, StoreUnwritable when the database
+    cannot be written now."""
 
     @functools.wraps(method)
     async def write(store: Store, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        async with store.health.writing(store._rollback, store._changes):
+        db = store._db
+        async with store.health.writing(db.changes), db.transaction():
             return await method(store, *args, **kwargs)
 
     return write
 
 
 class Store(HistoryRows):
-    """The SQLite file behind the control server. Use as an async context manager.
+    """The database behind the control server: an SQLite file, or a PostgreSQL database
+    (``db``: a path, a :class:`PostgresUrl`, or ``--db``'s text). Use as an async context
+    manager.
 
-    Every write goes through ``health`` (``llmgw.server.state.storehealth.WriteHealth``): a disk
-    that is full or read-only raises StoreUnwritable and shows in ``health.problem``.
+    Every write goes through ``health`` (``llmgw.server.state.storehealth.WriteHealth``): a
+    database that cannot be written now raises StoreUnwritable and shows in
+    ``health.problem``.
     """
 
-    def __init__(self, path: Path) -> None:
-        self._path = path
-        self._db: aiosqlite.Connection | None = None
+    def __init__(self, db: DbTarget | str, *, pg_timeouts: PgTimeouts = _PG_TIMEOUTS) -> None:
+        target = parse_db(db) if isinstance(db, str) else db
+        self._target = target
+        self._backend: SqliteBackend | PgBackend = (
+            PgBackend(target, self._prepare, pg_timeouts)
+            if isinstance(target, PostgresUrl)
+            else SqliteBackend(target, self._prepare)
+        )
         self.health = WriteHealth()
         self._cluster_id = ""
 
@@ -130,39 +138,38 @@ class Store(HistoryRows):
     async def open(self) -> None:
         """Open (creating if needed) the database and bring its schema up to date.
 
-        A file that is not an llmgw state database is refused before anything is written
-        to it (``llmgw.server.state.statefile``); a missing one is created whole.
+        A database that is not an llmgw state database is refused before anything is
+        written to it (``llmgw.server.state.statefile``, ``storepg``); a missing SQLite file
+        is created whole.
         """
-        try:
-            private_dir(self._path.parent)
-            with owner_only_umask():  # the file and its -wal/-shm are 0600 from the start
-                if not self._path.exists():
-                    await self._create()
-                refuse_foreign_file(self._path)  # before anything touches a foreign file
-                private_files(sidecars(self._path))
-                self._db = await aiosqlite.connect(self._path)
-                await check_llmgw_tables(self._db, self._path, newest=SCHEMA_VERSION)
-                await self._prepare(self._db)
-            private_files(sidecars(self._path))  # those made before (or by the lock) too
-        except (OSError, aiosqlite.Error) as exc:
-            await self.close()
-            raise StoreError(f"cannot open the state database {self._path}: {exc}") from exc
-        except BaseException:
-            await self.close()
-            raise
+        await self._backend.open()
 
-    async def _prepare(self, db: aiosqlite.Connection) -> None:
-        await self._migrate(db)  # first: a newer file is refused before anything is written
-        await db.execute("PRAGMA journal_mode=WAL")
-        await db.execute("PRAGMA synchronous=FULL")
-        self._cluster_id = await ensure_cluster_id(db, self._path, created_ms=now_ms())
+    async def _prepare(self, db: Backend) -> None:
+        """Migrate (a newer schema is refused before anything is written), make the
+        database durable, then read or make its cluster id."""
+        await self._migrate(db)
+        await db.durable()
+        cluster_id, made = await ensure_cluster_id(db, self.path_text, created_ms=now_ms())
+        if made:
+            log.info("%s: a new state database (cluster %s)", self.path_text, cluster_id)
+        self._cluster_id = cluster_id
 
     # --- identity (llmgw.server.state.statefile) ------------------------------------------------
 
     @property
-    def path(self) -> Path:
-        """The database file."""
-        return self._path
+    def path(self) -> Path | str:
+        """The database: its file, or its URL with the password hidden (for messages)."""
+        return self._target if isinstance(self._target, Path) else self.path_text
+
+    @property
+    def path_text(self) -> str:
+        """The database in words: the file's path, or the URL with the password hidden."""
+        return self._backend.where
+
+    @property
+    def backend(self) -> SqliteBackend | PgBackend:
+        """The backend the database is opened through."""
+        return self._backend
 
     @property
     def cluster_id(self) -> str:
@@ -171,91 +178,53 @@ class Store(HistoryRows):
             raise StoreError("the state database is not open")
         return self._cluster_id
 
-    async def _create(self) -> None:
-        """Build a new database under a temporary name beside the path, then link it into
-        place: a start cut short leaves no half-made file at the path. Another process
-        that created it first wins; its file is used."""
-        temp = self._path.with_name(f".{self._path.name}.new-{os.getpid()}-{new_cluster_id()[:8]}")
-        try:
-            os.close(os.open(temp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
-            db = await aiosqlite.connect(temp)
-            try:
-                await self._prepare(db)
-            finally:
-                await db.close()
-            with contextlib.suppress(FileExistsError):
-                os.link(temp, self._path)
-            _sync_directory(self._path.parent)
-        finally:
-            for leftover in (temp, Path(f"{temp}-wal"), Path(f"{temp}-shm")):
-                leftover.unlink(missing_ok=True)
-        log.info("%s: a new state database (cluster %s)", self._path, self._cluster_id)
-        self._cluster_id = ""
-
-    async def _migrate(self, db: aiosqlite.Connection) -> None:
-        async with db.execute("PRAGMA user_version") as cursor:
-            row = await cursor.fetchone()
-        version = int(row[0]) if row else 0
+    async def _migrate(self, db: Backend) -> None:
+        version = await db.schema_version()
         if version > SCHEMA_VERSION:
             raise StoreError(
-                f"{self._path} has schema version {version}; this llmgw knows up to "
+                f"{self.path_text} has schema version {version}; this llmgw knows up to "
                 f"{SCHEMA_VERSION}: use a newer llmgw or another --db"
             )
         if version == SCHEMA_VERSION:
             return
-        script = "".join(MIGRATIONS[v] for v in range(version + 1, SCHEMA_VERSION + 1))
-        script += await add_columns(db, COLUMNS_6)
-        # One transaction: a migration cut short leaves the file at its old version.
-        await db.executescript(f"BEGIN;\n{script}\nPRAGMA user_version={SCHEMA_VERSION};\nCOMMIT;")
+        await db.migrate(
+            [MIGRATIONS[v] for v in range(version + 1, SCHEMA_VERSION + 1)], SCHEMA_VERSION
+        )
         if version:
             log.info(
-                "%s: schema migrated from version %d to %d", self._path, version, SCHEMA_VERSION
+                "%s: schema migrated from version %d to %d", self.path_text, version, SCHEMA_VERSION
             )
 
     async def close(self) -> None:
         """Close the database; safe to call twice."""
-        if self._db is not None:
-            db, self._db = self._db, None
-            await db.close()
-
-    async def _rollback(self) -> None:
-        if self._db is not None:
-            await self._db.rollback()
-
-    def _changes(self) -> int:
-        return self._db.total_changes if self._db is not None else 0
-
-    async def probe_write(self) -> None:
-        """Write the schema version again, unchanged: whether the file takes writes now."""
-        async with self.health.writing(self._rollback):  # a page is written, no row changes
-            async with self._conn.execute("PRAGMA user_version") as cursor:
-                row = await cursor.fetchone()
-            await self._conn.execute(f"PRAGMA user_version={int(row[0]) if row else 0}")
+        await self._backend.close()
 
     @property
-    def _conn(self) -> aiosqlite.Connection:
-        if self._db is None:
-            raise StoreError("the state database is not open")
-        return self._db
+    def _db(self) -> Backend:
+        return self._backend
+
+    async def probe_write(self) -> None:
+        """A write that changes nothing (the schema version again): whether the database
+        takes writes now."""
+        async with self.health.writing():
+            await self._backend.probe_write()
 
     async def load_nodes(self) -> list[StoredNode]:
         """Every node ever seen, oldest first."""
         query = (
             "SELECT node_id, info, cordoned, first_seen, last_seen, ever_ready FROM nodes"
-            " ORDER BY rowid"
+            f" ORDER BY {self._backend.nodes_order}"
         )
-        async with self._conn.execute(query) as cursor:
-            rows = await cursor.fetchall()
         return [
             StoredNode(r[0], bytes(r[1]), bool(r[2]), int(r[3]), int(r[4]), bool(r[5]))
-            for r in rows
+            for r in await self._db.fetch(query)
         ]
 
     @_write
     async def save_node(self, node: StoredNode) -> None:
         """Insert or replace a node's registration; keeps its first-seen time, its cordon
         and whether it was ever READY."""
-        await self._conn.execute(
+        await self._db.execute(
             "INSERT INTO nodes (node_id, info, cordoned, first_seen, last_seen, ever_ready)"
             " VALUES (?, ?, ?, ?, ?, ?) ON CONFLICT(node_id) DO UPDATE SET"
             " info = excluded.info, last_seen = excluded.last_seen",
@@ -268,65 +237,51 @@ class Store(HistoryRows):
                 int(node.ever_ready),
             ),
         )
-        await self._conn.commit()
 
     @_write
     async def mark_ever_ready(self, node_id: str) -> None:
         """Record that a heartbeat came from a node (it is no longer pruned as never READY)."""
-        await self._conn.execute("UPDATE nodes SET ever_ready = 1 WHERE node_id = ?", (node_id,))
-        await self._conn.commit()
+        await self._db.execute("UPDATE nodes SET ever_ready = 1 WHERE node_id = ?", (node_id,))
 
     @_write
     async def delete_node(self, node_id: str) -> bool:
         """Forget a node; False when there was none with that id."""
-        async with self._conn.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,)) as cur:
-            deleted = cur.rowcount > 0
-        await self._conn.commit()
-        return deleted
+        return await self._db.execute("DELETE FROM nodes WHERE node_id = ?", (node_id,)) > 0
 
     @_write
     async def set_cordoned(self, node_id: str, cordoned: bool) -> None:
         """Record whether a node is cordoned."""
-        await self._conn.execute(
+        await self._db.execute(
             "UPDATE nodes SET cordoned = ? WHERE node_id = ?", (int(cordoned), node_id)
         )
-        await self._conn.commit()
 
     @_write
     async def touch_nodes(self, seen: Iterable[tuple[str, int]]) -> None:
         """Record last-seen times (node id, Unix ms) in one transaction."""
         rows = [(at, node_id) for node_id, at in seen]
-        if not rows:
-            return
-        await self._conn.executemany("UPDATE nodes SET last_seen = ? WHERE node_id = ?", rows)
-        await self._conn.commit()
+        await self._db.executemany("UPDATE nodes SET last_seen = ? WHERE node_id = ?", rows)
 
     @_write
     async def append_audit(self, record: AuditRecord) -> None:
         """Append one operator action to the audit log."""
-        await self._conn.execute(
+        await self._db.execute(
             "INSERT INTO audit (at, actor, action, target, result) VALUES (?, ?, ?, ?, ?)",
             (record.at_ms, record.actor, record.action, record.target, record.result),
         )
-        await self._conn.commit()
 
     @_write
     async def append_audits(self, records: Iterable[AuditRecord]) -> None:
         """Append audit records in one transaction."""
         rows = [(r.at_ms, r.actor, r.action, r.target, r.result) for r in records]
-        if not rows:
-            return
-        await self._conn.executemany(
+        await self._db.executemany(
             "INSERT INTO audit (at, actor, action, target, result) VALUES (?, ?, ?, ?, ?)", rows
         )
-        await self._conn.commit()
 
     async def recent_audit(self, limit: int = 100) -> list[AuditRecord]:
         """The newest ``limit`` audit records, oldest first."""
         query = "SELECT at, actor, action, target, result FROM audit ORDER BY id DESC LIMIT ?"
-        async with self._conn.execute(query, (limit,)) as cursor:
-            rows = await cursor.fetchall()
-        return [AuditRecord(int(r[0]), r[1], r[2], r[3], r[4]) for r in reversed(list(rows))]
+        rows = await self._db.fetch(query, (limit,))
+        return [AuditRecord(int(r[0]), r[1], r[2], r[3], r[4]) for r in reversed(rows)]
 
     # --- tokens ---------------------------------------------------------------------
 
@@ -335,24 +290,21 @@ class Store(HistoryRows):
         self, role: Role, token_hash: str, note: str = "", nodes: Iterable[str] = ()
     ) -> int:
         """Store a token's hash with its role (and the node ids it is bound to); its id."""
-        async with self._conn.execute(
-            "INSERT INTO tokens (role, hash, created, note, nodes) VALUES (?, ?, ?, ?, ?)",
+        rows = await self._db.fetch(
+            "INSERT INTO tokens (role, hash, created, note, nodes) VALUES (?, ?, ?, ?, ?)"
+            " RETURNING id",
             (role.value, token_hash, now_ms(), note, ",".join(sorted(set(nodes)))),
-        ) as cursor:
-            token_id = cursor.lastrowid
-        await self._conn.commit()
-        if token_id is None:
+        )
+        if not rows:
             raise StoreError("the token was not stored")
-        return int(token_id)
+        return int(rows[0][0])
 
     async def load_tokens(self) -> list[StoredToken]:
         """Every stored token, by id; a row with an unknown role is a StoreError naming it
         (skipped, it could leave no token and so turn authentication off)."""
         query = "SELECT id, role, hash, created, note, nodes FROM tokens ORDER BY id"
-        async with self._conn.execute(query) as cursor:
-            rows = await cursor.fetchall()
         tokens = []
-        for token_id, role, digest, created, note, nodes in rows:
+        for token_id, role, digest, created, note, nodes in await self._db.fetch(query):
             bound = frozenset(filter(None, str(nodes).split(",")))
             try:
                 tokens.append(
@@ -361,16 +313,13 @@ class Store(HistoryRows):
                     )
                 )
             except ValueError as exc:
-                raise unreadable_row(self._path, "tokens", str(token_id), exc) from exc
+                raise unreadable_row(self.path, "tokens", str(token_id), exc) from exc
         return tokens
 
     @_write
     async def delete_token(self, token_id: int) -> bool:
         """Forget a token; False when there was none with that id."""
-        async with self._conn.execute("DELETE FROM tokens WHERE id = ?", (token_id,)) as cur:
-            deleted = cur.rowcount > 0
-        await self._conn.commit()
-        return deleted
+        return await self._db.execute("DELETE FROM tokens WHERE id = ?", (token_id,)) > 0
 
     # --- desired state ---------------------------------------------------------------
 
@@ -384,86 +333,65 @@ class Store(HistoryRows):
     ) -> None:
         """Insert or replace profiles, deployments, replica requests (``(replica_id,
         kind)``) and profile revisions, all in one transaction."""
-        db = self._conn
-        try:
-            await self._put_requests(db, requests)
-            await put_revisions(db, revisions)
-            await db.executemany(
-                "INSERT OR REPLACE INTO profiles (name, profile, fingerprint, updated)"
-                " VALUES (?, ?, ?, ?)",
-                [(p.name, p.profile, p.fingerprint, p.updated_ms) for p in profiles],
-            )
-            await db.executemany(
-                "INSERT OR REPLACE INTO deployments (name, deployment, updated) VALUES (?, ?, ?)",
-                [(d.name, d.deployment, d.updated_ms) for d in deployments],
-            )
-            await db.commit()
-        except BaseException:
-            await db.rollback()
-            raise
+        db = self._db
+        await self._put_requests(db, requests)
+        await put_revisions(db, revisions)
+        await db.executemany(
+            upsert("profiles", ("name", "profile", "fingerprint", "updated")),
+            [(p.name, p.profile, p.fingerprint, p.updated_ms) for p in profiles],
+        )
+        await db.executemany(
+            upsert("deployments", ("name", "deployment", "updated")),
+            [(d.name, d.deployment, d.updated_ms) for d in deployments],
+        )
 
     @staticmethod
-    async def _put_requests(db: aiosqlite.Connection, requests: Iterable[tuple[str, str]]) -> None:
+    async def _put_requests(db: Backend, requests: Iterable[tuple[str, str]]) -> None:
         rows = [(replica_id, kind, now_ms()) for replica_id, kind in requests]
         for _, kind, _ in rows:
             if kind not in REQUEST_KINDS:
                 raise ValueError(f"unknown replica request kind {kind!r}")
-        await db.executemany(
-            "INSERT OR REPLACE INTO replica_requests (replica_id, kind, at) VALUES (?, ?, ?)", rows
-        )
+        await db.executemany(upsert("replica_requests", ("replica_id", "kind", "at")), rows)
 
     @_write
     async def save_requests(self, requests: Iterable[tuple[str, str]]) -> None:
         """Insert or replace replica requests (``(replica_id, kind)``) in one transaction."""
-        db = self._conn
-        try:
-            await self._put_requests(db, requests)
-            await db.commit()
-        except BaseException:
-            await db.rollback()
-            raise
+        await self._put_requests(self._db, requests)
 
     @_write
     async def forget_requests(self, replica_ids: Iterable[str]) -> None:
         """Drop the requests of these replicas (carried out, or moot)."""
         rows = [(replica_id,) for replica_id in replica_ids]
-        if rows:
-            await self._conn.executemany("DELETE FROM replica_requests WHERE replica_id = ?", rows)
-            await self._conn.commit()
+        await self._db.executemany("DELETE FROM replica_requests WHERE replica_id = ?", rows)
 
     async def load_requests(self) -> list[tuple[str, str]]:
         """Every stored replica request as ``(replica_id, kind)``, by id; a kind this llmgw
         does not know is a StoreError naming the row."""
         query = "SELECT replica_id, kind FROM replica_requests ORDER BY replica_id"
-        async with self._conn.execute(query) as cursor:
-            rows = await cursor.fetchall()
+        rows = await self._db.fetch(query)
         for replica_id, kind in rows:
             if kind not in REQUEST_KINDS:
                 why = f"unknown request kind {str(kind)[:64]!r}"
-                raise unreadable_row(self._path, "replica_requests", str(replica_id), why)
+                raise unreadable_row(self.path, "replica_requests", str(replica_id), why)
         return [(str(r[0]), str(r[1])) for r in rows]
 
     @_write
     async def delete_deployment(self, name: str) -> bool:
         """Forget a deployment and its revisions; False when there was none by that name."""
-        async with self._conn.execute("DELETE FROM deployments WHERE name = ?", (name,)) as cur:
-            deleted = cur.rowcount > 0
-        await self._conn.execute("DELETE FROM revisions WHERE deployment = ?", (name,))
-        await self._conn.commit()
+        deleted = await self._db.execute("DELETE FROM deployments WHERE name = ?", (name,)) > 0
+        await self._db.execute("DELETE FROM revisions WHERE deployment = ?", (name,))
         return deleted
 
     async def load_profiles(self) -> list[StoredProfile]:
         """Every stored profile, by name."""
         query = "SELECT name, profile, fingerprint, updated FROM profiles ORDER BY name"
-        async with self._conn.execute(query) as cursor:
-            rows = await cursor.fetchall()
+        rows = await self._db.fetch(query)
         return [StoredProfile(r[0], bytes(r[1]), r[2], int(r[3])) for r in rows]
 
     async def load_deployments(self) -> list[StoredDeployment]:
         """Every stored deployment, by name."""
         query = "SELECT name, deployment, updated FROM deployments ORDER BY name"
-        async with self._conn.execute(query) as cursor:
-            rows = await cursor.fetchall()
+        rows = await self._db.fetch(query)
         return [StoredDeployment(r[0], bytes(r[1]), int(r[2])) for r in rows]
 
     # --- replicas --------------------------------------------------------------------
@@ -473,42 +401,20 @@ class Store(HistoryRows):
         """Insert or replace replica records, all in one transaction."""
         at = now_ms()
         rows = [(r.replica_id, encode_replica(r), at) for r in records]
-        if not rows:
-            return
-        db = self._conn
-        try:
-            await db.executemany(
-                "INSERT OR REPLACE INTO replicas (replica_id, record, updated) VALUES (?, ?, ?)",
-                rows,
-            )
-            await db.commit()
-        except BaseException:
-            await db.rollback()
-            raise
+        await self._db.executemany(upsert("replicas", ("replica_id", "record", "updated")), rows)
 
     async def load_replicas(self) -> list[ReplicaRecord]:
         """Every stored replica record, by id; a row that cannot be read is a StoreError
         naming it (``llmgw.server.state.statefile.unreadable_row``)."""
         query = "SELECT replica_id, record FROM replicas ORDER BY replica_id"
-        async with self._conn.execute(query) as cursor:
-            rows = await cursor.fetchall()
         records = []
-        for replica_id, text in rows:
+        for replica_id, text in await self._db.fetch(query):
             try:
                 record = decode_replica(text)
             except Exception as exc:  # whatever the row holds, it is named, never dropped
-                raise unreadable_row(self._path, "replicas", str(replica_id), exc) from exc
+                raise unreadable_row(self.path, "replicas", str(replica_id), exc) from exc
             if record.replica_id != replica_id:
                 why = f"it holds the record of replica {record.replica_id!r}"
-                raise unreadable_row(self._path, "replicas", str(replica_id), why)
+                raise unreadable_row(self.path, "replicas", str(replica_id), why)
             records.append(record)
         return records
-
-
-def _sync_directory(folder: Path) -> None:
-    """Make a new name in ``folder`` durable."""
-    fd = os.open(folder, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)

@@ -1,13 +1,17 @@
 """Whether the state database takes writes, and what the server does while it does not.
 
-A full disk (``SQLITE_FULL``), a read-only file or file system (``SQLITE_READONLY``), an
-I/O error (``SQLITE_IOERR``, what a file system remounted read-only after errors gives) or
-a file that cannot be opened for writing (``SQLITE_CANTOPEN``, ``SQLITE_PERM``) is an
+Each backend maps its driver's failures to StoreUnwritable in one place: SQLite's here
+(:func:`unwritable`), PostgreSQL's in ``llmgw.server.state.storepg`` (a server that cannot
+be reached, a lost connection, a read-only or full cluster). For SQLite: a full disk
+(``SQLITE_FULL``), a read-only file or file system (``SQLITE_READONLY``), an I/O error
+(``SQLITE_IOERR``, what a file system remounted read-only after errors gives) or a file
+that cannot be opened for writing (``SQLITE_CANTOPEN``, ``SQLITE_PERM``) is an
 outside condition that passes: :func:`unwritable` maps sqlite's exception to
 :class:`~llmgw.server.errors.StoreUnwritable` in this one place, and every other sqlite
 error stays what it is (our bug). :meth:`WriteHealth.writing` wraps each write of
-``llmgw.server.state.store``: writes run one at a time (a failed one is rolled back without
-taking another's statements with it), and each outcome sets the health ``/healthz``
+``llmgw.server.state.store``: writes run one at a time (a failed one is rolled back by its
+backend's transaction without taking another's statements with it), and each outcome sets
+the health ``/healthz``
 reports (503 with :attr:`WriteHealth.problem` while writes fail, 200 after the next one
 that commits). The first failure of a streak is logged at WARNING, the rest at DEBUG.
 
@@ -36,7 +40,7 @@ import logging
 import random
 import sqlite3
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any, Final, TypeVar, cast
 
@@ -74,7 +78,10 @@ def unwritable(exc: sqlite3.Error) -> StoreUnwritable | None:
     code = _primary_code(exc)
     if code not in _UNWRITABLE_CODES:
         return None
-    return StoreUnwritable(f"{UNAVAILABLE_PREFIX}: {exc}" + (STICKY if _sticky(exc) else ""))
+    sticky = _sticky(exc)
+    return StoreUnwritable(
+        f"{UNAVAILABLE_PREFIX}: {exc}" + (STICKY if sticky else ""), sticky=sticky
+    )
 
 
 def _primary_code(exc: sqlite3.Error) -> int | None:
@@ -104,31 +111,25 @@ class WriteHealth:
         return self.problem
 
     @contextlib.asynccontextmanager
-    async def writing(
-        self, rollback: Callable[[], Awaitable[None]], changes: Callable[[], int] | None = None
-    ) -> AsyncIterator[None]:
-        """Run one write: alone, rolled back and mapped to StoreUnwritable when sqlite
-        says the database cannot be written, noted as healthy when it commits.
+    async def writing(self, changes: Callable[[], int] | None = None) -> AsyncIterator[None]:
+        """Run one write alone (its backend rolls it back and raises StoreUnwritable when
+        the database cannot be written): a StoreUnwritable is noted as the problem, a
+        write that commits as healthy.
 
         With ``changes`` (the connection's count of rows changed), a write that changed no
         row (nothing to write: no page reached the disk) says nothing about the disk."""
         async with self._lock:
             if self.broken is not None:
                 self.failed(self.broken)
-                raise StoreUnwritable(self.broken)
+                raise StoreUnwritable(self.broken, sticky=True)
             before = changes() if changes is not None else None
             try:
                 yield
-            except sqlite3.Error as exc:
-                with contextlib.suppress(sqlite3.Error):
-                    await rollback()
-                mapped = unwritable(exc)
-                if mapped is None:
-                    raise
-                if _sticky(exc):
-                    self.broken = str(mapped)
-                self.failed(str(mapped))
-                raise mapped from exc
+            except StoreUnwritable as exc:
+                if exc.sticky:
+                    self.broken = str(exc)
+                self.failed(str(exc))
+                raise
             if before is None or changes is None or changes() != before:
                 self.succeeded()
 

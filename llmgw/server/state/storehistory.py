@@ -9,10 +9,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import aiosqlite
-
+from llmgw.server.state.storebackend import Backend
 from llmgw.server.state.storehealth import WriteHealth
-from llmgw.server.state.storeschema import EventRecord, RevisionRecord, audit_warning
+from llmgw.server.state.storeschema import EventRecord, RevisionRecord, audit_warning, upsert
 
 __all__ = ["REVISIONS_KEPT", "HistoryRows", "put_revisions"]
 
@@ -20,12 +19,16 @@ REVISIONS_KEPT = 20
 """Profile revisions kept per deployment (the newest); older ones are pruned as new come."""
 
 
-async def put_revisions(db: aiosqlite.Connection, revisions: Sequence[RevisionRecord]) -> None:
+_REVISION_COLUMNS = (
+    "deployment", "revision", "profile", "fingerprint", "content", "at", "actor", "cause"
+)  # fmt: skip
+
+
+async def put_revisions(db: Backend, revisions: Sequence[RevisionRecord]) -> None:
     """Insert revisions and drop those beyond the newest ``REVISIONS_KEPT`` of their
     deployment (inside the caller's transaction)."""
     await db.executemany(
-        "INSERT OR REPLACE INTO revisions (deployment, revision, profile, fingerprint,"
-        " content, at, actor, cause) VALUES (?, ?, ?, ?, ?, ?, ?, ?)",
+        upsert("revisions", _REVISION_COLUMNS, keys=2),
         [
             (r.deployment, r.revision, r.profile, r.fingerprint, r.content, r.at_ms, r.actor,
              r.cause)
@@ -44,13 +47,7 @@ class HistoryRows:
     health: WriteHealth
 
     @property
-    def _conn(self) -> aiosqlite.Connection:
-        raise NotImplementedError  # the store's
-
-    async def _rollback(self) -> None:
-        raise NotImplementedError  # the store's
-
-    def _changes(self) -> int:
+    def _db(self) -> Backend:
         raise NotImplementedError  # the store's
 
     async def load_revisions(self, deployment: str | None = None) -> list[RevisionRecord]:
@@ -60,8 +57,7 @@ class HistoryRows:
             " FROM revisions" + (" WHERE deployment = ?" if deployment is not None else "")
         )
         params = (deployment,) if deployment is not None else ()
-        async with self._conn.execute(query + " ORDER BY deployment, revision", params) as cur:
-            rows = await cur.fetchall()
+        rows = await self._db.fetch(query + " ORDER BY deployment, revision", params)
         return [
             RevisionRecord(r[0], int(r[1]), r[2], r[3], bytes(r[4]), int(r[5]), r[6], r[7])
             for r in rows
@@ -72,12 +68,8 @@ class HistoryRows:
         (a write through ``health``, as every write of the store)."""
         if not records:
             return
-        async with self.health.writing(self._rollback, self._changes):
-            await self._append_events(records, keep)
-
-    async def _append_events(self, records: Sequence[EventRecord], keep: int) -> None:
-        db = self._conn
-        try:
+        db = self._db
+        async with self.health.writing(db.changes), db.transaction():
             await db.executemany(
                 "INSERT INTO events (at, object, actor, reason, message, warning)"
                 " VALUES (?, ?, ?, ?, ?, ?)",
@@ -87,10 +79,6 @@ class HistoryRows:
             await db.execute(
                 "DELETE FROM events WHERE id <= (SELECT MAX(id) FROM events) - ?", (keep,)
             )
-            await db.commit()
-        except BaseException:
-            await db.rollback()
-            raise
 
     async def events_of(self, objects: Sequence[str], limit: int) -> list[EventRecord]:
         """The newest ``limit`` events and audit records about ``objects``, oldest first
@@ -103,16 +91,14 @@ class HistoryRows:
             " UNION ALL SELECT at, object, actor, reason, message, warning, id FROM events"
             f" WHERE object IN ({marks}) ORDER BY 1 DESC, 7 DESC LIMIT ?"
         )
-        async with self._conn.execute(query, (*objects, *objects, limit)) as cursor:
-            rows = await cursor.fetchall()
+        rows = await self._db.fetch(query, (*objects, *objects, limit))
         return [
             EventRecord(int(at), obj, actor, reason, message,
                         bool(warn) if warn >= 0 else audit_warning(reason, message))
-            for at, obj, actor, reason, message, warn, _ in reversed(list(rows))
+            for at, obj, actor, reason, message, warn, _ in reversed(rows)
         ]  # fmt: skip
 
     async def count_events(self) -> int:
         """How many rows the event history holds."""
-        async with self._conn.execute("SELECT COUNT(*) FROM events") as cursor:
-            row = await cursor.fetchone()
-        return int(row[0]) if row else 0
+        rows = await self._db.fetch("SELECT COUNT(*) FROM events")
+        return int(rows[0][0]) if rows else 0

@@ -1,14 +1,17 @@
 """The store's schema, version by version, and the rows it hands out.
 
-Schema versions (``PRAGMA user_version``): 1 holds nodes and the audit log; 2 adds the
+Schema versions (SQLite's ``PRAGMA user_version``; on PostgreSQL the ``schema_version`` row
+of ``llmgw_meta``): 1 holds nodes and the audit log; 2 adds the
 profiles and deployments tables; 3 adds the replicas table (each ``ReplicaRecord`` as JSON:
 ``llmgw.server.state.replicajson``); 4 the replica requests; 5 the tokens; 6 the node ids a
 token is bound to and whether a node was ever READY; 7 the event history (``events``: state
 changes of shards and nodes, bounded, ``llmgw.server.state.history``), the profile revisions
 of deployments (``revisions``) and an index of the audit log by target (what Describe reads).
 ``MIGRATIONS`` holds the script that
-brings a file from each version to the next, and ``add_columns`` the columns of version 6 a
-file lacks; ``llmgw.server.state.store`` runs them when it opens a file.
+brings a database from each version to the next, in SQLite's types (``storepg.postgres_ddl``
+gives PostgreSQL the same tables in its own), and ``COLUMNS_6`` the columns version 6 adds
+(each backend adds those a database lacks); ``llmgw.server.state.store`` runs them when it
+opens a database. ``upsert`` writes an insert-or-replace both backends run.
 
 The rows: ``StoredNode``, ``StoredProfile``, ``StoredDeployment`` and ``AuditRecord``, and
 the kinds of replica request (``REQUEST_KINDS``), ``EventRecord`` and ``RevisionRecord``.
@@ -16,10 +19,8 @@ the kinds of replica request (``REQUEST_KINDS``), ``EventRecord`` and ``Revision
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Sequence
 from dataclasses import dataclass
-
-import aiosqlite
 
 # --- schema, by version ---------------------------------------------------------------------
 
@@ -87,8 +88,8 @@ COLUMNS_6 = (
     ("tokens", "nodes", "TEXT NOT NULL DEFAULT ''"),  # bound node ids, comma-separated
     ("nodes", "ever_ready", "INTEGER NOT NULL DEFAULT 1"),  # a heartbeat ever came
 )
-"""Version 6 adds columns; SQLite has no ADD COLUMN IF NOT EXISTS, so the script adds the
-ones a file lacks (`add_columns`)."""
+"""Version 6 adds columns; SQLite has no ADD COLUMN IF NOT EXISTS, so its backend adds the
+ones a file lacks (``storesqlite``); PostgreSQL's uses IF NOT EXISTS."""
 _SCHEMA_6 = ""
 
 _SCHEMA_7 = """
@@ -128,16 +129,16 @@ MIGRATIONS = {
 }
 
 
-async def add_columns(db: aiosqlite.Connection, columns: Iterable[tuple[str, str, str]]) -> str:
-    """``ALTER TABLE … ADD COLUMN`` for each (table, column, type) the file lacks; a table
-    the same migration creates has them already."""
-    script = ""
-    for table, column, kind in columns:
-        async with db.execute(f"PRAGMA table_info({table})") as cursor:
-            present = {str(row[1]) for row in await cursor.fetchall()}
-        if column not in present:  # an absent table is created earlier in the script
-            script += f"ALTER TABLE {table} ADD COLUMN {column} {kind};\n"
-    return script
+def upsert(table: str, columns: Sequence[str], keys: int = 1) -> str:
+    """``INSERT … ON CONFLICT (key) DO UPDATE`` of ``columns`` (the first ``keys`` of them
+    the key), with ``?`` parameters: SQLite's ``INSERT OR REPLACE``, written so that
+    PostgreSQL runs it too."""
+    marks = ", ".join("?" * len(columns))
+    rest = ", ".join(f"{c} = excluded.{c}" for c in columns[keys:])
+    return (
+        f"INSERT INTO {table} ({', '.join(columns)}) VALUES ({marks})"
+        f" ON CONFLICT ({', '.join(columns[:keys])}) DO UPDATE SET {rest}"
+    )
 
 
 # --- rows -----------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ otherwise (every call then passes, recorded as the actor ``operator``). The stor
 re-read at most every ``refresh_s`` and, on an unknown token, at most every
 ``miss_refresh_s``, so a token made by ``llmgw token create`` on a running server works at
 once, the first one turns authentication on within ``refresh_s``, and a revoked token stops
-working within ``refresh_s``.
+working within ``refresh_s``. While the store cannot be read (a PostgreSQL server gone), the
+tokens last read go on being checked, said once at WARNING; the first read must succeed.
 
 **Revocation ends calls already open.** A call let in with a stored token runs its handler
 through :meth:`Authenticator.guard`, which keeps the handler's task under the token's
@@ -61,6 +62,7 @@ import grpclib.server
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
+from llmgw.server.errors import StoreError
 from llmgw.server.state.tokens import Role, StoredToken
 
 log = logging.getLogger(__name__)
@@ -204,6 +206,7 @@ class Authenticator:
         self._revoke_check_s = revoke_check_s
         self._by_hash: dict[str, StoredToken] = {}
         self._loaded_at: float | None = None
+        self._stale = False  # the latest re-read failed: the tokens read before are used
         self._open: dict[Principal, set[asyncio.Task[Any]]] = {}  # calls by their caller
         self._cut: set[asyncio.Task[Any]] = set()  # open calls cancelled for a revoked token
         self._watcher: asyncio.Task[None] | None = None  # re-reads tokens while calls are open
@@ -245,8 +248,19 @@ class Authenticator:
         now = time.monotonic()
         if self._loaded_at is not None and now - self._loaded_at < max_age_s:
             return
-        self._loaded_at = now
-        await self._reload()
+        before, self._loaded_at = self._loaded_at, now
+        try:
+            await self._reload()
+        except StoreError as exc:
+            if before is None:
+                raise  # never read: nothing to check against
+            if not self._stale:
+                log.warning("re-reading the tokens failed (the last read ones apply): %s", exc)
+            self._stale = True
+            return
+        if self._stale:
+            log.warning("the tokens are read again")
+        self._stale = False
 
     async def _reload(self) -> None:
         """Read the tokens again; cut the open calls of every token no longer stored."""

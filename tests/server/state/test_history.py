@@ -1,5 +1,5 @@
 """The event history and profile revisions: bounded, pruned, kept across reopens, held in
-memory while the disk is full."""
+memory while the disk is full; on SQLite and on PostgreSQL (``db``: tests/pgcluster.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +16,7 @@ from llmgw.server.state.storehistory import REVISIONS_KEPT
 from llmgw.server.state.storeschema import AuditRecord, RevisionRecord, StoredDeployment
 
 
-async def test_events_are_pruned_to_the_newest_and_survive_reopen(tmp_path: Path) -> None:
-    db = tmp_path / "s.db"
+async def test_events_are_pruned_to_the_newest_and_survive_reopen(db: Path | str) -> None:
     async with Store(db) as store:
         history = History(store, keep=5)
         for i in range(8):
@@ -33,8 +32,8 @@ async def test_events_are_pruned_to_the_newest_and_survive_reopen(tmp_path: Path
         assert events[-1].warning and not events[0].warning
 
 
-async def test_recent_reads_the_audit_log_and_the_buffer_newest_limit(tmp_path: Path) -> None:
-    async with Store(tmp_path / "s.db") as store:
+async def test_recent_reads_the_audit_log_and_the_buffer_newest_limit(db: Path | str) -> None:
+    async with Store(db) as store:
         await store.append_audits(
             [
                 AuditRecord(1, "alice", "scale", "deployment/web", "ok: scaled"),
@@ -57,9 +56,9 @@ async def test_recent_reads_the_audit_log_and_the_buffer_newest_limit(tmp_path: 
 
 
 async def test_a_full_disk_keeps_events_bounded_in_memory_until_it_takes_writes(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    db: Path | str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    async with Store(tmp_path / "s.db") as store:
+    async with Store(db) as store:
         history = History(store)
         real = store.append_events
 
@@ -135,8 +134,7 @@ def test_affected_adds_the_stored_deployments_of_a_changed_profile() -> None:
     assert [d.name for d in affected([web], ["a"], stored)] == ["web"]
 
 
-async def test_revisions_keep_the_newest_per_deployment_and_go_with_it(tmp_path: Path) -> None:
-    db = tmp_path / "s.db"
+async def test_revisions_keep_the_newest_per_deployment_and_go_with_it(db: Path | str) -> None:
     async with Store(db) as store:
         for n in range(1, REVISIONS_KEPT + 4):
             record = RevisionRecord("web", n, "a", f"fp{n}", b"", n, "op", "apply")
