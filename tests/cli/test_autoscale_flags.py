@@ -3,28 +3,15 @@
 from __future__ import annotations
 
 import pytest
+from serverflags import server_config
 
-from llmgw.cli import serve
-from llmgw.cli.main import build_parser, main
-from llmgw.server.app import ServerConfig
-
-
-def _config(monkeypatch: pytest.MonkeyPatch, *flags: str) -> ServerConfig:
-    configs: list[ServerConfig] = []
-
-    async def fake_run_server(config: ServerConfig) -> None:
-        configs.append(config)
-
-    monkeypatch.setattr(serve, "run_server", fake_run_server)
-    assert serve.run_server_command(build_parser().parse_args(["server", *flags])) == 0
-    (config,) = configs
-    return config
+from llmgw.cli.main import main
 
 
-def test_defaults_and_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
-    default = _config(monkeypatch)
+def test_defaults_and_flags_reach_theserver_config(monkeypatch: pytest.MonkeyPatch) -> None:
+    default = server_config(monkeypatch)
     assert (default.autoscale_interval_s, default.autoscale_window_s) == (5.0, 30.0)
-    given = _config(monkeypatch, "--autoscale-interval", "0.5", "--autoscale-window", "8")
+    given = server_config(monkeypatch, "--autoscale-interval", "0.5", "--autoscale-window", "8")
     assert (given.autoscale_interval_s, given.autoscale_window_s) == (0.5, 8.0)
 
 

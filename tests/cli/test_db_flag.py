@@ -7,32 +7,19 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from serverflags import server_config
 
-from llmgw.cli import serve
 from llmgw.cli.errors import CliError
-from llmgw.cli.main import build_parser, main
-from llmgw.server.app import ServerConfig
+from llmgw.cli.main import main
 from llmgw.server.state.storebackend import PostgresUrl
-
-
-def _server_config(monkeypatch: pytest.MonkeyPatch, *flags: str) -> ServerConfig:
-    configs: list[ServerConfig] = []
-
-    async def fake_run_server(config: ServerConfig) -> None:
-        configs.append(config)
-
-    monkeypatch.setattr(serve, "run_server", fake_run_server)
-    assert serve.run_server_command(build_parser().parse_args(["server", *flags])) == 0
-    (config,) = configs
-    return config
 
 
 def test_the_server_takes_a_path_or_a_postgresql_url(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
-    assert _server_config(monkeypatch, "--db", str(tmp_path / "s.db")).db_path == tmp_path / "s.db"
+    assert server_config(monkeypatch, "--db", str(tmp_path / "s.db")).db_path == tmp_path / "s.db"
     url = "postgresql://llmgw:s3cret@127.0.0.1:5432/llmgw"
-    config = _server_config(monkeypatch, "--db", url)
+    config = server_config(monkeypatch, "--db", url)
     assert config.db_path == PostgresUrl(url)
     assert "s3cret" not in repr(config) and "s3cret" not in str(config.db_path)
 
@@ -41,7 +28,7 @@ def test_the_server_refuses_a_malformed_url_naming_the_flag(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     with pytest.raises(CliError, match=r"^--db 'postgresql://u:\*\*\*@h:5432' .*no database"):
-        _server_config(monkeypatch, "--db", "postgresql://u:pw@h:5432")
+        server_config(monkeypatch, "--db", "postgresql://u:pw@h:5432")
 
 
 def test_token_refuses_another_scheme_and_writes_to_postgresql(

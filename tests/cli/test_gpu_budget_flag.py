@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import pytest
+from serverflags import server_config
 
-from llmgw.cli import serve
-from llmgw.cli.main import build_parser, main
-from llmgw.server.app import ServerConfig
+from llmgw.cli.main import main
 
 
 def _budgets(monkeypatch: pytest.MonkeyPatch, *flags: str) -> dict[str, int]:
-    configs: list[ServerConfig] = []
-
-    async def fake_run_server(config: ServerConfig) -> None:
-        configs.append(config)
-
-    monkeypatch.setattr(serve, "run_server", fake_run_server)
-    assert serve.run_server_command(build_parser().parse_args(["server", *flags])) == 0
-    (config,) = configs
-    return config.gpu_budgets
+    return server_config(monkeypatch, *flags).gpu_budgets
 
 
 def test_none_by_default_and_one_per_pool(monkeypatch: pytest.MonkeyPatch) -> None:

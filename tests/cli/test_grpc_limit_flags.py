@@ -3,23 +3,14 @@
 from __future__ import annotations
 
 import pytest
+from serverflags import server_config
 
-from llmgw.cli import serve
-from llmgw.cli.main import build_parser, main
-from llmgw.server.app import ServerConfig
+from llmgw.cli.main import main
 from llmgw.server.wire.grpcport import ConnectionLimits
 
 
 def _limits(monkeypatch: pytest.MonkeyPatch, *flags: str) -> ConnectionLimits:
-    configs: list[ServerConfig] = []
-
-    async def fake_run_server(config: ServerConfig) -> None:
-        configs.append(config)
-
-    monkeypatch.setattr(serve, "run_server", fake_run_server)
-    assert serve.run_server_command(build_parser().parse_args(["server", *flags])) == 0
-    (config,) = configs
-    return config.grpc_limits
+    return server_config(monkeypatch, *flags).grpc_limits
 
 
 def test_defaults_and_flags_reach_the_config(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -8,25 +8,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from serverflags import server_config
 
 from llmgw.cli import gateway as gateway_cli
-from llmgw.cli import serve
 from llmgw.cli.main import build_parser, main
 from llmgw.gateway import GatewayConfig, HoldConfig
 from llmgw.server import app
-from llmgw.server.app import ServerConfig
-
-
-def _server_config(monkeypatch: pytest.MonkeyPatch, *flags: str) -> ServerConfig:
-    configs: list[ServerConfig] = []
-
-    async def fake_run_server(config: ServerConfig) -> None:
-        configs.append(config)
-
-    monkeypatch.setattr(serve, "run_server", fake_run_server)
-    assert serve.run_server_command(build_parser().parse_args(["server", *flags])) == 0
-    (config,) = configs
-    return config
 
 
 def test_the_server_flags_reach_the_in_server_gateway(
@@ -34,12 +21,12 @@ def test_the_server_flags_reach_the_in_server_gateway(
 ) -> None:
     db = ["--db", str(tmp_path / "s.db")]
     flags = ("--gateway-hold-queue", "3", "--gateway-hold-timeout", "9.5", *db)
-    config = _server_config(monkeypatch, *flags)
+    config = server_config(monkeypatch, *flags)
     served: list[GatewayConfig] = []
     monkeypatch.setattr(app, "serve_gateway", lambda plane, gateway: served.append(gateway))
     app._gateway(config, plane=None, tls=None)  # type: ignore[arg-type]
     assert served[0].hold == HoldConfig(max_per_model=3, timeout_s=9.5)
-    assert _server_config(monkeypatch, *db).gateway_hold == HoldConfig()
+    assert server_config(monkeypatch, *db).gateway_hold == HoldConfig()
 
 
 def test_the_gateway_flags_reach_its_config(monkeypatch: pytest.MonkeyPatch) -> None:

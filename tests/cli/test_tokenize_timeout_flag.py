@@ -7,25 +7,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from serverflags import server_config
 
 from llmgw.cli import gateway as gateway_cli
-from llmgw.cli import serve
 from llmgw.cli.main import build_parser, main
 from llmgw.gateway.app import TOKENIZE_TIMEOUT_S, GatewayConfig
 from llmgw.server import app
 from llmgw.server.app import Listen, ServerConfig
-
-
-def _server_config(monkeypatch: pytest.MonkeyPatch, *flags: str) -> ServerConfig:
-    configs: list[ServerConfig] = []
-
-    async def fake_run_server(config: ServerConfig) -> None:
-        configs.append(config)
-
-    monkeypatch.setattr(serve, "run_server", fake_run_server)
-    assert serve.run_server_command(build_parser().parse_args(["server", *flags])) == 0
-    (config,) = configs
-    return config
 
 
 def _in_server_gateway(config: ServerConfig, monkeypatch: pytest.MonkeyPatch) -> GatewayConfig:
@@ -44,10 +32,10 @@ def test_the_server_flag_reaches_the_in_server_gateway(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path
 ) -> None:
     db = ["--db", str(tmp_path / "s.db")]
-    given = _server_config(monkeypatch, "--gateway-tokenize-timeout", "0.4", *db)
+    given = server_config(monkeypatch, "--gateway-tokenize-timeout", "0.4", *db)
     assert given.gateway_tokenize_timeout_s == 0.4
     assert _in_server_gateway(given, monkeypatch).tokenize_timeout_s == 0.4
-    default = _server_config(monkeypatch, *db)
+    default = server_config(monkeypatch, *db)
     assert default.gateway_tokenize_timeout_s == TOKENIZE_TIMEOUT_S
     assert _in_server_gateway(default, monkeypatch).tokenize_timeout_s == TOKENIZE_TIMEOUT_S
     bare = ServerConfig(Listen("127.0.0.1", 1), Listen("127.0.0.1", 2), tmp_path / "s.db")
