@@ -35,10 +35,9 @@ from llmgw.cli.httplimits import http_limits
 from llmgw.cli.tls import listen_files
 from llmgw.engineports import DEFAULT_ENGINE_PORTS
 from llmgw.fdlimit import within_fd_limits
-from llmgw.server.app import Listen, ServerConfig, default_db_path, run_server
+from llmgw.server.app import Listen, ServerConfig, db_target, run_server
 from llmgw.server.core.tomlkeys import NAME, NAME_MAX, NAME_RULE
 from llmgw.server.errors import ServerError
-from llmgw.server.state.storebackend import parse_db
 from llmgw.server.wire.grpcport import ConnectionLimits
 
 
@@ -47,7 +46,7 @@ def run_server_command(args: argparse.Namespace) -> int:
         config = ServerConfig(
             grpc_listen=Listen.parse(args.grpc_listen, "--grpc-listen"),
             http_listen=Listen.parse(args.http_listen, "--http-listen"),
-            db_path=parse_db(args.db) if args.db else default_db_path(),
+            db_path=db_target(args.db),
             node_grace_s=_positive(args.node_grace, "--node-grace"),
             prune_never_ready_s=_positive(args.prune_never_ready, "--prune-never-ready"),
             heartbeat_interval_ms=int(

@@ -27,7 +27,7 @@ from llmgw.cli.errors import CliError
 from llmgw.protocol import NODE_ID_RULE, valid_node_id
 from llmgw.server.errors import ConfigError, StoreError
 from llmgw.server.state.store import Store
-from llmgw.server.state.storebackend import DbTarget, parse_db
+from llmgw.server.state.storebackend import DbTarget
 from llmgw.server.state.tokens import Role, StoredToken
 from llmgw.server.wire.auth import hash_token, new_token
 
@@ -79,12 +79,10 @@ def _add_db(p: argparse.ArgumentParser) -> None:
 
 
 def _db(args: argparse.Namespace) -> DbTarget:
-    from llmgw.server.app import default_db_path
+    from llmgw.server.app import db_target
 
-    if not args.db:
-        return default_db_path()
     try:
-        return parse_db(args.db)
+        return db_target(args.db)
     except ConfigError as exc:
         raise CliError(str(exc)) from None
 

@@ -82,7 +82,7 @@ from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.scalein import InFlightFn, no_in_flight
 from llmgw.server.state.statelock import hold_state_lock
 from llmgw.server.state.store import Store
-from llmgw.server.state.storebackend import DbTarget
+from llmgw.server.state.storebackend import DbTarget, parse_db
 from llmgw.server.state.storehealth import install as install_store_health
 from llmgw.server.state.storehealth import unavailable_when_unwritable
 from llmgw.server.wire.agentsvc import AgentService
@@ -110,6 +110,12 @@ DEFAULT_GATEWAY_LISTEN = "127.0.0.1:8000"
 def default_db_path() -> Path:
     """``$XDG_STATE_HOME/llmgw/server.db`` (``~/.local/state/llmgw/server.db``)."""
     return state_home() / "llmgw" / "server.db"
+
+
+def db_target(text: str | None) -> DbTarget:
+    """``--db`` as given (``parse_db``: ConfigError when a URL will not do), or the default
+    file when it is not."""
+    return parse_db(text) if text else default_db_path()
 
 
 @dataclass(frozen=True, slots=True)

@@ -61,13 +61,9 @@ class PgTimeouts:
     pool_size: int = 4
 
 
+@functools.lru_cache(maxsize=256)  # the store's statements are a few fixed strings
 def dollar_params(sql: str) -> str:
     """``sql`` with each ``?`` outside quotes as ``$1``, ``$2``, … in order."""
-    return _dollar_params(sql)
-
-
-@functools.lru_cache(maxsize=256)
-def _dollar_params(sql: str) -> str:
     out, n, quote = [], 0, ""
     for ch in sql:
         if quote:
