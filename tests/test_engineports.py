@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import random
 import socket
 from collections.abc import Iterator
@@ -180,11 +181,18 @@ def test_the_ephemeral_range_is_read_from_the_kernel_file(tmp_path: Path) -> Non
 
 @pytest.fixture
 def listener() -> Iterator[int]:
-    """A port held by a listening socket on loopback, for the test's length."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        s.listen()
-        yield int(s.getsockname()[1])
+    """A port held by a listening socket on loopback, for the test's length, with three free
+    ports on one side of it (the kernel hands out ports whose neighbours the other tests'
+    connections may hold: such a port is given back and another taken, at most 20 times)."""
+    with contextlib.ExitStack() as held:
+        for _ in range(20):
+            s = held.enter_context(socket.socket())
+            s.bind(("127.0.0.1", 0))
+            s.listen()
+            port = int(s.getsockname()[1])
+            if ports_free((port + 1, port + 3)) or ports_free((port - 3, port - 1)):
+                break
+        yield port
 
 
 def test_a_listened_port_makes_its_window_taken(listener: int) -> None:
