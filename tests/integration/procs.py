@@ -19,12 +19,14 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 from llmgw.addresses import free_port
 from llmgw.engineports import PortRange, format_port_range, parse_port_range, pick_window
 
+_BIND_RETRIES = 3  # first starts that lost a listening port to another process, drawn again
 _HELD: set[PortRange] = set()  # engine port windows of the live clusters of this process
 
 
@@ -72,6 +74,7 @@ class Cluster:
     _window: weakref.finalize[..., object] | None = field(
         default=None, init=False, repr=False, compare=False
     )
+    _served: bool = field(default=False, init=False, repr=False, compare=False)  # ports in use
 
     @property
     def url(self) -> str:
@@ -104,21 +107,34 @@ class Cluster:
             if self.engine_ports is None:
                 self.engine_ports, self._window = hold_engine_window(self)
             extra = ("--engine-ports", format_port_range(self.engine_ports), *extra)
-        proc = self.spawn(
-            "server",
-            "server",
-            "--grpc-listen",
-            f"127.0.0.1:{self.grpc_port}",
-            "--http-listen",
-            f"127.0.0.1:{self.http_port}",
-            "--db",
-            self.db or str(self.root / "server.db"),
-            "--gateway-listen",  # never the default port 8000: tests run beside each other
-            f"127.0.0.1:{self.gateway_port}",
-            *extra,
-        )
-        wait_for(self.healthy, 60, "the server's /healthz")  # a start on a loaded 2-core CI machine
-        return proc
+        for attempt in range(_BIND_RETRIES + 1):
+            log = self.root / "server.log"
+            logged = log.stat().st_size if log.exists() else 0
+            proc = self.spawn(
+                "server",
+                "server",
+                "--grpc-listen",
+                f"127.0.0.1:{self.grpc_port}",
+                "--http-listen",
+                f"127.0.0.1:{self.http_port}",
+                "--db",
+                self.db or str(self.root / "server.db"),
+                "--gateway-listen",  # never the default port 8000: tests run beside each other
+                f"127.0.0.1:{self.gateway_port}",
+                *extra,
+            )
+            # a start on a loaded 2-core CI machine may take long; an exit is seen at once
+            wait_for(partial(self._up_or_gone, proc), 60, "the server's /healthz")
+            if proc.poll() is None:
+                self._served = True
+                return proc
+            said = log.read_bytes()[logged:].decode(errors="replace")
+            if self._served or "cannot listen" not in said or attempt == _BIND_RETRIES:
+                raise AssertionError(f"the server exited ({proc.returncode}): {said[-2000:]}")
+            # free_port() only found the ports free when this Cluster was made; another
+            # process's connection may have taken one since (an ephemeral port): draw again
+            self.grpc_port, self.http_port, self.gateway_port = (free_port() for _ in range(3))
+        raise AssertionError("unreachable")
 
     def release_engine_ports(self) -> None:
         """Let other clusters of this process draw this one's window (after stop_all)."""
@@ -156,6 +172,9 @@ class Cluster:
             str(self.root / node_id),
             *extra,
         )
+
+    def _up_or_gone(self, proc: subprocess.Popen[bytes]) -> bool:
+        return proc.poll() is not None or self.healthy()
 
     def healthy(self) -> bool:
         import httpx
