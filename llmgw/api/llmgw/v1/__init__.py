@@ -43,6 +43,7 @@ __all__ = (
     "KvBlocks",
     "KvDelta",
     "KvFollowStats",
+    "Leadership",
     "ListProfilesRequest",
     "ListProfilesResponse",
     "LocalWeights",
@@ -62,6 +63,7 @@ __all__ = (
     "NodeRequest",
     "NodeState",
     "NodeTelemetry",
+    "NotLeader",
     "NvLink",
     "NvLinkFabric",
     "PlannedChange",
@@ -522,6 +524,13 @@ class Cluster(betterproto2.Message):
     added with issue #13: this server's cluster id
     """
 
+    leadership: "Leadership | None" = betterproto2.field(
+        21, betterproto2.TYPE_MESSAGE, optional=True
+    )
+    """
+    added with issue #17: which server leads
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "Cluster", Cluster)
 
@@ -567,6 +576,23 @@ class ControlMessage(betterproto2.Message):
     )
     """
     stop sending one
+    """
+
+    not_leader: "NotLeader | None" = betterproto2.field(
+        32, betterproto2.TYPE_MESSAGE, optional=True, group="msg"
+    )
+    """
+    Added with issue #17: this server does not lead; the stream ends after it, and the
+    agent connects to the leader it names (when that address is one of its --server
+    list) or to the next server of the list.
+    """
+
+    leader_epoch: "int" = betterproto2.field(40, betterproto2.TYPE_UINT64)
+    """
+    Added with issue #17: the epoch of the leader that sent this message (every message of
+    a leader's stream carries it; 0 from a server that leads no epoch: a follower's
+    not_leader). An agent remembers the newest epoch it has seen (its state directory's
+    leader-epoch) and refuses every command of an older one: a deposed leader is fenced.
     """
 
 
@@ -1420,6 +1446,41 @@ default_message_pool.register_message("llmgw.v1", "KvFollowStats", KvFollowStats
 
 
 @dataclass(eq=False, repr=False)
+class Leadership(betterproto2.Message):
+    """
+    Which server leads the control plane (issue #17), as the answering server knows it.
+    """
+
+    server_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    the answering server's id
+    """
+
+    leader_id: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+    """
+    the leader's id ("" while none leads)
+    """
+
+    leader_address: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    the leader's native gRPC HOST:PORT
+    """
+
+    epoch: "int" = betterproto2.field(4, betterproto2.TYPE_UINT64)
+    """
+    the leader's epoch
+    """
+
+    leading: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
+    """
+    the answering server is the leader
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "Leadership", Leadership)
+
+
+@dataclass(eq=False, repr=False)
 class ListProfilesRequest(betterproto2.Message):
     pass
 
@@ -1845,6 +1906,36 @@ class NodeTelemetry(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "NodeTelemetry", NodeTelemetry)
+
+
+@dataclass(eq=False, repr=False)
+class NotLeader(betterproto2.Message):
+    """
+    A follower's answer to a stream that needs the leader (issue #17): where the leader is.
+    """
+
+    leader_address: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    HOST:PORT of the leader's native gRPC port; "" if none
+    """
+
+    leader_epoch: "int" = betterproto2.field(2, betterproto2.TYPE_UINT64)
+    """
+    the leader's epoch (0 while no server leads)
+    """
+
+    leader_id: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+    """
+    the leader's server id
+    """
+
+    server_id: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+    """
+    the follower's own
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "NotLeader", NotLeader)
 
 
 @dataclass(eq=False, repr=False)
@@ -2335,6 +2426,14 @@ class RouterFeedEvent(betterproto2.Message):
     )
     """
     sent after each snapshot and whenever it changes
+    """
+
+    not_leader: "NotLeader | None" = betterproto2.field(
+        7, betterproto2.TYPE_MESSAGE, optional=True, group="event"
+    )
+    """
+    Added with issue #17: this server does not lead; the feed ends after it and the
+    gateway follows the leader it names (when in its --server list) or the next server.
     """
 
 
