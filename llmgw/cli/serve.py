@@ -38,6 +38,7 @@ from llmgw.fdlimit import within_fd_limits
 from llmgw.server.app import Listen, ServerConfig, db_target, run_server
 from llmgw.server.core.tomlkeys import NAME, NAME_MAX, NAME_RULE
 from llmgw.server.errors import ServerError
+from llmgw.server.state.leadership import LeaseTimes
 from llmgw.server.wire.grpcport import ConnectionLimits
 
 
@@ -76,6 +77,9 @@ def run_server_command(args: argparse.Namespace) -> int:
             gpu_budgets=gpu_budgets(args.gpu_budget),
             autoscale_interval_s=_seconds(args.autoscale_interval, "--autoscale-interval", 600),
             autoscale_window_s=_seconds(args.autoscale_window, "--autoscale-window", 3600),
+            server_id=_server_id(args.server_id),
+            advertise=_advertise(args.advertise),
+            lease=_lease(args.lease_ttl),
         )
         asyncio.run(within_fd_limits(run_server(config)))
     except ServerError as exc:
@@ -121,6 +125,31 @@ def run_agent_command(args: argparse.Namespace) -> int:
     except (AgentConfigError, DiscoveryError, EngineError) as exc:
         raise CliError(str(exc)) from exc
     return 0
+
+
+def _server_id(text: str | None) -> str | None:
+    if text is None:
+        return None
+    if not text or len(text) > 200 or not text.isprintable() or any(c.isspace() for c in text):
+        raise CliError(f"--server-id {text!r}: 1 to 200 printable characters without spaces")
+    return text
+
+
+def _advertise(text: str | None) -> str | None:
+    if text is None:
+        return None
+    listen = Listen.parse(text, "--advertise")
+    if listen.port == 0:
+        raise CliError(f"--advertise {text!r}: a port agents can dial (not 0)")
+    return str(listen)
+
+
+def _lease(ttl: float) -> LeaseTimes:
+    seconds = _seconds(ttl, "--lease-ttl", 60)
+    try:
+        return LeaseTimes(ttl_s=seconds)
+    except ValueError as exc:
+        raise CliError(f"--lease-ttl {ttl}: {exc}") from None
 
 
 MAX_GPU_BUDGET = 1_000_000

@@ -32,6 +32,7 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     _add_state_flags(p)
     _add_fleet_flags(p)
     _add_autoscale_flags(p)
+    _add_leader_flags(p)
     _add_grpc_limits(p)
     add_listen_flags(p, "the gRPC, gRPC-web and gateway ports")
     add_browser_flags(p, PORTS)
@@ -158,6 +159,33 @@ def _add_fleet_flags(p: argparse.ArgumentParser) -> None:
         help="the most GPUs the autoscaler may give the deployments of pool POOL together "
         "(repeat for each pool); a higher [deployments.NAME] priority gets them first and "
         "may take them from a lower one. Default: no budget",
+    )
+
+
+def _add_leader_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--server-id",
+        default=None,
+        metavar="ID",
+        help="this server's name among the servers of one PostgreSQL database (default: "
+        "its --advertise address)",
+    )
+    p.add_argument(
+        "--advertise",
+        default=None,
+        metavar="HOST:PORT",
+        help="where agents and gateways reach this server's native gRPC port, told to them "
+        "by the other servers while this one leads (default: --grpc-listen)",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=float,
+        default=1.5,
+        metavar="SECONDS",
+        help="the leader lease's time to live with --db postgresql://… (default 1.5): "
+        "several servers may share one database, exactly one leads (runs the reconciler "
+        "and the autoscaler, serves agents and gateways) and the others answer naming it; "
+        "a leader gone is replaced within about this long",
     )
 
 

@@ -35,8 +35,10 @@ a file that cannot be read or used is a ``ConfigError`` naming it, before anythi
 
 An SQLite state database is held with an exclusive lock (``llmgw.server.state.statelock``)
 taken before it opens and before any port binds: a second server on the same ``--db``
-refuses, naming the first. A PostgreSQL one (``--db postgresql://…``) has no such lock
-yet: run one server per database.
+refuses, naming the first. A PostgreSQL one (``--db postgresql://…``) may be shared by
+several servers: the leader lease (``llmgw.server.state.leadership``) makes one of them
+lead, and ``_roles`` serves as the leader or as a follower (``llmgw.server.wire.follower``)
+as the lease turns, binding the ports anew at each turn.
 
 Both HTTP ports run under ``ServerConfig.http_limits`` (``llmgw.gateway.httplimits``:
 head size, head/body/idle timeouts, connections in all and per peer, buffered body bytes);
@@ -51,6 +53,7 @@ import logging
 import math
 import ssl
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -78,6 +81,7 @@ from llmgw.server.core.autoscale_window import GatewayReport
 from llmgw.server.errors import ConfigError
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.state.inventory import InventoryConfig
+from llmgw.server.state.leadership import Leadership, LeaseTimes
 from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.scalein import InFlightFn, no_in_flight
 from llmgw.server.state.statelock import hold_state_lock
@@ -90,10 +94,11 @@ from llmgw.server.wire.asgihttp import AsgiHandler
 from llmgw.server.wire.auth import Authenticator, install
 from llmgw.server.wire.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.wire.controlsvc import ControlService
+from llmgw.server.wire.follower import follower_services
 from llmgw.server.wire.grpcport import ConnectionLimits, LimitedServer
 from llmgw.server.wire.grpcweb import BrowserGate, GrpcWebApp, most_body_bytes
 from llmgw.server.wire.logrelay import LogRelay
-from llmgw.server.wire.metrics import server_metrics
+from llmgw.server.wire.metrics import leader_metrics, server_metrics
 from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
 from llmgw.server.wire.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.wire.testhooks import AgentCommandHook
@@ -173,6 +178,9 @@ class ServerConfig:
     autoscale_window_s: float = DEFAULT_WINDOW_S  # --autoscale-window
     # --gpu-budget POOL=N: the GPUs the autoscaler may give each pool's deployments together
     gpu_budgets: dict[str, int] = field(default_factory=dict)
+    server_id: str | None = None  # --server-id: this server among its peers; None: advertise
+    advertise: str | None = None  # --advertise: where agents reach this server; None: grpc_listen
+    lease: LeaseTimes = LeaseTimes()  # --lease-ttl: the leader lease (PostgreSQL only)
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,17 +216,86 @@ class _GatewaySlot:
 
 
 async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) -> None:
-    """Serve until SIGINT/SIGTERM (or ``stop`` is set)."""
+    """Serve until SIGINT/SIGTERM (or ``stop`` is set): as the leader while this server
+    holds the lease, as a follower while it does not (``_roles``)."""
     stop = stop or asyncio.Event()
     tls = _PortTls.load(config.tls)  # before anything binds or opens
     install_message_limit()
     with _state_lock(config.db_path):  # before the database opens and any port binds
-        await _serve(config, stop, tls)
+        async with Store(config.db_path) as store:
+            leadership = await _leadership(config, store)
+            try:
+                with stop_on_signals(stop):
+                    await _roles(config, stop, tls, leadership)
+            finally:
+                await leadership.release()
+                await store.close()
+    log.info("llmgw server stopped")
+
+
+async def _leadership(config: ServerConfig, store: Store) -> Leadership:
+    """An SQLite file's only server leads for good; a PostgreSQL database's servers take
+    turns on its lease (``llmgw.server.state.leadership``)."""
+    address = config.advertise or str(config.grpc_listen)
+    server_id = config.server_id or address
+    if isinstance(config.db_path, Path):
+        return Leadership.sole(store, server_id, address)
+    return Leadership(store, server_id, address, config.lease)
+
+
+async def _roles(
+    config: ServerConfig, stop: asyncio.Event, tls: _PortTls, leadership: Leadership
+) -> None:
+    """Lead while the lease is this server's, follow while it is not, until ``stop``: each
+    turn binds the ports anew with what that role serves. A role's error (a ConfigError, a
+    StoreError) ends the server as it is, not wrapped."""
+    helpers: list[asyncio.Task[None]] = []
+    try:
+        if not leadership.leading():
+            helpers.append(asyncio.create_task(leadership.keep()))
+            await _first(leadership.wait_until(True), stop, config.lease.follow_s * 2)
+        while not stop.is_set():
+            term_over = asyncio.Event()
+            if leadership.leading():
+                helpers.append(asyncio.create_task(_watch_term(leadership, stop, term_over)))
+                await _serve(config, term_over, tls, leadership)
+            else:
+                helpers.append(asyncio.create_task(_watch_follow(leadership, stop, term_over)))
+                await _follow(config, term_over, tls, leadership)
+            helpers.pop().cancel()
+    finally:
+        for task in helpers:
+            task.cancel()
+        await asyncio.gather(*helpers, return_exceptions=True)
+
+
+async def _first(waiting: Awaitable[None], stop: asyncio.Event, timeout_s: float) -> None:
+    with contextlib.suppress(TimeoutError):
+        async with asyncio.timeout(timeout_s):
+            stopped = asyncio.ensure_future(stop.wait())
+            try:
+                await asyncio.wait([asyncio.ensure_future(waiting), stopped],
+                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
+            finally:
+                stopped.cancel()
+
+
+async def _watch_term(leadership: Leadership, stop: asyncio.Event, over: asyncio.Event) -> None:
+    """End the leader's term the moment its lease runs out (or the server stops)."""
+    await _first(leadership.wait_until(False), stop, math.inf)
+    if not stop.is_set():
+        log.warning("the leader lease ran out: this server stops acting now")
+    over.set()
+
+
+async def _watch_follow(leadership: Leadership, stop: asyncio.Event, over: asyncio.Event) -> None:
+    await _first(leadership.wait_until(True), stop, math.inf)
+    over.set()
 
 
 def _state_lock(db: DbTarget) -> contextlib.AbstractContextManager[object]:
-    """An SQLite file's lock (``statelock``); PostgreSQL keeps its own locks (one server
-    per database is not enforced yet there: it is issue #17's leader election)."""
+    """An SQLite file's lock (``statelock``); a PostgreSQL database has the leader lease
+    instead (several servers may share it)."""
     return hold_state_lock(db) if isinstance(db, Path) else contextlib.nullcontext()
 
 
@@ -233,62 +310,121 @@ async def _loaded_plane(store: Store, config: ServerConfig) -> ControlPlane:
     return plane
 
 
-async def _serve(config: ServerConfig, stop: asyncio.Event, tls: _PortTls) -> None:
-    async with Store(config.db_path) as store:
-        plane = await _loaded_plane(store, config)
-        slot = _GatewaySlot()
-        # gateways' reports: RouterService in, GetRouterStats and the autoscaler's signals
-        # out (with the in-server gateway's own: RouterReports.signals)
-        reports = RouterReports(local=slot)
-        logs = LogRelay()  # StreamLogs calls, relayed over the agents' streams
-        control = ControlService(plane, gateway=slot, reports=reports, logs=logs)
-        agents = AgentService(plane, heartbeat_interval_ms=config.heartbeat_interval_ms, logs=logs)
-        router = RouterService(plane, reports)  # API keys: native gRPC only, never gRPC-web
-        grpc = LimitedServer(
-            [agents, control, router],
-            codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
-            limits=config.grpc_limits,
-        )
-        auth = Authenticator(store, join_token=config.join_token)
-        # reads the tokens now: an unreadable row stops the start, named
-        exposure = unauthenticated_exposure(config, auth_on=await auth.enabled())
-        if exposure is not None:
-            raise ConfigError(exposure)
-        install(grpc, auth)
-        install_store_health(grpc)
+async def _serve(
+    config: ServerConfig, stop: asyncio.Event, tls: _PortTls, leadership: Leadership
+) -> None:
+    """One term as the leader: the plane loaded afresh from the store, every port, the
+    reconciler and the autoscaler, until ``stop`` (the term's end)."""
+    plane = await _loaded_plane(store := leadership.store, config)
+    await leadership.begin_term()
+    slot = _GatewaySlot()
+    # gateways' reports: RouterService in; GetRouterStats, the autoscaler's signals out
+    reports = RouterReports(local=slot)
+    logs = LogRelay()  # StreamLogs calls, relayed over the agents' streams
+    control = ControlService(plane, gateway=slot, reports=reports, logs=logs)
+    plane.leadership = leadership.message
+    agents = AgentService(
+        plane, heartbeat_interval_ms=config.heartbeat_interval_ms, logs=logs, leadership=leadership
+    )
+    router = RouterService(plane, reports)  # API keys: native gRPC only, never gRPC-web
+    grpc = LimitedServer(
+        [agents, control, router],
+        codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
+        limits=config.grpc_limits,
+    )
+    auth = Authenticator(store, join_token=config.join_token)
+    # reads the tokens now: an unreadable row stops the start, named
+    exposure = unauthenticated_exposure(config, auth_on=await auth.enabled())
+    if exposure is not None:
+        raise ConfigError(exposure)
+    install(grpc, auth)
+    install_store_health(grpc)
+    try:
+        await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
+    except OSError as exc:
+        raise _cannot_listen(config.grpc_listen, "--grpc-listen", "native gRPC", exc) from exc
+    web = _grpc_web_server(config, control, agents, auth, tls.http)
+    try:
         try:
-            await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
+            await web.start(config.http_listen.host, config.http_listen.port, ssl=tls.http)
         except OSError as exc:
-            raise _cannot_listen(config.grpc_listen, "--grpc-listen", "native gRPC", exc) from exc
-        web = _grpc_web_server(config, control, agents, auth, tls.http)
+            raise _cannot_listen(config.http_listen, "--http-listen", "gRPC-web", exc) from exc
+        async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
+            slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
+            rounds = {"tick": _ticker(plane, config.tick_s)}
+            loop = _reconcile_loop(config, plane, agents, control.in_flight)
+            if loop is not None:  # the autoscaler's counts need a reconciler to act on
+                rounds["reconcile"] = loop.run(config.reconcile_every_s)
+                rounds["autoscale"] = _autoscale_loop(config, plane, reports, slot).run()
+            running = [tasks.create_task(r, name=name) for name, r in rounds.items()]
+            await _serving_message(config, auth, tls, leadership)
+            await stop.wait()
+            for task in running:
+                task.cancel()
+    finally:
+        slot.gateway = None
+        await web.stop()
+        agents.shutdown()
+        router.shutdown()
+        await asyncio.sleep(0)  # let the streams send their trailers
+        grpc.close()
+        await grpc.wait_closed()
+        await plane.flush(now=True)  # the event history too
+
+
+async def _follow(
+    config: ServerConfig, stop: asyncio.Event, tls: _PortTls, leadership: Leadership
+) -> None:
+    """One turn as a follower (``llmgw.server.wire.follower``) until ``stop``: the native
+    and gRPC-web ports refuse every call naming the leader; ``/healthz`` answers 503 naming it and
+    ``/metrics`` says who leads; the in-server gateway does not serve (it would route from
+    state only the leader has)."""
+    store = leadership.store
+    auth = Authenticator(store, join_token=config.join_token)
+    exposure = unauthenticated_exposure(config, auth_on=await auth.enabled())
+    if exposure is not None:
+        raise ConfigError(exposure)
+    services = follower_services(leadership)
+    grpc = LimitedServer(
+        services,
+        codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
+        limits=config.grpc_limits,
+    )
+    install(grpc, auth)
+    try:
+        await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
+    except OSError as exc:
+        raise _cannot_listen(config.grpc_listen, "--grpc-listen", "native gRPC", exc) from exc
+    browsers = HttpGuard(config.browsers, config.http_listen.host, tls=tls.http is not None)
+    app = GrpcWebApp(
+        services=[services[1]],  # the operators' ControlService
+        browsers=browsers,
+        max_message_bytes=config.max_message_bytes,
+        authorize=auth.check,
+        guard=auth.guard,
+        metrics=lambda: leader_metrics(leadership.message()),
+        health=_refusal(leadership),  # 503: a follower serves no call (not for a balancer)
+    )
+    limits = replace(config.http_limits, max_body_bytes=most_body_bytes(config.max_message_bytes))
+    web = HttpServer(AsgiHandler(app, scheme=tls.scheme), limits, guard=browsers, cors=False)
+    try:
         try:
-            try:
-                await web.start(config.http_listen.host, config.http_listen.port, ssl=tls.http)
-            except OSError as exc:
-                raise _cannot_listen(config.http_listen, "--http-listen", "gRPC-web", exc) from exc
-            async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
-                slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
-                rounds = {"tick": _ticker(plane, config.tick_s)}
-                loop = _reconcile_loop(config, plane, agents, control.in_flight)
-                if loop is not None:  # the autoscaler's counts need a reconciler to act on
-                    rounds["reconcile"] = loop.run(config.reconcile_every_s)
-                    rounds["autoscale"] = _autoscale_loop(config, plane, reports, slot).run()
-                running = [tasks.create_task(r, name=name) for name, r in rounds.items()]
-                await _serving_message(config, auth, tls)
-                with stop_on_signals(stop):
-                    await stop.wait()
-                for task in running:
-                    task.cancel()
-        finally:
-            slot.gateway = None
-            await web.stop()
-            agents.shutdown()
-            router.shutdown()
-            await asyncio.sleep(0)  # let the streams send their trailers
-            grpc.close()
-            await grpc.wait_closed()
-            await plane.flush(now=True)  # the event history too
-    log.info("llmgw server stopped")
+            await web.start(config.http_listen.host, config.http_listen.port, ssl=tls.http)
+        except OSError as exc:
+            raise _cannot_listen(config.http_listen, "--http-listen", "gRPC-web", exc) from exc
+        log.info("llmgw server %s follows: %s", leadership.server_id, leadership.refusal())
+        await stop.wait()
+    finally:
+        await web.stop()
+        grpc.close()
+        await grpc.wait_closed()
+
+
+def _refusal(leadership: Leadership) -> Callable[[], Awaitable[str | None]]:
+    async def why() -> str | None:
+        return leadership.refusal()
+
+    return why
 
 
 def unauthenticated_exposure(config: ServerConfig, *, auth_on: bool) -> str | None:
@@ -414,7 +550,10 @@ def _grpc_web_server(
         max_message_bytes=config.max_message_bytes,
         authorize=auth.check,
         guard=lambda func: unavailable_when_unwritable(auth.guard(func)),  # revoked: ends
-        metrics=lambda: server_metrics(agents.plane, len(agents.connections), agents.stats()),
+        metrics=lambda: (
+            server_metrics(agents.plane, len(agents.connections), agents.stats())
+            + leader_metrics(agents.plane.leadership())
+        ),
         health=agents.plane.store.health.reason,  # 503 while the database takes no writes
     )
     if config.test_hooks:
@@ -432,7 +571,9 @@ async def _ticker(plane: ControlPlane, every_s: float) -> None:
         await plane.tick()
 
 
-async def _serving_message(config: ServerConfig, auth: Authenticator, tls: _PortTls) -> None:
+async def _serving_message(
+    config: ServerConfig, auth: Authenticator, tls: _PortTls, leadership: Leadership
+) -> None:
     if not await auth.enabled():
         log.warning(
             "authentication is off: no tokens (anyone who reaches these ports may act); "
@@ -440,10 +581,12 @@ async def _serving_message(config: ServerConfig, auth: Authenticator, tls: _Port
             config.db_path,
         )
     log.info(
-        "llmgw server: gRPC on %s (%s), gRPC-web on %s://%s, state in %s",
+        "llmgw server %s: gRPC on %s (%s), gRPC-web on %s://%s, state in %s, %s",
+        leadership.server_id,
         config.grpc_listen,
         "plaintext" if tls.grpc is None else "TLS",
         tls.scheme,
         config.http_listen,
         config.db_path,
+        f"leading at epoch {leadership.epoch}" if leadership.leading() else "following",
     )

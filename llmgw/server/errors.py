@@ -50,6 +50,11 @@ class StoreError(ServerError):
     """The state database cannot be opened, read or written."""
 
 
+class Deposed(StoreError):
+    """A write of a server that no longer holds the leader lease at its epoch: refused in
+    the write's own transaction (``llmgw.server.state.lease``); nothing was written."""
+
+
 class StoreUnwritable(StoreError):
     """The state database cannot be written now (full, read-only, an I/O error, or a
     PostgreSQL server that cannot be reached); the message is ``state database

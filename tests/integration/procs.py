@@ -99,8 +99,9 @@ class Cluster:
         self.procs[name] = proc
         return proc
 
-    def start_server(self, *extra: str) -> subprocess.Popen[bytes]:
-        """The server on this cluster's ports and engine port range (kept over restarts)."""
+    def start_server(self, *extra: str, follower: bool = False) -> subprocess.Popen[bytes]:
+        """The server on this cluster's ports and engine port range (kept over restarts),
+        once healthy; ``follower``: once it answers (a follower's /healthz is 503)."""
         if "--engine-ports" in extra:  # the test's own range
             self.engine_ports = parse_port_range(extra[extra.index("--engine-ports") + 1])
         else:
@@ -124,7 +125,7 @@ class Cluster:
                 *extra,
             )
             # a start on a loaded 2-core CI machine may take long; an exit is seen at once
-            wait_for(partial(self._up_or_gone, proc), 60, "the server's /healthz")
+            wait_for(partial(self._up_or_gone, proc, follower), 60, "the server's /healthz")
             if proc.poll() is None:
                 self._served = True
                 return proc
@@ -173,8 +174,20 @@ class Cluster:
             *extra,
         )
 
-    def _up_or_gone(self, proc: subprocess.Popen[bytes]) -> bool:
-        return proc.poll() is not None or self.healthy()
+    def _up_or_gone(self, proc: subprocess.Popen[bytes], follower: bool = False) -> bool:
+        if proc.poll() is not None:
+            return True
+        return self.metrics() is not None if follower else self.healthy()
+
+    def metrics(self) -> str | None:
+        """The server's /metrics text (None while it does not answer)."""
+        import httpx
+
+        try:
+            answer = httpx.get(f"{self.url}/metrics", timeout=1)
+        except httpx.HTTPError:
+            return None
+        return answer.text if answer.status_code == 200 else None
 
     def healthy(self) -> bool:
         import httpx

@@ -68,9 +68,9 @@ class TlsCluster(Cluster):
     def gateway_url(self) -> str:
         return f"https://127.0.0.1:{self.gateway_port}"
 
-    def start_server(self, *extra: str) -> subprocess.Popen[bytes]:
+    def start_server(self, *extra: str, follower: bool = False) -> subprocess.Popen[bytes]:
         tls = ("--tls-cert", str(self.cert), "--tls-key", str(self.key))
-        return super().start_server(*tls, *extra)
+        return super().start_server(*tls, *extra, follower=follower)
 
     def start_gateway_tls(self) -> str:
         """``llmgw gateway`` with its feed and its OpenAI port over TLS; its https URL."""

@@ -63,6 +63,7 @@ from llmgw.api.llmgw.v1 import (
     AuditEvent,
     Cluster,
     Heartbeat,
+    Leadership,
     NodeInfo,
     Register,
     Replica,
@@ -121,6 +122,7 @@ class ControlPlane:
         self.replicas: dict[str, ReplicaRecord] = {}  # every record, RETIRED ones too
         self.reconcile_soon: Callable[[], None] = _nothing  # set by the reconcile loop
         self.engine_ports: PortRange = DEFAULT_ENGINE_PORTS  # --engine-ports, for dry runs
+        self.leadership: Callable[[], Leadership] = Leadership  # who leads (app sets it)
         self.crash_looping: frozenset[str] = frozenset()  # set by the loop: waiting replicas
         self.kv_blocks = KvBlocks()
         self.kv_follow = KvFollowBoard()  # agents' KV event counters, per (node, shard)
@@ -188,7 +190,7 @@ class ControlPlane:
             if r.lifecycle is not Lifecycle.RETIRED
         ]
         cluster.events = list(self._recent)
-        cluster.cluster_id = self.inventory.cluster_id
+        cluster.cluster_id, cluster.leadership = self.inventory.cluster_id, self.leadership()
         return cluster
 
     # --- replicas --------------------------------------------------------------------

@@ -52,7 +52,8 @@ from types import TracebackType
 from typing import Concatenate, ParamSpec, TypeVar
 
 from llmgw.server.core.reconcile_state import ReplicaRecord
-from llmgw.server.errors import StoreError
+from llmgw.server.errors import Deposed, StoreError
+from llmgw.server.state.lease import LeaseView, fence_sql, take_lease
 from llmgw.server.state.replicajson import decode_replica, encode_replica
 from llmgw.server.state.statefile import ensure_cluster_id, unreadable_row
 from llmgw.server.state.storebackend import Backend, DbTarget, PostgresUrl, parse_db
@@ -97,6 +98,11 @@ def _write(
     async def write(store: Store, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         db = store._db
         async with store.health.writing(db.changes), db.transaction():
+            if store.fence is not None and not await db.fetch(fence_sql(db), store.fence):
+                raise Deposed(
+                    f"{store.path_text}: this server no longer holds the leader lease at "
+                    f"epoch {store.fence[1]}: nothing written"
+                )
             return await method(store, *args, **kwargs)
 
     return write
@@ -122,6 +128,9 @@ class Store(HistoryRows):
         )
         self.health = WriteHealth()
         self._cluster_id = ""
+        # (holder, epoch) of this server's leader lease while it leads: every write checks
+        # it in its own transaction (llmgw.server.state.lease.fence_sql); None: unfenced
+        self.fence: tuple[str, int] | None = None
 
     async def __aenter__(self) -> Store:
         await self.open()
@@ -393,6 +402,16 @@ class Store(HistoryRows):
         query = "SELECT name, deployment, updated FROM deployments ORDER BY name"
         rows = await self._db.fetch(query)
         return [StoredDeployment(r[0], bytes(r[1]), int(r[2])) for r in rows]
+
+    # --- the leader lease (llmgw.server.state.lease) -----------------------------------
+
+    async def take_lease(self, holder: str, server_id: str, address: str) -> LeaseView:
+        """Take the leader lease outright, its epoch moved on (SQLite's one server), and
+        fence every later write on it."""
+        async with self.health.writing(self._db.changes), self._db.transaction():
+            view = await take_lease(self._db, holder, server_id, address, ttl_ms=0)
+        self.fence = (holder, view.epoch)
+        return view
 
     # --- replicas --------------------------------------------------------------------
 

@@ -40,6 +40,12 @@ class Backend(Protocol):
 
     nodes_order: str
     """What ``ORDER BY`` lists the nodes oldest first with (SQLite's ``rowid``)."""
+    lock_rows_sql: str
+    """What a ``SELECT`` ends with to lock the rows it reads until the transaction ends
+    (PostgreSQL's ``FOR UPDATE``; SQLite has one writer, and no such clause)."""
+    now_ms_sql: str
+    """An SQL expression of the database's clock in Unix milliseconds (the lease's clock:
+    one clock for every server of a database, whatever their own say)."""
 
     @property
     def where(self) -> str:

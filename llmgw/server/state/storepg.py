@@ -146,6 +146,8 @@ class PgBackend:
     """A PostgreSQL database as the store's backend (``storebackend.Backend``)."""
 
     nodes_order = "first_seen, node_id"  # no rowid: the first registration's time stands in
+    lock_rows_sql = " FOR UPDATE"
+    now_ms_sql = "CAST(extract(epoch FROM clock_timestamp()) * 1000 AS BIGINT)"
 
     def __init__(self, target: PostgresUrl, prepare: Prepare, timeouts: PgTimeouts) -> None:
         self._url = target.url

@@ -6,7 +6,8 @@ profiles and deployments tables; 3 adds the replicas table (each ``ReplicaRecord
 ``llmgw.server.state.replicajson``); 4 the replica requests; 5 the tokens; 6 the node ids a
 token is bound to and whether a node was ever READY; 7 the event history (``events``: state
 changes of shards and nodes, bounded, ``llmgw.server.state.history``), the profile revisions
-of deployments (``revisions``) and an index of the audit log by target (what Describe reads).
+of deployments (``revisions``) and an index of the audit log by target (what Describe reads);
+8 the leader lease (``leases``: which server leads and its epoch, ``llmgw.server.state.lease``).
 ``MIGRATIONS`` holds the script that
 brings a database from each version to the next, in SQLite's types (``storepg.postgres_ddl``
 gives PostgreSQL the same tables in its own), and ``COLUMNS_6`` the columns version 6 adds
@@ -24,7 +25,7 @@ from dataclasses import dataclass
 
 # --- schema, by version ---------------------------------------------------------------------
 
-SCHEMA_VERSION = 7
+SCHEMA_VERSION = 8
 
 _SCHEMA_1 = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -118,6 +119,17 @@ CREATE TABLE IF NOT EXISTS revisions (
 """
 
 # The script that brings a file from version N-1 to N, by N.
+_SCHEMA_8 = """
+CREATE TABLE IF NOT EXISTS leases (
+    name        TEXT PRIMARY KEY,       -- 'leader'
+    holder      TEXT NOT NULL,          -- the holding server process (its id and a random part)
+    server_id   TEXT NOT NULL,          -- the holder's server id, as shown
+    address     TEXT NOT NULL,          -- the holder's native gRPC HOST:PORT
+    epoch       INTEGER NOT NULL,       -- grows by one with every new holder, never lowered
+    expires_at  INTEGER NOT NULL        -- Unix ms by the database's clock (0: released)
+);
+"""
+
 MIGRATIONS = {
     1: _SCHEMA_1,
     2: _SCHEMA_2,
@@ -126,6 +138,7 @@ MIGRATIONS = {
     5: _SCHEMA_5,
     6: _SCHEMA_6,
     7: _SCHEMA_7,
+    8: _SCHEMA_8,
 }
 
 

@@ -42,6 +42,8 @@ class SqliteBackend:
     """An SQLite file as the store's backend (:class:`~llmgw.server.state.storebackend.Backend`)."""
 
     nodes_order = "rowid"  # nodes oldest first: in the order they were inserted
+    lock_rows_sql = ""
+    now_ms_sql = "CAST((julianday('now') - 2440587.5) * 86400000 AS INTEGER)"
 
     def __init__(self, path: Path, prepare: Prepare) -> None:
         self._path = path

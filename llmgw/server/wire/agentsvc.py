@@ -34,7 +34,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import grpclib.const
 import grpclib.server
@@ -112,8 +112,10 @@ class AgentConnection:
         node_id: str,
         stream: grpclib.server.Stream[Any, Any],
         identity: AgentIdentity | None = None,
+        leadership: LeaderGate | None = None,
     ) -> None:
         self.node_id = node_id
+        self.leadership = leadership
         self.identity = identity or AgentIdentity("", "", "", "")
         self.number = 0
         self._stream = stream
@@ -128,8 +130,30 @@ class AgentConnection:
             self.task.cancel()
 
     async def send(self, message: ControlMessage) -> None:
+        """Send ``message`` stamped with the leader's epoch; NotLeading (UNAVAILABLE, the
+        stream ends) once this server's lease has run out: a deposed leader sends nothing."""
+        lead = self.leadership
+        if lead is not None:
+            if not lead.leading():
+                raise NotLeading(Status.UNAVAILABLE, lead.refusal())
+            message.leader_epoch = lead.epoch
         async with self._lock:
             await self._stream.send_message(message)
+
+
+class LeaderGate(Protocol):
+    """What an agent stream asks of the server's leadership
+    (``llmgw.server.state.leadership.Leadership``)."""
+
+    epoch: int
+
+    def leading(self) -> bool: ...
+
+    def refusal(self) -> str: ...
+
+
+class NotLeading(GRPCError):
+    """A send of a server whose leader lease has run out (its stream ends UNAVAILABLE)."""
 
 
 class AgentService(AgentServiceBase):
@@ -142,8 +166,10 @@ class AgentService(AgentServiceBase):
         heartbeat_interval_ms: int = 1000,
         limits: RegisterLimits | None = None,
         logs: LogRelay | None = None,
+        leadership: LeaderGate | None = None,
     ) -> None:
         self.plane = plane
+        self.leadership = leadership  # None: unfenced (tests); else every message is stamped
         self.logs = logs if logs is not None else LogRelay()
         if self.logs.send is None:
             self.logs.send = self.send
@@ -170,11 +196,17 @@ class AgentService(AgentServiceBase):
         return AgentStreamStats(self.sessions, self.refused_duplicates, self.limiter.refused)
 
     async def send(self, node_id: str, message: ControlMessage) -> bool:
-        """Send a command to a node's agent; False when it is not connected."""
+        """Send a command to a node's agent; False when it is not connected or this server
+        no longer leads."""
         connection = self.connections.get(node_id)
         if connection is None:
             return False
-        await connection.send(message)
+        try:
+            await connection.send(message)
+        except NotLeading as exc:
+            log.warning("command for %s not sent: %s", node_id, exc.message)
+            connection.close(exc.message or "not the leader")
+            return False
         return True
 
     async def _connect(self, stream: grpclib.server.Stream[AgentMessage, ControlMessage]) -> None:
@@ -188,7 +220,9 @@ class AgentService(AgentServiceBase):
         register, node = await _receive_register(stream)
         node_id = node.node_id
         _check_bound(node_id)
-        connection = AgentConnection(node_id, stream, AgentIdentity.of(register, peer))
+        connection = AgentConnection(
+            node_id, stream, AgentIdentity.of(register, peer), self.leadership
+        )
         if refusal := self._holder_refusal(connection):
             self.refused_duplicates += 1
             self._log_duplicate(node_id, refusal)

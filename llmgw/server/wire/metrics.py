@@ -61,7 +61,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from llmgw import __version__
-from llmgw.api.llmgw.v1 import NodeState, ShardState
+from llmgw.api.llmgw.v1 import Leadership, NodeState, ShardState
 from llmgw.promtext import family, label_set
 from llmgw.protocol import read_shard_state
 from llmgw.server.core.reconcile_state import Lifecycle
@@ -74,6 +74,7 @@ __all__ = [
     "AgentStreamStats",
     "FleetFigures",
     "fleet_figures",
+    "leader_metrics",
     "render_server_metrics",
     "server_metrics",
 ]
@@ -182,6 +183,19 @@ def server_metrics(
         streams=streams or AgentStreamStats(),
         fleet=fleet_figures(plane),
     )
+
+
+def leader_metrics(leadership: Leadership) -> bytes:
+    """``llmgw_leader{server}`` (1 on the leader, 0 on a follower) and
+    ``llmgw_leader_epoch`` (the epoch of the lease as this server knows it): a leader and
+    its followers answer these alike, the followers nothing else."""
+    out: list[str] = []
+    family(out, "llmgw_leader", "gauge", "1 while this server leads the control plane, else 0.")
+    server = label_set([("server", leadership.server_id)])
+    _sample(out, "llmgw_leader", server, int(leadership.leading))
+    family(out, "llmgw_leader_epoch", "gauge", "The leader lease's epoch as this server knows it.")
+    _sample(out, "llmgw_leader_epoch", "", leadership.epoch)
+    return ("\n".join(out) + "\n").encode()
 
 
 def render_server_metrics(

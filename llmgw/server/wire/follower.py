@@ -1,0 +1,75 @@
+"""What a follower serves (issue #17): where the leader is, and nothing it would have to
+lead for.
+
+A server that does not hold the leader lease (``llmgw.server.state.leadership``) runs no
+reconciler and knows no agent's live state, so every call that needs them is refused with
+UNAVAILABLE naming the leader: an agent's ``Connect`` and a gateway's ``Feed`` first get
+one ``not_leader`` message (the leader's address and epoch), so that they follow it at
+once; every ``ControlService`` call and ``Report`` get the status alone, its message naming
+the leader for the operator. A follower never answers with state it does not have.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+import grpclib.const
+import grpclib.server
+from grpclib.const import Status
+from grpclib.exceptions import GRPCError
+
+from llmgw.api.llmgw.v1 import (
+    AgentServiceBase,
+    ControlMessage,
+    ControlServiceBase,
+    RouterFeedEvent,
+    RouterServiceBase,
+)
+from llmgw.server.state.leadership import Leadership
+
+log = logging.getLogger(__name__)
+
+_REDIRECTED = {
+    "/llmgw.v1.AgentService/Connect": lambda lead: ControlMessage(not_leader=lead.not_leader()),
+    "/llmgw.v1.RouterService/Feed": lambda lead: RouterFeedEvent(not_leader=lead.not_leader()),
+}
+
+
+class FollowerService:
+    """One service's every method refused while this server follows; ``base`` is its
+    generated class (for its method paths and message types)."""
+
+    def __init__(self, base: type[Any], leadership: Leadership) -> None:
+        self._base = base
+        self._leadership = leadership
+
+    def __mapping__(self) -> dict[str, grpclib.const.Handler]:
+        real = self._base.__mapping__(self._base())
+        return {
+            path: grpclib.const.Handler(
+                self._refuser(path), handler.cardinality, handler.request_type,
+                handler.reply_type,
+            )
+            for path, handler in real.items()
+        }  # fmt: skip
+
+    def _refuser(self, path: str) -> Callable[[grpclib.server.Stream[Any, Any]], Any]:
+        first = _REDIRECTED.get(path)
+
+        async def refuse(stream: grpclib.server.Stream[Any, Any]) -> None:
+            lead = self._leadership
+            if first is not None:
+                await stream.send_message(first(lead))  # type: ignore[no-untyped-call]
+            raise GRPCError(Status.UNAVAILABLE, lead.refusal())
+
+        return refuse
+
+
+def follower_services(leadership: Leadership) -> list[FollowerService]:
+    """The agents', the operators' and the gateways' services as a follower serves them."""
+    return [
+        FollowerService(base, leadership)
+        for base in (AgentServiceBase, ControlServiceBase, RouterServiceBase)
+    ]

@@ -1,0 +1,127 @@
+"""Several servers on one PostgreSQL database (issue #17), as real processes: exactly one
+leads; a follower refuses calls naming the leader; a leader killed (kill -9) or frozen
+(SIGSTOP) is replaced within seconds at a higher epoch, and a frozen one that wakes knows
+at once that it no longer leads."""
+
+from __future__ import annotations
+
+import re
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from procs import Cluster, wait_for
+
+from llmgw.promtext import metric_samples
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+
+DEPLOYMENT = """
+[profiles.one-gpu]
+engine = "sim"
+gpu_class = "H100"
+tp = 1
+model_path = "/models/chat"
+served_model_name = "chat"
+
+[deployments.chat]
+profile = "one-gpu"
+replicas = 1
+"""
+SIM_BIN = f"sim={sys.executable} -m llmgw sim-engine"
+
+
+def leader(cluster: Cluster) -> tuple[int, int] | None:
+    """(llmgw_leader, llmgw_leader_epoch) from the server's /metrics."""
+    text = cluster.metrics()
+    if text is None:
+        return None
+    leading = metric_samples(text, "llmgw_leader")
+    epoch = metric_samples(text, "llmgw_leader_epoch")
+    return int(leading[0][1]), int(epoch[0][1])
+
+
+def _pair(pg_url: str, tmp_path: Path) -> tuple[Cluster, Cluster]:
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    return Cluster(tmp_path / "a", db=pg_url), Cluster(tmp_path / "b", db=pg_url)
+
+
+@pytest.fixture
+def pair(pg_url: str, tmp_path: Path):  # type: ignore[no-untyped-def]
+    a, b = _pair(pg_url, tmp_path)
+    try:
+        yield a, b
+    finally:
+        for cluster in (a, b):
+            for proc in cluster.procs.values():
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGCONT)
+            cluster.stop_all()
+            cluster.release_engine_ports()
+
+
+def test_one_leads_a_follower_names_it_and_a_killed_leader_is_replaced(
+    pair: tuple[Cluster, Cluster], tmp_path: Path
+) -> None:
+    a, b = pair
+    a.start_server()
+    assert wait_for(lambda: leader(a), 10, "a's /metrics")[0] == 1
+    epoch = leader(a)[1]  # type: ignore[index]
+    b.start_server(follower=True)
+    assert leader(b) == (0, epoch)
+
+    refused = b.cli("get", "nodes", check=False)
+    assert refused.returncode != 0
+    said = refused.stderr + refused.stdout
+    assert f"the leader is at 127.0.0.1:{a.grpc_port} (epoch {epoch})" in said
+
+    a.start_agent("n1", "dgx-h100", "--engine-bin", SIM_BIN)
+    wait_for(lambda: a.node_states().get("n1") == "NODE_STATE_READY", 30, "n1 READY on a")
+    document = tmp_path / "chat.toml"
+    document.write_text(DEPLOYMENT)
+    assert "deployment chat applied" in a.cli("apply", "-f", str(document)).stdout
+
+    began = time.monotonic()
+    a.kill("server", signal.SIGKILL)
+    wait_for(lambda: leader(b) == (1, epoch + 1), 10, "b leading at the next epoch")
+    took = time.monotonic() - began
+    assert took < 5, f"failover took {took:.1f}s"
+    out = b.cli("get", "deployments", "-o", "json")
+    assert '"chat"' in out.stdout  # the desired state came through the database
+    assert "n1" in b.nodes()  # remembered; its agent would have to reach b
+
+
+def test_a_frozen_leader_is_deposed_and_knows_it_when_it_wakes(
+    pair: tuple[Cluster, Cluster],
+) -> None:
+    a, b = pair
+    a.start_server()
+    wait_for(lambda: (leader(a) or (0, 0))[0] == 1, 10, "a leading")
+    epoch = leader(a)[1]  # type: ignore[index]
+    b.start_server(follower=True)
+
+    a.procs["server"].send_signal(signal.SIGSTOP)
+    wait_for(lambda: leader(b) == (1, epoch + 1), 10, "b leading while a is frozen")
+    a.procs["server"].send_signal(signal.SIGCONT)
+    woke = time.monotonic()
+    wait_for(lambda: leader(a) == (0, epoch + 1), 10, "a following after it wakes")
+    assert time.monotonic() - woke < 5
+    log = a.log("server")
+    assert "the leader lease ran out: this server stops acting now" in log
+    assert re.search(r"follows: server \S+ does not lead: the leader is", log)
+    # b still leads, alone
+    assert leader(b) == (1, epoch + 1)
+
+
+def test_a_clean_stop_hands_over_at_once(pair: tuple[Cluster, Cluster]) -> None:
+    a, b = pair
+    a.start_server()
+    wait_for(lambda: (leader(a) or (0, 0))[0] == 1, 10, "a leading")
+    b.start_server(follower=True)
+    began = time.monotonic()
+    a.kill("server", signal.SIGTERM)  # releases the lease on its way out
+    wait_for(lambda: (leader(b) or (0, 0))[0] == 1, 10, "b leading")
+    assert time.monotonic() - began < 1.5  # sooner than the lease's time to live
