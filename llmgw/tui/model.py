@@ -36,6 +36,7 @@ from llmgw.api.llmgw.v1 import (
     AuditEvent,
     Cluster,
     Deployment,
+    Leadership,
     Node,
     NodeState,
     NodeTelemetry,
@@ -161,6 +162,7 @@ class ConsoleSnapshot:
     deployments: Mapping[str, DeploymentRow]
     events: Mapping[str, EventRow]
     router: RouterView
+    leader: str = ""  # which server leads, in words (leader_words); "" before a snapshot
 
     @classmethod
     def empty(cls) -> ConsoleSnapshot:
@@ -209,6 +211,7 @@ class ClusterModel:
 
     def __init__(self, *, max_events: int = 1000, router_window_s: float = 60.0) -> None:
         self.revision = 0
+        self.leader = ""  # leader_words of the last snapshot
         self.dirty = False  # changed since the last snapshot
         self._max_events = max_events
         self._nodes: dict[str, NodeRow] = {}
@@ -277,6 +280,7 @@ class ClusterModel:
             self.add_router_stats(cluster.router_stats, None)
         self._primed = True
         self.revision = cluster.revision
+        self.leader = leader_words(cluster.leadership)
         self._changed()
 
     def _drop_absent(self, cluster: Cluster, now_ms: int) -> None:
@@ -516,8 +520,19 @@ class ClusterModel:
             deployments=MappingProxyType(dict(self._deployments)),
             events=MappingProxyType({e.key: e for e in self._events}),
             router=router,
+            leader=self.leader,
         )
         return self._cache
+
+
+def leader_words(leadership: Leadership | None) -> str:
+    """Which server leads, as the overview says it: ``ID at HOST:PORT, epoch N`` (the ID
+    left out when it is the address), and whether the answering server is it."""
+    if leadership is None or not leadership.leader_id:
+        return ""
+    named = "" if leadership.leader_id == leadership.leader_address else f"{leadership.leader_id} "
+    where = f"{named}at {leadership.leader_address}, epoch {leadership.epoch}"
+    return f"{where} (this server)" if leadership.leading else f"{where} (not this server)"
 
 
 def _router_counters(stats: RouterStats) -> dict[str, int]:

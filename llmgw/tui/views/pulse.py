@@ -37,9 +37,13 @@ def _grid() -> Table:
     return grid
 
 
-def overview_text(overview: Overview, router: RouterView, server: str) -> RenderableType:
+def overview_text(
+    overview: Overview, router: RouterView, server: str, leader: str = ""
+) -> RenderableType:
     grid = _grid()
     grid.add_row("server", Text(server))
+    if leader:  # which server of the database leads (issue #17)
+        grid.add_row("leader", Text(leader))
     grid.add_row(
         "nodes",
         Text(
@@ -303,7 +307,8 @@ class OverviewView(_Pulse):
 
     def render_body(self, snapshot: ConsoleSnapshot) -> tuple[object, RenderableType]:
         overview = summarize(snapshot)
-        return (overview, snapshot.router), overview_text(overview, snapshot.router, self._server)
+        shown = overview_text(overview, snapshot.router, self._server, snapshot.leader)
+        return (overview, snapshot.router, snapshot.leader), shown
 
 
 class RouterPanel(_Pulse):
