@@ -78,7 +78,7 @@ from llmgw.server.autoscale_loop import (
     AutoscaleLoop,
 )
 from llmgw.server.core.autoscale_window import GatewayReport
-from llmgw.server.errors import ConfigError
+from llmgw.server.errors import ConfigError, Deposed
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.state.inventory import InventoryConfig
 from llmgw.server.state.leadership import Leadership, LeaseTimes
@@ -258,7 +258,10 @@ async def _roles(
             term_over = asyncio.Event()
             if leadership.leading():
                 helpers.append(asyncio.create_task(_watch_term(leadership, stop, term_over)))
-                await _serve(config, term_over, tls, leadership)
+                try:
+                    await _serve(config, term_over, tls, leadership)
+                except* Deposed as deposed:  # a write after the lease ran out: the term ends
+                    log.warning("the term ended: %s", deposed.exceptions[0])
             else:
                 helpers.append(asyncio.create_task(_watch_follow(leadership, stop, term_over)))
                 await _follow(config, term_over, tls, leadership)

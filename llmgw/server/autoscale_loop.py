@@ -76,7 +76,7 @@ from llmgw.server.core.autoscale_window import (
     measure,
 )
 from llmgw.server.core.reconcile_state import Lifecycle
-from llmgw.server.errors import StoreUnwritable
+from llmgw.server.errors import Deposed, StoreUnwritable
 from llmgw.server.state.history import ACTING
 from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.store import now_ms
@@ -167,6 +167,8 @@ class AutoscaleLoop:
                 await self.round()
             except asyncio.CancelledError:
                 raise
+            except Deposed as exc:  # the lease ran out: the term ends, nothing was stored
+                log.warning("autoscaler round not stored: %s", exc)
             except StoreUnwritable as exc:  # logged by the store's health
                 log.debug("autoscaler round not stored (%s); trying again next round", exc)
             except Exception:  # one failed round must not end autoscaling

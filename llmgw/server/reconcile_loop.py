@@ -75,7 +75,7 @@ from llmgw.server.core.reconcile_state import (
     held_reason,
 )
 from llmgw.server.core.reconciler import reconcile
-from llmgw.server.errors import StoreUnwritable
+from llmgw.server.errors import Deposed, StoreUnwritable
 from llmgw.server.state.placer import LazyPlacer
 from llmgw.server.state.plane import ControlPlane, node_address
 from llmgw.server.state.scalein import InFlightFn, no_in_flight, scale_in_costs
@@ -153,6 +153,8 @@ class ReconcileLoop:
                 await self.round()
             except asyncio.CancelledError:
                 raise
+            except Deposed as exc:  # the lease ran out: the term ends, nothing was stored
+                log.warning("reconciliation round not stored: %s", exc)
             except StoreUnwritable as exc:  # logged by the store's health; nothing was sent
                 log.debug("reconciliation round not stored (%s); trying again next tick", exc)
             except Exception:  # one failed round must not end reconciliation
