@@ -22,12 +22,17 @@ was made). Steps, in :func:`copy_sqlite_to_postgres`:
 4. A fresh ``Store`` opens the target and the row counts and the cluster id are compared
    with the source's; a difference is a StoreError.
 
+The source's rows are read with ``sqlite3`` on the event loop's thread, a batch at a time,
+between the batches' inserts (the command runs nothing else meanwhile).
+
 Errors are StoreError (or ConfigError for a ``--from``/``--to`` that will not do), never
 holding the URL's password (``storebackend.redact_url``).
 """
 
 from __future__ import annotations
 
+import asyncio
+import os
 import re
 import sqlite3
 import tempfile
@@ -38,7 +43,7 @@ from pathlib import Path
 from typing import Any, Final
 
 from llmgw.server.errors import ConfigError, StoreError
-from llmgw.server.state.statefile import CLUSTER_ID_KEY, META_TABLE, refuse_foreign_file
+from llmgw.server.state.statefile import META_TABLE, refuse_foreign_file
 from llmgw.server.state.statelock import hold_state_lock
 from llmgw.server.state.store import Store
 from llmgw.server.state.storebackend import URL_FORM, Backend, PostgresUrl, parse_db
@@ -156,29 +161,35 @@ async def copy_sqlite_to_postgres(
         finally:
             conn.close()
     await _verify(target, tables, cluster_id)
-    return CopyReport(
-        str(source), str(target), cluster_id, tables, time.monotonic() - started
-    )
+    return CopyReport(str(source), str(target), cluster_id, tables, time.monotonic() - started)
 
 
 async def _snapshot(source: Path, snapshot: Path) -> str:
     """Copy ``source`` (read-only) to ``snapshot`` and bring that to the current schema; the
     cluster id it holds."""
-    try:
-        with (
-            sqlite3.connect(f"{source.resolve().as_uri()}?mode=ro", uri=True) as src,
-            sqlite3.connect(snapshot) as dst,
-        ):
-            src.backup(dst)
-        src.close()
-        dst.close()
-    except sqlite3.Error as exc:
-        raise StoreError(f"cannot read {source}: {exc}") from exc
+    await asyncio.to_thread(_backup, source, snapshot)
     try:
         async with Store(snapshot) as store:
             return store.cluster_id
     except StoreError as exc:
         raise StoreError(str(exc).replace(str(snapshot), str(source))) from exc
+
+
+def _backup(source: Path, snapshot: Path) -> None:
+    """SQLite's online backup of ``source``, opened read-only, into a new owner-only file."""
+    try:
+        os.close(os.open(snapshot, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600))
+        src = sqlite3.connect(f"{source.resolve().as_uri()}?mode=ro", uri=True)
+        try:
+            dst = sqlite3.connect(snapshot)
+            try:
+                src.backup(dst)
+            finally:
+                dst.close()
+        finally:
+            src.close()
+    except (OSError, sqlite3.Error) as exc:
+        raise StoreError(f"cannot read {source}: {exc}") from exc
 
 
 async def _target_schema(db: Backend) -> None:

@@ -4,11 +4,13 @@ was written, ids and the cluster id included; refusals change nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import sqlite3
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -158,25 +160,34 @@ async def test_a_failed_copy_leaves_no_row(tmp_path: Path, pg_url: str) -> None:
         assert (await pg_fetch(pg_url, f"SELECT COUNT(*) FROM {table}"))[0][0] == 0, table
 
 
-async def test_a_locked_source_is_refused_naming_the_holder(tmp_path: Path, pg_url: str) -> None:
+@pytest.fixture
+def held_source(tmp_path: Path) -> Iterator[tuple[Path, int]]:
+    """A populated state file whose lock another process holds; the file and its pid."""
     source = tmp_path / "state.db"
-    await _populate(source)
-    holder = subprocess.Popen(
+    asyncio.run(_populate(source))
+    with subprocess.Popen(
         [sys.executable, "-c", _HOLD, str(source)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert holder.stdout is not None and holder.stdout.readline() == "held\n"
-        with pytest.raises(StoreError, match=rf"in use by llmgw server pid {holder.pid}"):
-            await copy_sqlite_to_postgres(source, PostgresUrl(pg_url))
-    finally:
-        holder.kill()
-        holder.communicate()
+    ) as holder:
+        try:
+            assert holder.stdout is not None and holder.stdout.readline() == "held\n"
+            yield source, holder.pid
+        finally:
+            holder.kill()
+
+
+async def test_a_locked_source_is_refused_naming_the_holder(
+    held_source: tuple[Path, int], pg_url: str
+) -> None:
+    source, pid = held_source
+    with pytest.raises(StoreError, match=rf"in use by llmgw server pid {pid}"):
+        await copy_sqlite_to_postgres(source, PostgresUrl(pg_url))
     tables = "SELECT 1 FROM information_schema.tables WHERE table_schema = current_schema()"
     assert await pg_fetch(pg_url, tables) == []  # the target was not touched
 
 
 _HOLD = """
 import sys, time
+from collections.abc import Iterator
 from pathlib import Path
 from llmgw.server.state.statelock import hold_state_lock
 with hold_state_lock(Path(sys.argv[1])):
@@ -237,8 +248,6 @@ async def test_many_events_copy_in_seconds(tmp_path: Path, pg_url: str) -> None:
 
 
 def test_the_cli_migrates_and_prints_counts(tmp_path: Path, pg_url: str) -> None:
-    import asyncio
-
     source = tmp_path / "state.db"
     cluster_id = asyncio.run(_populate(source))
     url = pg_url.replace("postgresql://llmgw@", "postgresql://llmgw:hunter2@")
