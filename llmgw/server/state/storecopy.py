@@ -62,7 +62,7 @@ __all__ = [
 
 BATCH_ROWS: Final = 5000
 SQLITE_PREFIX: Final = "sqlite:"
-_CREATE = re.compile(r"CREATE TABLE IF NOT EXISTS (\w+) \((.*?)\n\);", re.DOTALL)
+_CREATE = re.compile(r"CREATE TABLE (?:IF NOT EXISTS )?(\w+)\s*\((.*?)\n\s*\);", re.DOTALL)
 _IDENTITY = re.compile(r"^\s*(\w+)\s+INTEGER PRIMARY KEY AUTOINCREMENT\b", re.MULTILINE)
 # One statement may run as long as a batch takes; connecting stays quick to fail.
 _COPY_TIMEOUTS: Final = PgTimeouts(connect_s=10.0, command_s=600.0, pool_size=1)

@@ -33,6 +33,7 @@ from llmgw.server.state.storecopy import (
     schema_tables,
 )
 from llmgw.server.state.storeschema import (
+    MIGRATIONS,
     AuditRecord,
     EventRecord,
     RevisionRecord,
@@ -273,3 +274,43 @@ def test_the_cli_migrates_and_prints_counts(tmp_path: Path, pg_url: str) -> None
     )
     assert again.returncode == 1
     assert "already holds llmgw state" in again.stderr and "hunter2" not in again.stderr
+
+
+async def test_an_older_source_is_copied_at_the_current_schema_and_left_at_its_own(
+    tmp_path: Path, pg_url: str
+) -> None:
+    source = tmp_path / "old.db"
+    with sqlite3.connect(source) as conn:  # a file as llmgw's schema version 5 left it
+        conn.executescript("".join(MIGRATIONS[v] for v in range(1, 6)) + "PRAGMA user_version=5;")
+        conn.execute("INSERT INTO nodes VALUES ('n1', x'0a026e31', 1, 10, 20)")
+        conn.execute("INSERT INTO tokens (id, role, hash, created) VALUES (7, 'admin', 'h', 5)")
+    conn.close()
+    report = await copy_sqlite_to_postgres(source, PostgresUrl(pg_url))
+    with sqlite3.connect(f"{source.as_uri()}?mode=ro", uri=True) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (5,)  # the file is as it was
+        tables = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
+    conn.close()
+    assert META_TABLE not in tables
+    async with Store(pg_url) as copy:
+        assert copy.cluster_id == report.cluster_id  # the one the snapshot was given
+        assert await copy.load_nodes() == [StoredNode("n1", b"\x0a\x02n1", True, 10, 20, True)]
+        assert [(t.token_id, t.role) for t in await copy.load_tokens()] == [(7, Role.ADMIN)]
+
+
+async def test_rows_still_in_the_write_ahead_log_are_copied(tmp_path: Path, pg_url: str) -> None:
+    source = tmp_path / "state.db"
+    await _populate(source)
+    writer = sqlite3.connect(source)  # kept open: its commit stays in state.db-wal
+    try:
+        writer.execute("PRAGMA wal_autocheckpoint=0")
+        writer.execute("INSERT INTO nodes VALUES ('w', x'', 0, 1, 1, 1)")
+        writer.commit()
+        assert _wal_bytes(source) > 0
+        report = await copy_sqlite_to_postgres(source, PostgresUrl(pg_url))
+    finally:
+        writer.close()
+    assert {t.table: t.rows for t in report.tables}["nodes"] == 3
+
+
+def _wal_bytes(path: Path) -> int:
+    return Path(f"{path}-wal").stat().st_size
