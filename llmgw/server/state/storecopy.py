@@ -20,7 +20,7 @@ was made). Steps, in :func:`copy_sqlite_to_postgres`:
    past the highest id copied. Any failure rolls it all back (the schema made in step 3
    stays: an empty llmgw database, which a second try accepts).
 4. A fresh ``Store`` opens the target and the row counts and the cluster id are compared
-   with the source's; a difference is a StoreError.
+   with the source's (the source's lock still held); a difference is a StoreError.
 
 The source's rows are read with ``sqlite3`` on the event loop's thread, a batch at a time,
 between the batches' inserts (the command runs nothing else meanwhile).
@@ -160,7 +160,7 @@ async def copy_sqlite_to_postgres(
             tables = await _copy_rows(conn, target, batch)
         finally:
             conn.close()
-    await _verify(target, tables, cluster_id)
+        await _verify(target, tables, cluster_id)
     return CopyReport(str(source), str(target), cluster_id, tables, time.monotonic() - started)
 
 

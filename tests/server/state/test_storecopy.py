@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import re
 import sqlite3
 import subprocess
 import sys
@@ -227,10 +228,16 @@ def test_bad_sources_and_targets_are_clear_errors(tmp_path: Path) -> None:
     assert str(parse_target("postgresql://u:secret@h:5432/db")) == "postgresql://u:***@h:5432/db"
 
 
-async def test_an_empty_source_file_is_refused(tmp_path: Path, pg_url: str) -> None:
+async def test_an_empty_or_foreign_source_file_is_refused(tmp_path: Path, pg_url: str) -> None:
     (tmp_path / "s.db").write_bytes(b"")
     with pytest.raises(StoreError, match="is empty"):
         await copy_sqlite_to_postgres(tmp_path / "s.db", PostgresUrl(pg_url))
+    with sqlite3.connect(tmp_path / "other.db") as conn:
+        conn.execute("CREATE TABLE accounts (id INTEGER)")
+    conn.close()
+    other = re.escape(f"{tmp_path / 'other.db'} is not an llmgw state database")
+    with pytest.raises(StoreError, match=other):
+        await copy_sqlite_to_postgres(tmp_path / "other.db", PostgresUrl(pg_url))
 
 
 async def test_many_events_copy_in_seconds(tmp_path: Path, pg_url: str) -> None:
