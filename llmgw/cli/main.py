@@ -21,6 +21,7 @@ from llmgw.cli import (
     actions,
     agent,
     console,
+    db,
     demo_command,
     desired,
     gateway,
@@ -50,6 +51,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], 
     gateway.register,  # gateway
     console.register,  # console
     token.register,  # token create|list|revoke
+    db.register,  # db migrate
 )
 """Each command module's ``register``, in the order ``llmgw --help`` lists the commands."""
 
