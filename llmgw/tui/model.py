@@ -28,7 +28,7 @@ from collections import deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 import betterproto2
 
@@ -36,7 +36,6 @@ from llmgw.api.llmgw.v1 import (
     AuditEvent,
     Cluster,
     Deployment,
-    Leadership,
     Node,
     NodeState,
     NodeTelemetry,
@@ -46,6 +45,7 @@ from llmgw.api.llmgw.v1 import (
     Shard,
     WatchEvent,
 )
+from llmgw.tui.leader import leader_words
 from llmgw.tui.rates import CounterWindow
 from llmgw.tui.routes import RoutesView, check_counters, routes_view
 from llmgw.tui.rows import (
@@ -166,17 +166,8 @@ class ConsoleSnapshot:
 
     @classmethod
     def empty(cls) -> ConsoleSnapshot:
-        return cls(
-            revision=0,
-            taken_ms=0,
-            nodes=MappingProxyType({}),
-            gpus=MappingProxyType({}),
-            shards=MappingProxyType({}),
-            replicas=MappingProxyType({}),
-            deployments=MappingProxyType({}),
-            events=MappingProxyType({}),
-            router=RouterView(),
-        )
+        none: Mapping[str, Any] = MappingProxyType({})
+        return cls(0, 0, none, none, none, none, none, none, RouterView())
 
 
 @dataclass(frozen=True, slots=True)
@@ -523,16 +514,6 @@ class ClusterModel:
             leader=self.leader,
         )
         return self._cache
-
-
-def leader_words(leadership: Leadership | None) -> str:
-    """Which server leads, as the overview says it: ``ID at HOST:PORT, epoch N`` (the ID
-    left out when it is the address), and whether the answering server is it."""
-    if leadership is None or not leadership.leader_id:
-        return ""
-    named = "" if leadership.leader_id == leadership.leader_address else f"{leadership.leader_id} "
-    where = f"{named}at {leadership.leader_address}, epoch {leadership.epoch}"
-    return f"{where} (this server)" if leadership.leading else f"{where} (not this server)"
 
 
 def _router_counters(stats: RouterStats) -> dict[str, int]:

@@ -5,7 +5,8 @@ from __future__ import annotations
 from rich.console import Console
 
 from llmgw.api.llmgw.v1 import Cluster, Leadership
-from llmgw.tui.model import ClusterModel, leader_words
+from llmgw.tui.leader import leader_words
+from llmgw.tui.model import ClusterModel
 from llmgw.tui.summary import summarize
 from llmgw.tui.views.pulse import overview_text
 
