@@ -30,3 +30,13 @@ def test_the_agent_flag_takes_and_explains_the_list(capsys: pytest.CaptureFixtur
     with pytest.raises(SystemExit):
         parser.parse_args(["agent", "--help"])
     assert "comma list" in " ".join(capsys.readouterr().out.split())
+
+
+def test_the_gateway_flag_takes_a_comma_list() -> None:
+    from llmgw.cli.errors import CliError
+    from llmgw.cli.gateway import server_list
+
+    assert server_list("a:1,b:2,a:1") == [("a", 1), ("b", 2)]
+    for text, named in [("a:1,b", "'b'"), ("a:1,", "empty entry"), ("a:0", "port 0")]:
+        with pytest.raises(CliError, match=named):
+            server_list(text)
