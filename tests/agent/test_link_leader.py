@@ -158,3 +158,37 @@ async def test_a_leader_named_with_an_older_epoch_is_not_followed(tmp_path: Path
             async with linked([stale_port, leader_port], seen, LeaderEpoch(tmp_path)) as link:
                 await until(lambda: seen)
                 assert link.stats.redirects == 0  # reached as the next server, not followed
+
+
+async def test_the_agent_wires_the_server_list_and_its_epoch_file(tmp_path: Path) -> None:
+    from llmgw.agent.daemon import Agent, AgentConfig, AgentConfigError
+
+    state = tmp_path / "state"
+    leader = FakeControl(epoch=4)
+    async with serving(leader) as leader_port:
+        follower = FakeControl(
+            follower=True, leader_address=f"127.0.0.1:{leader_port}", leader_epoch=4, linger=True
+        )
+        async with serving(follower) as follower_port:
+            config = AgentConfig(
+                "127.0.0.1",
+                follower_port,
+                state,
+                more_servers=(("127.0.0.1", leader_port),),
+                simulate="cpu-only",
+                backoff=SLOW,
+            )
+            agent = Agent(config)
+            stop = asyncio.Event()
+            running = asyncio.create_task(agent.run(stop))
+            try:
+                await until(lambda: leader.registers)
+                await until(lambda: (state / LEADER_EPOCH_FILE).exists())
+            finally:
+                stop.set()
+                await running
+    assert agent.link.stats.redirects == 1
+    assert (state / LEADER_EPOCH_FILE).read_text() == "4\n"
+    (state / LEADER_EPOCH_FILE).write_text("four\n")
+    with pytest.raises(AgentConfigError, match=LEADER_EPOCH_FILE):
+        Agent(config)
