@@ -65,7 +65,8 @@ class FakeControl:
                         async for _ in stream:
                             pass
             raise GRPCError(
-                Status.UNAVAILABLE, f"not the leader; the leader is {self.leader_address}"
+                Status.UNAVAILABLE,
+                f"server f does not lead: the leader is l at {self.leader_address} (epoch 2)",
             )
         message = await stream.recv_message()
         assert message is not None and message.register is not None

@@ -65,7 +65,8 @@ class FakeRouter:
             if self.linger:
                 await asyncio.sleep(1.0)
             raise GRPCError(
-                Status.UNAVAILABLE, f"not the leader; the leader is {self.leader_address}"
+                Status.UNAVAILABLE,
+                f"server f does not lead: the leader is l at {self.leader_address} (epoch 2)",
             )
         target = RouteTarget(replica_id=self.replica, model="m", endpoint="http://127.0.0.1:1")
         await stream.send_message(RouterFeedEvent(snapshot=RouterSnapshot(targets=[target])))
