@@ -32,6 +32,7 @@ from llmgw.agent.cluster import ClusterIdError, ClusterMembership
 from llmgw.agent.discovery import NvmlTelemetry, SimulatedTelemetry, nvml_node, simulated_node
 from llmgw.agent.engines import build_launch
 from llmgw.agent.engines.base import EngineBinaries, LaunchSpec, ShardSpec
+from llmgw.agent.epoch import EpochFileError, LeaderEpoch
 from llmgw.agent.kvevents import KvFollowConfig
 from llmgw.agent.kvhub import KvEventHub
 from llmgw.agent.link import AgentLink, LinkConfig
@@ -70,6 +71,7 @@ class AgentConfig:
     server_host: str
     server_port: int
     state_dir: Path
+    more_servers: tuple[tuple[str, int], ...] = ()  # --server a,b,c: the ones after the first
     node_id: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
     simulate: str | None = None
@@ -87,6 +89,19 @@ class AgentConfig:
     token: str | None = field(default=None, repr=False)  # --token-file; never logged
     ca_file: Path | None = None  # --ca-file: TLS to the server, verified against this CA
     join_cluster: str | None = None  # --join-cluster: hand the engines to this cluster
+
+
+def parse_servers(text: str) -> list[tuple[str, int]]:
+    """``HOST:PORT,HOST:PORT,...`` → the addresses in order, a repeated one kept once; a
+    malformed or empty entry is an AgentConfigError naming it."""
+    servers: list[tuple[str, int]] = []
+    for entry in text.split(","):
+        if not entry.strip():
+            raise AgentConfigError(f"--server {text!r} has an empty entry (HOST:PORT,HOST:PORT)")
+        server = parse_server(entry.strip())
+        if server not in servers:
+            servers.append(server)
+    return servers
 
 
 def parse_server(text: str) -> tuple[str, int]:
@@ -231,7 +246,8 @@ class Agent:
         self.node = discover(config, self.node_id)
         try:
             self.membership = ClusterMembership(config.state_dir, join=config.join_cluster)
-        except ClusterIdError as exc:
+            self.epoch = LeaderEpoch(config.state_dir)
+        except (ClusterIdError, EpochFileError) as exc:
             raise AgentConfigError(str(exc)) from exc
         self._telemetry = self._sampler()
         self.kv = KvEventHub(config.kv_events)  # the engines' KV blocks, for the stream
@@ -259,6 +275,7 @@ class Agent:
             LinkConfig(
                 config.server_host,
                 config.server_port,
+                more_servers=config.more_servers,
                 backoff=config.backoff,
                 token=config.token,
                 tls=tls,
@@ -273,6 +290,7 @@ class Agent:
             membership=self.membership,
             on_registered=self.supervisor.licence,
             logs=self.logs,
+            epoch=self.epoch,
         )
 
     def _runs(self, shard_id: str) -> bool:

@@ -41,6 +41,17 @@ With a ``membership`` (``llmgw.agent.cluster``) every ``Register`` carries the c
 the agent remembers, and the server's answer decides whether the engines are handed over;
 while they are held from a server of another cluster, the session sends no shard status,
 no KV blocks or counters, and carries out no command.
+
+Several control servers may share one database (issue #17); ``LinkConfig.servers`` lists
+them all, and a session goes to one at a time. A follower answers with ``not_leader``
+naming the leader: when that address is in the list (compared as parsed HOST:PORT) the
+next session goes there at once, else to the next server of the list; a failed session
+(unreachable, UNAVAILABLE, the idle watchdog, a fenced leader) moves to the next server at
+once too. Only a whole round of the list without a session that stays up waits for the
+backoff. TLS verifies each server's certificate against the host being dialled. With an
+``epoch`` (``llmgw.agent.epoch``), every message's ``leader_epoch`` is checked before it is
+handled: one older than the newest the agent has seen (a deposed leader's) is never
+carried out; the session is dropped and the next server tried.
 """
 
 from __future__ import annotations
@@ -56,11 +67,13 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol
 
 import grpclib.client
-from grpclib.const import Cardinality
+from grpclib.const import Cardinality, Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
+from llmgw.addresses import AddressError, bracketed, parse_host_port
 from llmgw.agent.backoff import Backoff, BackoffPolicy
 from llmgw.agent.cluster import ClusterMembership
+from llmgw.agent.epoch import LeaderEpoch
 from llmgw.agent.kvstats import follow_stats, follow_stats_delta
 from llmgw.agent.telemetry import telemetry_delta
 from llmgw.api.llmgw.v1 import (
@@ -72,6 +85,7 @@ from llmgw.api.llmgw.v1 import (
     KvFollowStats,
     LogChunk,
     NodeInfo,
+    NotLeader,
     Register,
     ShardStatus,
 )
@@ -92,12 +106,17 @@ OUTBOX_LIMIT = 10_000  # queued messages; beyond it the oldest is dropped (Regis
 LOG_QUEUE = 16  # log chunks waiting to be sent; a log stream waits for room
 
 
+Address = tuple[str, int]  # (host, port), the host without brackets
+
+
 @dataclass(frozen=True, slots=True)
 class LinkConfig:
-    """Where the server is and how patient to be with it."""
+    """Where the servers are and how patient to be with them: ``host``/``port`` is the first
+    server of the list, ``more_servers`` the others (``--server a,b,c``)."""
 
     host: str
     port: int
+    more_servers: tuple[Address, ...] = ()
     register_timeout_s: float = 10.0
     idle_timeout_s: float = 15.0
     backoff: BackoffPolicy = field(default_factory=BackoffPolicy)
@@ -105,6 +124,11 @@ class LinkConfig:
     tls: ssl.SSLContext | None = field(default=None, repr=False, compare=False)  # None: plaintext
     instance_id: str = ""  # this agent's id, kept in its state dir (llmgw.agent.daemon)
     machine_id: str = ""  # /etc/machine-id; "" when unknown
+
+    @property
+    def servers(self) -> tuple[Address, ...]:
+        """Every server to try, in order, the first one first."""
+        return ((self.host, self.port), *self.more_servers)
 
 
 class KvSource(Protocol):
@@ -139,6 +163,19 @@ class SessionEnded(Exception):
     """A session with the server ended; the message says why."""
 
 
+class NotLeaderRedirect(SessionEnded):
+    """A follower named the leader; ``index`` is its place in the server list (None: not
+    in it, or no leader, or a leader of an epoch older than the remembered one)."""
+
+    def __init__(self, why: str, index: int | None) -> None:
+        super().__init__(why)
+        self.index = index
+
+
+class Fenced(SessionEnded):
+    """The server sent a message of an older leader epoch than the agent has seen."""
+
+
 class RegisterRefused(SessionEnded):
     """The server refused the registration; ``retry_after_s`` is its hint (None: none)."""
 
@@ -156,6 +193,9 @@ class LinkStats:
     rtt_ms: deque[float] = field(default_factory=lambda: deque(maxlen=4096))
     connected: bool = False
     kv_deltas: int = 0  # KvDelta messages sent, full copies included
+    redirects: int = 0  # not_leader answers followed to the leader they named
+    fenced: int = 0  # sessions dropped for a message of an older leader epoch
+    server: str = ""  # HOST:PORT of the server of the current (or last) session
 
 
 class AgentLink:
@@ -173,8 +213,11 @@ class AgentLink:
         membership: ClusterMembership | None = None,
         on_registered: Callable[[str], None] | None = None,
         logs: LogHandler | None = None,
+        epoch: LeaderEpoch | None = None,
     ) -> None:
         self.config = config
+        self._epoch = epoch
+        self._index = 0  # the server list's entry the next session goes to
         self._logs = logs
         self._log_out: asyncio.Queue[LogChunk] = asyncio.Queue(maxsize=LOG_QUEUE)
         self._membership = membership
@@ -187,7 +230,8 @@ class AgentLink:
         self.stats = LinkStats()
         self._outbox: asyncio.Queue[AgentMessage] = asyncio.Queue(maxsize=OUTBOX_LIMIT)
         self._send_lock = asyncio.Lock()
-        self.backoff = Backoff(config.backoff, what=f"control server {config.host}:{config.port}")
+        names = ",".join(_address(server) for server in config.servers)
+        self.backoff = Backoff(config.backoff, what=f"control server(s) {names}")
         self.run_id = uuid.uuid4().hex  # this process: its reconnects replace its old stream
 
     def send_status(self, status: ShardStatus) -> None:
@@ -215,22 +259,57 @@ class AgentLink:
     async def run(self) -> None:
         """Run sessions forever; returns only when cancelled."""
         async for _ in self.backoff:
+            why, hint = await self._round()
+            self.backoff.failed(why, retry_after_s=hint)
+
+    async def _round(self) -> tuple[str, float | None]:
+        """Sessions with one server after another until as many as the list is long have
+        failed (following a named leader is free, up to the list's length per round); why
+        the last one ended and the last refusal's retry hint (the backoff waits after it)."""
+        servers = self.config.servers
+        why, hint = "", None
+        failures = redirects = 0
+        while failures < len(servers):
+            target = servers[self._index]
             try:
-                await self._session()
+                await self._session(target)
             except asyncio.CancelledError:
                 raise
-            except (
-                SessionEnded,
-                GRPCError,
-                ProtocolError,
-                StreamTerminatedError,
-                OSError,
-                TimeoutError,
-            ) as exc:
-                hint = exc.retry_after_s if isinstance(exc, RegisterRefused) else None
-                self.backoff.failed(self._why(exc), retry_after_s=hint)
+            except _SESSION_ENDS as caught:
+                exc = self._unavailable_redirect(caught)
+                why = f"{_address(target)}: {self._why(exc)}"
+                if isinstance(exc, RegisterRefused) and exc.retry_after_s is not None:
+                    hint = exc.retry_after_s
+                leader = exc.index if isinstance(exc, NotLeaderRedirect) else None
+                if leader is not None and redirects < len(servers):
+                    redirects += 1
+                    self.stats.redirects += 1
+                    self._index = leader
+                    log.info("control server %s; following it", why)
+                    continue
+                failures += 1
+                self.stats.fenced += isinstance(exc, Fenced)
+                self._index = (self._index + 1) % len(servers)
+                if failures < len(servers):
+                    log.info("control server %s; trying %s", why, _address(servers[self._index]))
             finally:
                 self.stats.connected = False
+        return why, hint
+
+    def _unavailable_redirect(self, exc: BaseException) -> BaseException:
+        """A follower's UNAVAILABLE before registering, as a redirect to the leader its
+        message names (when that address is in the list): the ``not_leader`` message
+        before it is lost when the stream's reset arrives with it (grpclib drops what a
+        reset stream had buffered)."""
+        if self.stats.connected or not isinstance(exc, GRPCError):
+            return exc
+        if exc.status is not Status.UNAVAILABLE:
+            return exc
+        for word in (exc.message or "").split():
+            index = _index_of(word.strip(".,;:()'\"").rstrip("."), self.config.servers)
+            if index is not None:
+                return NotLeaderRedirect(_describe(exc), index)
+        return exc
 
     def _why(self, exc: BaseException) -> str:
         """Why a session ended; a plaintext stream cut before registering may be a TLS port."""
@@ -240,8 +319,9 @@ class AgentLink:
             why += " before registering (if the server serves TLS, give the agent --ca-file)"
         return why
 
-    async def _session(self) -> None:
-        channel = grpclib.client.Channel(self.config.host, self.config.port, ssl=self.config.tls)
+    async def _session(self, target: Address) -> None:
+        self.stats.server = _address(target)
+        channel = grpclib.client.Channel(target[0], target[1], ssl=self.config.tls)
         try:
             async with channel.request(
                 CONNECT_PATH,
@@ -295,6 +375,10 @@ class AgentLink:
                 reply = await stream.recv_message()
             except GRPCError as exc:
                 raise RegisterRefused(_describe(exc), _retry_after_s(stream)) from exc
+        if reply is not None and reply.not_leader is not None:
+            raise self._redirect(reply.not_leader)
+        if reply is not None:
+            self._fence(reply)
         if reply is None or reply.registered is None:
             await stream.recv_trailing_metadata()  # raises the server's GRPCError if any
             raise SessionEnded("the server did not acknowledge the registration")
@@ -302,11 +386,11 @@ class AgentLink:
         if membership is not None:
             membership.registered(reply.registered.cluster_id, engines=len(register.shards))
         log.info(
-            "registered with %s:%d over %s (heartbeat every %d ms)",
-            self.config.host,
-            self.config.port,
+            "registered with %s over %s (heartbeat every %d ms, leader epoch %d)",
+            self.stats.server,
             "plaintext" if self.config.tls is None else "TLS",
             interval_ms,
+            reply.leader_epoch,
         )
         return interval_ms / 1000, reply.registered.cluster_id
 
@@ -365,6 +449,9 @@ class AgentLink:
             if message is None:
                 await stream.recv_trailing_metadata()
                 return
+            if message.not_leader is not None:
+                raise self._redirect(message.not_leader)
+            self._fence(message)
             if message.heartbeat_ack is not None:
                 self.stats.rtt_ms.append(_mono_ms() - message.heartbeat_ack.sent_at_ms)
             elif self._holding:
@@ -380,8 +467,56 @@ class AgentLink:
             else:
                 log.warning("command %s received but this agent runs no engines", _kind(message))
 
+    def _fence(self, message: ControlMessage) -> None:
+        """Fenced unless the message's leader epoch is at least the newest one seen."""
+        if self._epoch is None:
+            return
+        what, server = _kind(message), self.stats.server
+        if not self._epoch.admit(message.leader_epoch, what=what, server=server):
+            raise Fenced(
+                f"{what} of leader epoch {message.leader_epoch} refused (this agent has seen "
+                f"epoch {self._epoch.remembered}): a deposed leader; the session is dropped"
+            )
+
+    def _redirect(self, answer: NotLeader) -> NotLeaderRedirect:
+        """Where a follower's ``not_leader`` sends the next session, and why."""
+        named = answer.leader_address
+        index = _index_of(named, self.config.servers)
+        remembered = self._epoch.remembered if self._epoch is not None else 0
+        if not named:
+            why = "a follower, and no server leads now"
+        elif index is None:
+            why = f"a follower; the leader {named!r} is not in the --server list"
+        elif answer.leader_epoch < remembered:
+            why = f"a follower naming {named} of leader epoch {answer.leader_epoch} < {remembered}"
+            index = None
+        else:
+            why = f"a follower; the leader is {named} (epoch {answer.leader_epoch})"
+        return NotLeaderRedirect(why, index)
+
 
 _Stream = grpclib.client.Stream[AgentMessage, ControlMessage]
+_SESSION_ENDS = (
+    SessionEnded,
+    GRPCError,
+    ProtocolError,
+    StreamTerminatedError,
+    OSError,
+    TimeoutError,
+)
+
+
+def _address(server: Address) -> str:
+    return f"{bracketed(server[0])}:{server[1]}"
+
+
+def _index_of(text: str, servers: Sequence[Address]) -> int | None:
+    """Where HOST:PORT ``text`` is in ``servers`` (None: not there, or malformed)."""
+    try:
+        address = parse_host_port(text, port_zero=False)
+    except AddressError:
+        return None
+    return servers.index(address) if address in servers else None
 
 
 def _drain(queue: asyncio.Queue[Any]) -> None:
@@ -401,7 +536,8 @@ def _first_leaf(group: BaseExceptionGroup[Exception]) -> Exception:
 
 
 def _kind(message: ControlMessage) -> str:
-    for name in ("start_shard", "stop_shard", "drain_shard", "registered", "log_request"):
+    names = ("start_shard", "stop_shard", "drain_shard", "registered", "log_request")
+    for name in (*names, "log_cancel", "heartbeat_ack"):
         if getattr(message, name) is not None:
             return name
     return "unknown"

@@ -54,8 +54,10 @@ def _add_identity_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--server",
         default="127.0.0.1:50051",
-        metavar="HOST:PORT",
-        help="the control server's gRPC address (default: 127.0.0.1:50051)",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the control server's gRPC address, or a comma list of every server sharing one "
+        "database: the agent follows a follower's redirect to the leader when that address "
+        "is in the list, else tries the next one (default: 127.0.0.1:50051)",
     )
     p.add_argument(
         "--node-id",
@@ -69,7 +71,7 @@ def _add_identity_flags(p: argparse.ArgumentParser) -> None:
         type=Path,
         default=None,
         metavar="DIR",
-        help="where the agent keeps its node id, cluster id and engine records "
+        help="where the agent keeps its node id, cluster id, leader epoch and engine records "
         "(default: $XDG_STATE_HOME/llmgw/agent)",
     )
     p.add_argument(

@@ -76,8 +76,10 @@ def register(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p.add_argument(
         "--server",
         default=DEFAULT_SERVER,
-        metavar="HOST:PORT",
-        help=f"the control server's native gRPC address (default: {DEFAULT_SERVER})",
+        metavar="HOST:PORT[,HOST:PORT...]",
+        help="the control server's native gRPC address, or a comma list of every server "
+        "sharing one database: the gateway follows a follower's redirect to the leader when "
+        f"that address is in the list, else tries the next one (default: {DEFAULT_SERVER})",
     )
     p.add_argument(
         "--listen",
@@ -160,12 +162,27 @@ def host_port(text: str, flag: str) -> tuple[str, int]:
         ) from None
 
 
+def server_list(text: str) -> list[tuple[str, int]]:
+    """``--server HOST:PORT[,HOST:PORT...]`` in order, a repeated address kept once; a
+    malformed or empty entry names itself."""
+    servers: list[tuple[str, int]] = []
+    for entry in text.split(","):
+        if not entry.strip():
+            raise CliError(f"--server {text!r} has an empty entry (HOST:PORT,HOST:PORT)")
+        server = host_port(entry.strip(), "--server")
+        if server[1] == 0:
+            raise CliError(f"--server {entry.strip()!r}: port 0 is not a server's port")
+        if server not in servers:
+            servers.append(server)
+    return servers
+
+
 def run_gateway_command(args: argparse.Namespace) -> int:
     from llmgw.gateway.app import GatewayConfig
     from llmgw.gateway.routing.policy import POLICIES
     from llmgw.tls import ALPN_GRPC
 
-    server = host_port(args.server, "--server")
+    servers = server_list(args.server)
     host, port = host_port(args.listen, "--listen")
     if args.policy not in POLICIES:
         raise CliError(f"--policy {args.policy!r} is not one of {', '.join(POLICIES)}")
@@ -189,7 +206,7 @@ def run_gateway_command(args: argparse.Namespace) -> int:
         token = read_token_file(args.token_file, "--token-file")
     report = _Reporting(gateway_id, report_interval_s)
     try:
-        _run_on_uvloop(server, config, token, feed_tls, report)
+        _run_on_uvloop(servers, config, token, feed_tls, report)
     except OSError as exc:
         raise CliError(f"cannot serve: {exc}") from exc
     return 0
@@ -206,7 +223,7 @@ def _listen_context(args: argparse.Namespace) -> ssl.SSLContext | None:
 
 
 def _run_on_uvloop(
-    server: tuple[str, int],
+    servers: list[tuple[str, int]],
     config: GatewayConfig,
     token: str | None,
     feed_tls: ssl.SSLContext | None,
@@ -219,7 +236,7 @@ def _run_on_uvloop(
 
     with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
         main = run_gateway(
-            server,
+            servers,
             config,
             token=token,
             feed_tls=feed_tls,

@@ -21,7 +21,7 @@ from llmgw.agent.daemon import (
     discover,
     parse_hostname,
     parse_labels,
-    parse_server,
+    parse_servers,
     resolve_node_id,
 )
 from llmgw.agent.discovery import DiscoveryError
@@ -91,11 +91,12 @@ def run_server_command(args: argparse.Namespace) -> int:
 
 def run_agent_command(args: argparse.Namespace) -> int:
     try:
-        host, port = parse_server(args.server)
+        (host, port), *more = parse_servers(args.server)
         state_dir = args.state_dir or default_state_dir()
         config = AgentConfig(
             server_host=host,
             server_port=port,
+            more_servers=tuple(more),
             state_dir=state_dir,
             node_id=args.node_id,
             labels=parse_labels(args.labels),

@@ -18,8 +18,15 @@ jittered, capped backoff and the gateway keeps routing with the last table it ha
 once at WARNING per outage). A reconnection starts with a fresh snapshot, which replaces
 the table whole, so nothing missed while away lingers.
 
-This module imports only ``llmgw.api``, ``llmgw.protocol`` and the router's own modules:
-the separate gateway process runs without a control plane.
+With a :class:`ServerList` (``llmgw gateway --server a,b,c``: every server sharing one
+database, issue #17) the channel factory dials ``servers.current``, and :func:`follow`
+moves it: a follower's ``not_leader`` (or its UNAVAILABLE naming the leader, when the
+event was lost to the stream's reset) sends the next attempt to the leader at once when
+that address is in the list, else to the next server; a failed stream moves on to the next
+server at once too. Only a whole round of the list without a stream backs off.
+
+This module imports only ``llmgw.api``, ``llmgw.protocol``, ``llmgw.addresses`` and the
+router's own modules: the separate gateway process runs without a control plane.
 """
 
 from __future__ import annotations
@@ -29,13 +36,15 @@ import logging
 import random
 import ssl as _ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
 
 import grpclib.client
 import grpclib.config
+from grpclib.const import Status
 from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
+from llmgw.addresses import AddressError, bracketed, parse_host_port
 from llmgw.api.llmgw.v1 import (
     KvBlocks,
     RouterFeedEvent,
@@ -53,6 +62,7 @@ from llmgw.protocol import read_shard_state
 log = logging.getLogger(__name__)
 
 ChannelFactory = Callable[[], grpclib.client.Channel]
+Address = tuple[str, int]  # (host, port), the host without brackets
 
 _EXPECTED = (GRPCError, StreamTerminatedError, ProtocolError, OSError, EOFError)
 """What a control server that is away, restarting or refusing looks like from here."""
@@ -163,6 +173,58 @@ def feed_channel(
     return grpclib.client.Channel(host, port, config=options, ssl=ssl)
 
 
+class ServerList:
+    """The control servers a gateway may follow, in order, and the one it follows now."""
+
+    def __init__(self, servers: Sequence[Address]) -> None:
+        if not servers:
+            raise ValueError("a gateway needs at least one control server")
+        self.servers = tuple(servers)
+        self._index = 0
+
+    @property
+    def current(self) -> Address:
+        """The server the next (or current) feed stream and report go to."""
+        return self.servers[self._index]
+
+    def name(self) -> str:
+        """``HOST:PORT`` of the current server."""
+        host, port = self.current
+        return f"{bracketed(host)}:{port}"
+
+    def index_of(self, text: str) -> int | None:
+        """Where HOST:PORT ``text`` is in the list (None: not there, or not HOST:PORT)."""
+        try:
+            address = parse_host_port(text, port_zero=False)
+        except AddressError:
+            return None
+        return self.servers.index(address) if address in self.servers else None
+
+    def named_in(self, message: str) -> int | None:
+        """The first server of the list that ``message`` (a status message) names."""
+        for word in message.split():
+            index = self.index_of(word.strip(".,;:()'\""))
+            if index is not None:
+                return index
+        return None
+
+    def move_to(self, index: int) -> None:
+        """Follow server ``index`` from now on."""
+        self._index = index
+
+    def advance(self) -> None:
+        """Follow the next server of the list (round and round)."""
+        self._index = (self._index + 1) % len(self.servers)
+
+
+class _NotLeader(Exception):
+    """A follower answered the feed; the message says which leader it named."""
+
+    def __init__(self, address: str) -> None:
+        super().__init__(f"a follower; the leader is {address or 'none now'}")
+        self.address = address
+
+
 class _Outage:
     """Says once per outage that the gateway serves from its last table, and when it ends."""
 
@@ -213,6 +275,8 @@ async def _session(
     channel = channel_factory()
     try:
         async for event in RouterServiceStub(channel).feed(RouterFeedRequest()):
+            if event.not_leader is not None:
+                raise _NotLeader(event.not_leader.leader_address)
             apply_feed_event(table, event, index)
             if event.snapshot is not None:
                 outage.snapshot()
@@ -225,20 +289,62 @@ async def _follow_forever(
     table: RoutingTable,
     config: FollowConfig,
     index: KvIndex | None,
+    servers: ServerList | None,
 ) -> None:
     outage = _Outage(table)
     async for _ in _attempts(config, outage, random.Random()):
+        outage.failed(await _round(channel_factory, table, index, outage, servers))
+
+
+async def _round(
+    channel_factory: ChannelFactory,
+    table: RoutingTable,
+    index: KvIndex | None,
+    outage: _Outage,
+    servers: ServerList | None,
+) -> str:
+    """Streams from one server after another until as many as the list is long have
+    failed (following a named leader is free, up to the list's length); why the last
+    ended."""
+    count = len(servers.servers) if servers is not None else 1
+    failures = redirects = 0
+    while True:
+        name = servers.name() if servers is not None else "the control server"
+        leader: int | None = None
         try:
             await _session(channel_factory, table, index, outage)
         except asyncio.CancelledError:
             raise
+        except _NotLeader as exc:
+            why = str(exc)
+            leader = servers.index_of(exc.address) if servers is not None else None
         except _EXPECTED as exc:
-            outage.failed(f"{type(exc).__name__}: {exc}")
+            why = f"{type(exc).__name__}: {exc}"
+            leader = _named_leader(exc, servers)
         except Exception as exc:  # our bug or a surprise: log it, but never stop following
             log.exception("router feed: unexpected error; reconnecting")
-            outage.failed(exc)
+            why = str(exc)
         else:
-            outage.failed("the control server ended the stream")
+            why = "the control server ended the stream"
+        if servers is not None and leader is not None and redirects < count:
+            redirects += 1
+            servers.move_to(leader)
+            log.info("router feed: %s: %s; following it to %s", name, why, servers.name())
+            continue
+        failures += 1
+        if servers is not None:
+            servers.advance()
+        if failures >= count or servers is None:
+            return f"{name}: {why}"
+        log.info("router feed: %s: %s; trying %s", name, why, servers.name())
+
+
+def _named_leader(exc: BaseException, servers: ServerList | None) -> int | None:
+    """The leader a follower's UNAVAILABLE names (its not_leader event may be lost to the
+    stream's reset: grpclib drops what a reset stream had buffered)."""
+    if servers is None or not isinstance(exc, GRPCError) or exc.status is not Status.UNAVAILABLE:
+        return None
+    return servers.named_in(exc.message or "")
 
 
 async def follow(
@@ -248,16 +354,18 @@ async def follow(
     stop: asyncio.Event,
     config: FollowConfig = FollowConfig(),
     index: KvIndex | None = None,
+    servers: ServerList | None = None,
 ) -> None:
     """Keep ``table`` (and ``index``: each replica's KV blocks) in step with the control
     server's router feed until ``stop`` is set.
 
     ``channel_factory`` makes a fresh channel per attempt (:func:`feed_channel`); each is
     closed when its stream ends. While the server is away the table and the index are left
-    as they were.
+    as they were. With ``servers`` (the list the factory dials ``current`` of), a follower's
+    redirect and a failure move ``servers`` on (see the module docstring).
     """
     follower = asyncio.create_task(
-        _follow_forever(channel_factory, table, config, index), name="feed"
+        _follow_forever(channel_factory, table, config, index, servers), name="feed"
     )
     stopped = asyncio.create_task(stop.wait(), name="feed-stop")
     try:
@@ -273,6 +381,7 @@ async def follow(
 
 __all__ = [
     "ChannelFactory",
+    "ServerList",
     "FollowConfig",
     "apply_feed_event",
     "apply_kv_blocks",

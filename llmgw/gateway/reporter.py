@@ -21,6 +21,7 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import grpclib.client
@@ -111,16 +112,20 @@ async def _attempt(
 
 
 async def report_forever(
-    channel: grpclib.client.Channel, gateway: Gateway, config: ReportConfig
+    channel: grpclib.client.Channel | Callable[[], grpclib.client.Channel],
+    gateway: Gateway,
+    config: ReportConfig,
 ) -> None:
     """Report ``gateway``'s figures over ``channel`` at once, then every ``interval_s``,
-    until cancelled. The caller owns (and closes) ``channel``."""
-    stub = RouterServiceStub(channel)
+    until cancelled. ``channel`` may be a callable asked before each report (the channel
+    to the server the feed follows now, ``llmgw.gateway.standalone``). The caller owns (and
+    closes) every channel."""
     streak = _Streak()
     log.info("reporting routing figures as %s every %.1f s", config.gateway_id, config.interval_s)
     while True:
         began = time.monotonic()
-        await _attempt(stub, gateway, config, streak)
+        current = channel if isinstance(channel, grpclib.client.Channel) else channel()
+        await _attempt(RouterServiceStub(current), gateway, config, streak)
         await asyncio.sleep(max(0.0, config.interval_s - (time.monotonic() - began)))
 
 

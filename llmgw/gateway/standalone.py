@@ -17,13 +17,13 @@ import logging
 import socket
 import ssl
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 
 import grpclib.client
 import grpclib.events
 
 from llmgw.gateway.app import Gateway, GatewayConfig
-from llmgw.gateway.feed import feed_channel, follow
+from llmgw.gateway.feed import Address, ServerList, feed_channel, follow
 from llmgw.gateway.reporter import DEFAULT_INTERVAL_S, ReportConfig, instance_id, report_forever
 from llmgw.gateway.routing.table import RoutingTable
 from llmgw.signals import stop_on_signals
@@ -46,7 +46,7 @@ def with_bearer(channel: grpclib.client.Channel, token: str | None) -> grpclib.c
 
 
 async def run_gateway(
-    server: tuple[str, int],
+    servers: Sequence[Address],
     config: GatewayConfig,
     stop: asyncio.Event | None = None,
     *,
@@ -55,38 +55,68 @@ async def run_gateway(
     gateway_id: str | None = None,
     report_interval_s: float = DEFAULT_INTERVAL_S,
 ) -> None:
-    """Serve until SIGINT/SIGTERM (or ``stop`` is set), following ``server``'s feed (over
-    TLS with ``feed_tls``, a client context) and reporting its figures there every
-    ``report_interval_s`` (0: never) as ``gateway_id`` (None: this host's name and port)."""
+    """Serve until SIGINT/SIGTERM (or ``stop`` is set), following the feed of the leader
+    among ``servers`` (over TLS with ``feed_tls``, a client context) and reporting its
+    figures to the server the feed follows every ``report_interval_s`` (0: never) as
+    ``gateway_id`` (None: this host's name and port)."""
     stop = stop or asyncio.Event()
     started_ms = int(time.time() * 1000)
     table = RoutingTable()
     gateway = Gateway(table, config)
     host, port = await gateway.start()
-    channel = lambda: with_bearer(feed_channel(*server, ssl=feed_tls), token)  # noqa: E731
+    followed = ServerList(servers)
+
+    def channel() -> grpclib.client.Channel:
+        return with_bearer(feed_channel(*followed.current, ssl=feed_tls), token)
+
     try:
         log.info(
-            "llmgw gateway: OpenAI API on %s://%s:%d (policy %s), following %s:%d over %s",
+            "llmgw gateway: OpenAI API on %s://%s:%d (policy %s), following %s over %s",
             "http" if config.tls is None else "https",
             host,
             port,
             config.policy,
-            *server,
+            ",".join(ServerList([server]).name() for server in followed.servers),
             "plaintext" if feed_tls is None else "TLS",
         )
         name = gateway_id or f"{socket.gethostname()}:{port}"
-        reporting = _reporting(channel, gateway, name, started_ms, report_interval_s)
+        reporting = _reporting(
+            _FollowedChannel(followed, channel), gateway, name, started_ms, report_interval_s
+        )
         async with reporting:
             with stop_on_signals(stop):
-                await follow(channel, table, stop=stop, index=gateway.kv_index)
+                await follow(channel, table, stop=stop, index=gateway.kv_index, servers=followed)
     finally:
         await gateway.stop()
     log.info("llmgw gateway stopped")
 
 
+class _FollowedChannel:
+    """The reporter's channel: to the server the feed follows now, replaced (the old one
+    closed) when the feed moves to another."""
+
+    def __init__(self, servers: ServerList, make: Callable[[], grpclib.client.Channel]) -> None:
+        self._servers = servers
+        self._make = make
+        self._address: Address | None = None
+        self._channel: grpclib.client.Channel | None = None
+
+    def __call__(self) -> grpclib.client.Channel:
+        if self._channel is None or self._address != self._servers.current:
+            self.close()
+            self._address = self._servers.current
+            self._channel = self._make()
+        return self._channel
+
+    def close(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
+
+
 @contextlib.asynccontextmanager
 async def _reporting(
-    channel_factory: Callable[[], grpclib.client.Channel],
+    channel: _FollowedChannel,
     gateway: Gateway,
     name: str,
     started_ms: int,
@@ -103,7 +133,6 @@ async def _reporting(
         interval_s=interval_s,
         timeout_s=min(5.0, max(1.0, interval_s)),
     )
-    channel = channel_factory()
     task = asyncio.create_task(report_forever(channel, gateway, report), name="router-report")
     try:
         yield
