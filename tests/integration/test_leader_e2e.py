@@ -5,6 +5,7 @@ at once that it no longer leads."""
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import sys
@@ -125,3 +126,41 @@ def test_a_clean_stop_hands_over_at_once(pair: tuple[Cluster, Cluster]) -> None:
     a.kill("server", signal.SIGTERM)  # releases the lease on its way out
     wait_for(lambda: (leader(b) or (0, 0))[0] == 1, 10, "b leading")
     assert time.monotonic() - began < 1.5  # sooner than the lease's time to live
+
+
+def _ready_replicas(cluster: Cluster) -> list[str] | None:
+    out = cluster.cli("get", "replicas", "-o", "json", check=False)
+    if out.returncode != 0:
+        return None
+    replicas = json.loads(out.stdout)["replicas"]
+    return sorted(r["replicaId"] for r in replicas if r.get("state") == "SHARD_STATE_READY")
+
+
+def test_an_agent_follows_the_new_leader_which_adopts_its_engine(
+    pair: tuple[Cluster, Cluster], tmp_path: Path
+) -> None:
+    a, b = pair
+    a.start_server()
+    wait_for(lambda: (leader(a) or (0, 0))[0] == 1, 10, "a leading")
+    epoch = leader(a)[1]  # type: ignore[index]
+    b.start_server(follower=True)
+    servers = f"127.0.0.1:{b.grpc_port},127.0.0.1:{a.grpc_port}"  # the follower first
+    a.spawn(
+        "n1", "agent", "--server", servers, "--node-id", "n1", "--simulate", "dgx-h100",
+        "--state-dir", str(a.root / "n1"), "--engine-bin", SIM_BIN,
+    )  # fmt: skip
+    wait_for(lambda: a.node_states().get("n1") == "NODE_STATE_READY", 30, "n1 READY on a")
+    document = tmp_path / "chat.toml"
+    document.write_text(DEPLOYMENT)
+    assert "deployment chat applied" in a.cli("apply", "-f", str(document)).stdout
+    before = wait_for(lambda: _ready_replicas(a), 60, "chat's replica READY on a")
+
+    a.kill("server", signal.SIGKILL)
+    wait_for(lambda: leader(b) == (1, epoch + 1), 10, "b leading")
+    wait_for(lambda: b.node_states().get("n1") == "NODE_STATE_READY", 30, "n1 READY on b")
+    assert wait_for(lambda: _ready_replicas(b), 30, "the replica READY on b") == before
+    time.sleep(3)  # a few rounds of b's reconciler: it adopts, it starts no second replica
+    assert _ready_replicas(b) == before
+    out = json.loads(b.cli("get", "replicas", "-o", "json").stdout)["replicas"]
+    assert len(out) == 1
+    assert (a.root / "n1" / "leader-epoch").read_text().strip() == str(epoch + 1)

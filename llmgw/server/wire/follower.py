@@ -2,11 +2,12 @@
 lead for.
 
 A server that does not hold the leader lease (``llmgw.server.state.leadership``) runs no
-reconciler and knows no agent's live state, so every call that needs them is refused with
-UNAVAILABLE naming the leader: an agent's ``Connect`` and a gateway's ``Feed`` first get
-one ``not_leader`` message (the leader's address and epoch), so that they follow it at
-once; every ``ControlService`` call and ``Report`` get the status alone, its message naming
-the leader for the operator. A follower never answers with state it does not have.
+reconciler and knows no agent's live state, so every call that needs them is refused,
+naming the leader: an agent's ``Connect`` and a gateway's ``Feed`` get one ``not_leader``
+message (the leader's address and epoch), so that they follow it at
+once (the stream then ends: the message is the answer, and a client drops one that comes
+before an error status); every ``ControlService`` call and ``Report`` get UNAVAILABLE, its
+message naming the leader for the operator. A follower never answers with state it does not have.
 """
 
 from __future__ import annotations
@@ -60,9 +61,11 @@ class FollowerService:
 
         async def refuse(stream: grpclib.server.Stream[Any, Any]) -> None:
             lead = self._leadership
-            if first is not None:
-                await stream.send_message(first(lead))  # type: ignore[no-untyped-call]
-            raise GRPCError(Status.UNAVAILABLE, lead.refusal())
+            if first is None:
+                raise GRPCError(Status.UNAVAILABLE, lead.refusal())
+            # the stream then ends with OK: a client drops a message that arrived before
+            # an error status (grpclib does), and this one is the answer
+            await stream.send_message(first(lead))  # type: ignore[no-untyped-call]
 
         return refuse
 
