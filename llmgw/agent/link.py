@@ -217,6 +217,7 @@ class AgentLink:
     ) -> None:
         self.config = config
         self._epoch = epoch
+        self._cluster = ""  # the current session's cluster id (its Registered's)
         self._index = 0  # the server list's entry the next session goes to
         self._logs = logs
         self._log_out: asyncio.Queue[LogChunk] = asyncio.Queue(maxsize=LOG_QUEUE)
@@ -377,7 +378,8 @@ class AgentLink:
                 raise RegisterRefused(_describe(exc), _retry_after_s(stream)) from exc
         if reply is not None and reply.not_leader is not None:
             raise self._redirect(reply.not_leader)
-        if reply is not None:
+        if reply is not None:  # a Registered names its cluster: epochs compare within one
+            self._cluster = reply.registered.cluster_id if reply.registered is not None else ""
             self._fence(reply)
         if reply is None or reply.registered is None:
             await stream.recv_trailing_metadata()  # raises the server's GRPCError if any
@@ -472,7 +474,8 @@ class AgentLink:
         if self._epoch is None:
             return
         what, server = _kind(message), self.stats.server
-        if not self._epoch.admit(message.leader_epoch, what=what, server=server):
+        epoch = message.leader_epoch
+        if not self._epoch.admit(epoch, what=what, server=server, cluster=self._cluster):
             raise Fenced(
                 f"{what} of leader epoch {message.leader_epoch} refused (this agent has seen "
                 f"epoch {self._epoch.remembered}): a deposed leader; the session is dropped"

@@ -138,7 +138,19 @@ def test_the_epoch_file_is_owner_only_and_kept_across_restarts(tmp_path: Path) -
     assert again.admit(9, what="x", server="s")
 
 
-@pytest.mark.parametrize("text", ["", "abc\n", "-3\n", "1" * 21])
+def test_epochs_compare_within_one_cluster(tmp_path: Path) -> None:
+    epoch = LeaderEpoch(tmp_path)
+    assert epoch.admit(7, what="x", server="s", cluster="aaaa")
+    assert (tmp_path / LEADER_EPOCH_FILE).read_text() == "7 aaaa\n"
+    assert not epoch.admit(6, what="x", server="s", cluster="aaaa")  # a deposed leader of it
+    # a new database (another cluster id) starts at epoch 1: not fenced by the old one's
+    assert epoch.admit(1, what="x", server="s", cluster="bbbb")
+    again = LeaderEpoch(tmp_path)
+    assert (again.remembered, again.cluster) == (1, "bbbb")
+    assert not again.admit(0, what="x", server="s", cluster="bbbb")
+
+
+@pytest.mark.parametrize("text", ["", "abc\n", "-3\n", "1" * 21, "3 not/an id\n"])
 def test_a_foreign_epoch_file_is_a_clear_error(tmp_path: Path, text: str) -> None:
     path = tmp_path / LEADER_EPOCH_FILE
     path.write_text(text)

@@ -40,10 +40,10 @@ def test_an_agent_follows_the_leader_and_then_its_successor(
     a.start_agent("n1", "dgx-h100", "--engine-bin", SIM_BIN, "--server", servers)
     wait_for(lambda: a.node_states().get("n1") == "NODE_STATE_READY", 30, "n1 READY on a")
     epoch_file = a.root / "n1" / "leader-epoch"
-    assert epoch_file.read_text() == f"{epoch}\n"
+    assert epoch_file.read_text().split()[0] == str(epoch)  # EPOCH CLUSTER_ID
 
     a.kill("server", signal.SIGKILL)
     wait_for(lambda: leader(b) == (1, epoch + 1), 10, "b leading at the next epoch")
     wait_for(lambda: b.node_states().get("n1") == "NODE_STATE_READY", 30, "n1 READY on b")
-    assert epoch_file.read_text() == f"{epoch + 1}\n"
+    assert epoch_file.read_text().split()[0] == str(epoch + 1)
     assert f"registered with 127.0.0.1:{b.grpc_port}" in a.log("n1")

@@ -163,4 +163,5 @@ def test_an_agent_follows_the_new_leader_which_adopts_its_engine(
     assert _ready_replicas(b) == before
     out = json.loads(b.cli("get", "replicas", "-o", "json").stdout)["replicas"]
     assert len(out) == 1
-    assert (a.root / "n1" / "leader-epoch").read_text().strip() == str(epoch + 1)
+    remembered = (a.root / "n1" / "leader-epoch").read_text().split()
+    assert remembered == [str(epoch + 1), (a.root / "n1" / "cluster-id").read_text().strip()]
