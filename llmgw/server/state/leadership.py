@@ -117,10 +117,13 @@ class Leadership:
                     self.store.backend, self.holder, self.server_id, self.address,
                     int(times.ttl_s * 1000),
                 )  # fmt: skip
-        except (StoreError, TimeoutError) as exc:
+        except (StoreError, TimeoutError, OSError) as exc:
             if self.leading():
                 log.warning("could not renew the leader lease: %s", exc)
             return  # not renewed: leading() runs out by itself
+        except Exception:  # a driver's surprise must not end the claims for good
+            log.exception("the leader lease's claim failed; trying again")
+            return
         self.view = view
         if view.held_by(self.holder):
             self._until = began + times.ttl_s - times.margin_s
