@@ -55,6 +55,8 @@ from bench.controlkit.shared import HOST, REGISTER_STALL_S
 from bench.controlkit.step import Rig, Settings, Step
 from bench.controlkit.workers import run_agents_worker, run_echo_server
 from bench.kit import module_command
+from bench.pgcluster import PrivateCluster
+from bench.pgrun import BACKENDS, backends, cluster_cpu_seconds, pin_cluster, postgres
 from llmgw.addresses import free_port
 
 DEFAULT_STEPS: tuple[int, ...] = (250, 500, 1000, 1500, 2000)
@@ -96,7 +98,10 @@ async def start_workers(children: Children, settings: Settings, port: int) -> li
     return workers
 
 
-async def start_llmgw_server(children: Children, settings: Settings) -> tuple[Child, int]:
+async def start_llmgw_server(
+    children: Children, settings: Settings, db: str | None = None
+) -> tuple[Child, int]:
+    """``llmgw server`` on a new SQLite file in the work folder, or on ``db`` (a URL)."""
     grpc_port, http_port = free_port(), free_port()
     argv = [
         sys.executable,
@@ -110,7 +115,7 @@ async def start_llmgw_server(children: Children, settings: Settings) -> tuple[Ch
         "--gateway-listen",
         "off",
         "--db",
-        str(children.workdir / "server.db"),
+        db or str(children.workdir / "server.db"),
         "--node-grace",
         "10",
         "--heartbeat-interval",
@@ -145,6 +150,15 @@ async def start_echo_server(children: Children, settings: Settings) -> tuple[Chi
 ServerStarter = Callable[[Children, Settings], Awaitable[tuple[Child, int]]]
 
 
+def on_postgres(cluster: PrivateCluster) -> ServerStarter:
+    """A starter of ``llmgw server --db postgresql://…`` on ``cluster``'s own database."""
+
+    async def start(children: Children, settings: Settings) -> tuple[Child, int]:
+        return await start_llmgw_server(children, settings, cluster.url())
+
+    return start
+
+
 async def run_phase(
     children: Children,
     settings: Settings,
@@ -152,11 +166,13 @@ async def run_phase(
     start: ServerStarter,
     sizes: Sequence[int],
     report: Callable[[Step], None],
+    extra_cpu: Callable[[], float] | None = None,
 ) -> list[Step]:
-    """Start a server and fresh workers, hold each size in turn, stop at the first failure."""
+    """Start a server and fresh workers, hold each size in turn, stop at the first failure.
+    ``extra_cpu`` (CPU seconds so far) is counted as the server's: its database's."""
     server, port = await start(children, settings)
     workers = await start_workers(children, settings, port)
-    rig = Rig(label, server, workers, settings)
+    rig = Rig(label, server, workers, settings, extra_cpu=extra_cpu)
     steps: list[Step] = []
     try:
         for size in sizes:
@@ -172,9 +188,13 @@ async def run_phase(
 
 
 async def run_bench(
-    settings: Settings, workdir: Path, report: Callable[[Step], None]
+    settings: Settings,
+    workdir: Path,
+    report: Callable[[Step], None],
+    dbs: Sequence[str] = ("sqlite",),
 ) -> tuple[list[Step], list[Step]]:
-    """The baseline, then the ramp; SIGTERM cancels the run like Ctrl-C does."""
+    """The baseline, then a ramp on each backend of ``dbs`` in turn; SIGTERM cancels the
+    run like Ctrl-C does."""
     children = Children(workdir)
     main_task = asyncio.current_task()
     assert main_task is not None
@@ -188,12 +208,38 @@ async def run_bench(
             settings.baseline_agents,
             report,
         )
-        ramp = await run_phase(
-            children, settings, "llmgw server", start_llmgw_server, settings.steps, report
-        )
+        ramp: list[Step] = []
+        for db in dbs:
+            ramp += await ramp_on(children, settings, db, report)
     finally:
         await children.close()
     return baseline, ramp
+
+
+SQLITE_LABEL: Final = "llmgw server"  # the label of today's (SQLite) ramp, kept
+POSTGRES_LABEL: Final = "llmgw server + postgresql"
+
+
+async def ramp_on(
+    children: Children, settings: Settings, db: str, report: Callable[[Step], None]
+) -> list[Step]:
+    """The ramp with the server on SQLite, or on a private PostgreSQL cluster pinned to the
+    server's CPU, whose processes' CPU is counted as the server's."""
+    if db == "sqlite":
+        return await run_phase(
+            children, settings, SQLITE_LABEL, start_llmgw_server, settings.steps, report
+        )
+    with postgres() as cluster:
+        pin_cluster(cluster, settings.server_cpu)
+        return await run_phase(
+            children,
+            settings,
+            POSTGRES_LABEL,
+            on_postgres(cluster),
+            settings.steps,
+            report,
+            extra_cpu=lambda: cluster_cpu_seconds(cluster),
+        )
 
 
 # ======================================================================================
@@ -235,6 +281,13 @@ def parse_main(argv: Sequence[str]) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="steps 50,100, hold 5 s, baseline 50")
     p.add_argument("--markdown", action="store_true", help="also print a BENCHMARKS.md section")
+    p.add_argument(
+        "--db",
+        choices=BACKENDS,
+        default="sqlite",
+        help="the server's database: an SQLite file (default), a private PostgreSQL cluster, "
+        "or both in turn in one run (with a PostgreSQL/SQLite table)",
+    )
     return p.parse_args(argv)
 
 
@@ -319,13 +372,14 @@ def main_orchestrator(argv: Sequence[str], out: TextIO = sys.stdout) -> int:
     )
     with _workdir(args.logs) as workdir:
         try:
-            baseline, ramp = asyncio.run(run_bench(settings, workdir, progress))
+            baseline, ramp = asyncio.run(run_bench(settings, workdir, progress, backends(args.db)))
         except (KeyboardInterrupt, asyncio.CancelledError):
             print("interrupted; every child process was stopped", file=sys.stderr)
             return 130
-    print(render(settings, facts, baseline, ramp, markdown=False), file=out)
+    pair = (SQLITE_LABEL, POSTGRES_LABEL) if args.db == "both" else None
+    print(render(settings, facts, baseline, ramp, markdown=False, backends=pair), file=out)
     if args.markdown:
-        print("\n" + render(settings, facts, baseline, ramp, markdown=True), file=out)
+        print("\n" + render(settings, facts, baseline, ramp, True, backends=pair), file=out)
     return 0
 
 

@@ -52,11 +52,12 @@ import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from bench.kit import base_machine, command_line
+from bench.pgrun import BACKENDS, backends, postgres
 from llmgw.agent.discovery import simulated_node
 from llmgw.api.llmgw.v1 import (
     ApplyDeploymentRequest,
@@ -78,6 +79,7 @@ from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server.core.capacity import NodeCapacity, node_capacity
 from llmgw.server.core.placement import Taken, place_deployment
 from llmgw.server.core.plan import ReplicaPlan, ShardPlan, Unplaceable
+from llmgw.server.core.reconcile_state import ReplicaRecord
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.store import Store
@@ -286,6 +288,7 @@ class Rounds:
     idle_deployments: int
     idle_s: float
     idle_commands: int
+    cold_writes: tuple[int, int, float]  # save_replicas in the cold round: calls, rows, s
 
 
 class Recorder:
@@ -356,10 +359,27 @@ async def timed_round(loop: ReconcileLoop, agents: Recorder, live: Live) -> tupl
     return time.perf_counter() - start, len(agents.sent)
 
 
+def timed_writes(store: Store) -> list[tuple[int, float]]:
+    """Wrap ``store.save_replicas`` (this instance only): each call's rows and seconds are
+    appended to the list returned."""
+    calls: list[tuple[int, float]] = []
+    save = store.save_replicas
+
+    async def save_timed(records: Iterable[ReplicaRecord]) -> None:
+        rows, start = list(records), time.perf_counter()
+        await save(rows)
+        calls.append((len(rows), time.perf_counter() - start))
+
+    store.save_replicas = save_timed  # type: ignore[method-assign]
+    return calls
+
+
 async def whole_rounds(
-    messages: Sequence[Node], works: Sequence[Work], idle: int, folder: Path
+    messages: Sequence[Node], works: Sequence[Work], idle: int, db: Path | str
 ) -> Rounds:
-    async with Store(folder / "bench.db") as store:
+    """Whole rounds on a new store at ``db``: an SQLite file's path or a PostgreSQL URL."""
+    async with Store(db) as store:
+        writes = timed_writes(store)
         plane = ControlPlane(store)
         live = await registered(plane, messages)
         service = ControlService(plane)
@@ -370,7 +390,9 @@ async def whole_rounds(
             await service.apply_deployment(request)
         agents = Recorder()
         loop = ReconcileLoop(plane, agents.send)
+        writes.clear()
         cold_s, cold_commands = await timed_round(loop, agents, live)
+        cold_writes = len(writes), sum(n for n, _ in writes), sum(t for _, t in writes)
         placed = len(plane.replicas)
         report_ready(plane, agents.take())
         steady_s, steady_commands = await timed_round(loop, agents, live)
@@ -388,7 +410,7 @@ async def whole_rounds(
         reprofile_s, reprofile_commands = await timed_round(loop, agents, live)
         return Rounds(
             cold_s, cold_commands, placed, steady_s, steady_commands, reprofile_s,
-            reprofile_commands, idle, idle_s, idle_commands,
+            reprofile_commands, idle, idle_s, idle_commands, cold_writes,
         )  # fmt: skip
 
 
@@ -411,6 +433,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--idle-deployments", type=int, default=10_000, help="for the idle round")
     p.add_argument("--markdown", action="store_true", help="also print a BENCHMARKS.md section")
+    p.add_argument("--db", choices=BACKENDS, default="sqlite", help="the whole rounds' store")
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.ERROR)  # the fleet's cordons and losses are on purpose
 
@@ -428,8 +451,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome(caps, plan_ours(caps, works[::-1])),
         outcome(caps, plan_first_fit(caps, works[::-1])),
     )
-    with tempfile.TemporaryDirectory() as folder:
-        rounds = asyncio.run(whole_rounds(messages, works, args.idle_deployments, Path(folder)))
+    rounds = {db: rounds_on(db, messages, works, args.idle_deployments) for db in backends(args.db)}
     report = Report(
         args, setup_s, cap_s, ours_s, base_s, outcome(caps, ours), outcome(caps, base), small_first,
         rounds,
@@ -437,9 +459,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     print(report.render(markdown=False))
     if args.markdown:
         print("\n" + report.render(markdown=True))
-    fast = rounds.cold_s < TARGET_S and cap_s + ours_s < TARGET_S
-    quiet = rounds.steady_commands == 0 == rounds.idle_commands
+    fast = all(r.cold_s < TARGET_S for r in rounds.values()) and cap_s + ours_s < TARGET_S
+    quiet = all(r.steady_commands == 0 == r.idle_commands for r in rounds.values())
     return 0 if fast and report.ours.unplaceable == 0 and quiet else 1
+
+
+def rounds_on(db: str, messages: Sequence[Node], works: Sequence[Work], idle: int) -> Rounds:
+    """The whole rounds on a new SQLite file, or in a new private PostgreSQL cluster."""
+    if db == "postgresql":
+        with postgres() as cluster:
+            return asyncio.run(whole_rounds(messages, works, idle, cluster.url()))
+    with tempfile.TemporaryDirectory() as folder:
+        return asyncio.run(whole_rounds(messages, works, idle, Path(folder) / "bench.db"))
 
 
 @dataclass(frozen=True, slots=True)
@@ -452,7 +483,7 @@ class Report:
     ours: Outcome
     baseline: Outcome
     small_first: tuple[Outcome, Outcome]  # (ours, baseline) placing the smallest TP first
-    rounds: Rounds
+    rounds: dict[str, Rounds]  # backend → its whole rounds, SQLite first
 
     def rows(self) -> list[tuple[str, str, str, str]]:
         total = self.capacity_s + self.ours_s
@@ -494,34 +525,45 @@ class Report:
         ]
 
     def round_rows(self) -> list[tuple[str, str, str, str]]:
-        r = self.rounds
-        return [
-            (
-                f"whole cold round: {r.placed:,} replicas, {r.cold_commands:,} commands",
-                _ms(r.cold_s), "—", "—",
-            ),
-            (f"whole steady round: {r.steady_commands} commands", _ms(r.steady_s), "—", "—"),
-            (
-                f"whole steady round, {r.idle_deployments:,} more deployments of 0 replicas: "
-                f"{r.idle_commands} commands",
-                _ms(r.idle_s), "—", "—",
-            ),
-            (
-                f"whole reprofile round: {r.reprofile_commands} commands",
-                _ms(r.reprofile_s), "—", "—",
-            ),
-        ]  # fmt: skip
+        first = next(iter(self.rounds.values()))
+        rows = []
+        for db, r in self.rounds.items():
+            ratio = f"{r.cold_s / first.cold_s:.2f}× {next(iter(self.rounds))}"
+            calls, written, write_s = r.cold_writes
+            rows += [
+                (
+                    f"whole cold round on {db}: {self.args.nodes:,} nodes × 8 GPUs, "
+                    f"{r.placed:,} replicas, {r.cold_commands:,} commands",
+                    _ms(r.cold_s), "—", ratio,
+                ),
+                (
+                    f"… of which save_replicas on {db}: {written:,} rows in {calls} call(s)",
+                    _ms(write_s), "—", "—",
+                ),
+                (f"whole steady round on {db}: {r.steady_commands} commands", _ms(r.steady_s),
+                 "—", "—"),
+                (
+                    f"whole steady round on {db}, {r.idle_deployments:,} more deployments of 0 "
+                    f"replicas: {r.idle_commands} commands",
+                    _ms(r.idle_s), "—", "—",
+                ),
+                (
+                    f"whole reprofile round on {db}: {r.reprofile_commands} commands",
+                    _ms(r.reprofile_s), "—", "—",
+                ),
+            ]  # fmt: skip
+        return rows
 
     def render(self, markdown: bool) -> str:
         head = ("measure", "llmgw placement", "first-fit baseline", "ratio")
         rows = self.rows()
         total = self.capacity_s + self.ours_s
-        cold = self.rounds.cold_s
+        cold = max(r.cold_s for r in self.rounds.values())
         verdict = (
             f"Planning {self.args.nodes:,} nodes × 8 GPUs and {self.args.replicas:,} replicas took "
             f"{_ms(total)} ({'under' if total < TARGET_S else 'OVER'} the {TARGET_S:g} s target), "
             f"median of {self.args.repeat} runs; fleet setup (not timed) {self.setup_s:.1f} s. "
-            f"The whole cold round (decide, store, send, audit) took {_ms(cold)} "
+            f"The whole cold round (decide, store, send, audit) took at most {_ms(cold)} "
             f"({'under' if cold < TARGET_S else 'OVER'} the target), one run."
         )
         facts = [f"{k}: {v}" for k, v in base_machine().items()]

@@ -125,22 +125,11 @@ def _client_loop_name() -> str:
 
 
 def conclusion(baseline: Sequence[Step], ramp: Sequence[Step]) -> list[str]:
-    held = [s for s in ramp if s.held]
-    lines = []
-    if held:
-        best = held[-1]
-        lines.append(
-            f"Largest fleet held with heartbeat RTT p99 < {RTT_LIMIT_MS} ms: {best.agents:,} "
-            f"agents (p99 {best.rtt_p99_ms} ms, server CPU {100 * best.server_util:.0f}% of "
-            f"one core; the agents' own event-loop lag p99 {best.client_lag_p99_ms} ms with "
-            f"client CPU {100 * best.client_util:.0f}% of one core{_client_note(best)})."
-        )
-        lines.append(
-            f"At that size the server spent {best.us_per_heartbeat:,.0f} µs of CPU per heartbeat "
-            f"({best.us_per_heartbeat / 1000:.3f} CPU s per 1,000 heartbeats; "
-            f"{best.us_per_message:,.0f} µs per message, heartbeat or ack)."
-        )
-    else:
+    labels = list(dict.fromkeys(s.label for s in ramp))
+    lines = [
+        line for label in labels for line in _ramp_lines([s for s in ramp if s.label == label])
+    ]
+    if not ramp:
         lines.append(f"No step held with heartbeat RTT p99 < {RTT_LIMIT_MS} ms.")
     lines += [_bare_line(bare, ramp) for bare in baseline if bare.heartbeats]
     noisy = [s for s in [*baseline, *ramp] if s.heartbeats and s.other_util > NOISY_OTHER_UTIL]
@@ -150,10 +139,80 @@ def conclusion(baseline: Sequence[Step], ramp: Sequence[Step]) -> list[str]:
             f"Other processes used up to {100 * worst.other_util:.0f}% of a core during a "
             f"window ({worst.label}, {worst.agents:,} agents): those figures are less reliable."
         )
+    return lines
+
+
+def _ramp_lines(ramp: Sequence[Step]) -> list[str]:
+    """What one server's ramp (one label) held, and where it stopped."""
+    held = [s for s in ramp if s.held]
+    if not held:
+        lines = [f"{ramp[0].label}: no step held with heartbeat RTT p99 < {RTT_LIMIT_MS} ms."]
+    else:
+        best = held[-1]
+        lines = [
+            f"{best.label}: largest fleet held with heartbeat RTT p99 < {RTT_LIMIT_MS} ms: "
+            f"{best.agents:,} agents (p99 {best.rtt_p99_ms} ms, server CPU "
+            f"{100 * best.server_util:.0f}% of one core; the agents' own event-loop lag p99 "
+            f"{best.client_lag_p99_ms} ms with client CPU {100 * best.client_util:.0f}% of one "
+            f"core{_client_note(best)}).",
+            f"At that size the server spent {best.us_per_heartbeat:,.0f} µs of CPU per heartbeat "
+            f"({best.us_per_heartbeat / 1000:.3f} CPU s per 1,000 heartbeats; "
+            f"{best.us_per_message:,.0f} µs per message, heartbeat or ack).",
+        ]
     stopped = [s for s in ramp if not s.held]
     if stopped:
-        lines.append(f"The ramp stopped at {stopped[0].agents:,} agents: {_why_not(stopped[0])}.")
+        lines.append(
+            f"{stopped[0].label}: the ramp stopped at {stopped[0].agents:,} agents: "
+            f"{_why_not(stopped[0])}."
+        )
     return lines
+
+
+BACKEND_COLUMNS = (
+    "agents",
+    "SQLite RTT p99 ms",
+    "PostgreSQL RTT p99 ms",
+    "SQLite µs/hb",
+    "PostgreSQL µs/hb",
+    "PG/SQLite CPU per hb",
+    "≤ 1.5× and p99 < 1 s",
+)
+PG_CPU_LIMIT = 1.5  # issue #17: PostgreSQL's server CPU per heartbeat at most 1.5× SQLite's
+
+
+def backend_rows(ramp: Sequence[Step], sqlite: str, postgresql: str) -> list[list[str]]:
+    """Per fleet size measured on both backends: RTT p99 each, and PostgreSQL's server CPU
+    per heartbeat (server + cluster processes) over SQLite's (server process)."""
+    lite = {s.agents: s for s in ramp if s.label == sqlite and s.heartbeats}
+    rows = []
+    for pg in (s for s in ramp if s.label == postgresql and s.heartbeats):
+        base = lite.get(pg.agents)
+        if base is None:
+            continue
+        ratio = pg.us_per_heartbeat / base.us_per_heartbeat
+        ok = ratio <= PG_CPU_LIMIT and pg.held
+        rows.append(
+            [
+                f"{pg.agents:,}",
+                _fmt(base.rtt_p99_ms),
+                _fmt(pg.rtt_p99_ms),
+                _fmt(base.us_per_heartbeat),
+                _fmt(pg.us_per_heartbeat),
+                f"{ratio:.2f}×",
+                "yes" if ok else "NO",
+            ]
+        )
+    return rows
+
+
+def backend_table(rows: Sequence[Sequence[str]], markdown: bool) -> str:
+    if markdown:
+        head = ["| " + " | ".join(BACKEND_COLUMNS) + " |", "|" + "---|" * len(BACKEND_COLUMNS)]
+        return "\n".join([*head, *("| " + " | ".join(r) + " |" for r in rows)])
+    widths = [max(len(c), *(len(r[i]) for r in rows)) for i, c in enumerate(BACKEND_COLUMNS)]
+    lines = ["  ".join(c.rjust(w) for c, w in zip(BACKEND_COLUMNS, widths, strict=True))]
+    lines += ["  ".join(v.rjust(w) for v, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
 
 
 def _client_note(step: Step) -> str:
@@ -183,8 +242,13 @@ def render(
     baseline: Sequence[Step],
     ramp: Sequence[Step],
     markdown: bool,
+    backends: tuple[str, str] | None = None,
 ) -> str:
+    """The report; ``backends`` (the SQLite and PostgreSQL ramps' labels) adds the table of
+    one beside the other."""
     rows = [step_row(s, baseline) for s in [*baseline, *ramp]]
+    pair = backend_rows(ramp, *backends) if backends else []
+    extra = ["", backend_table(pair, markdown)] if pair else []
     out = []
     if markdown:
         out += [
@@ -196,12 +260,12 @@ def render(
             "",
         ]
         out += [f"- {k}: {v}" for k, v in facts.items()]
-        out += [f"- settings: {_settings_line(settings)}", "", table(rows, True), ""]
+        out += [f"- settings: {_settings_line(settings)}", "", table(rows, True), *extra, ""]
         out += [f"{line}" for line in conclusion(baseline, ramp)]
     else:
         out += [f"command: {command_line()}"]
         out += [f"{k}: {v}" for k, v in facts.items()]
-        out += [f"settings: {_settings_line(settings)}", "", table(rows, False), ""]
+        out += [f"settings: {_settings_line(settings)}", "", table(rows, False), *extra, ""]
         out += conclusion(baseline, ramp)
     return "\n".join(out)
 

@@ -6,7 +6,7 @@ import asyncio
 import math
 import os
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -123,6 +123,7 @@ class Rig:
     workers: list[Worker]
     settings: Settings
     size: int = 0
+    extra_cpu: Callable[[], float] | None = None  # the server's database's CPU seconds
 
     async def grow(self, total: int) -> list[dict[str, Any]]:
         new = total - self.size
@@ -144,8 +145,9 @@ class Rig:
         return list(replies)
 
     def usage(self) -> Usage:
-        """CPU seconds used so far by the server, the workers, and everything else."""
-        server = self.server.cpu_seconds()
+        """CPU seconds used so far by the server (and its database's processes, if any),
+        the workers, and everything else."""
+        server = self.server.cpu_seconds() + (self.extra_cpu() if self.extra_cpu else 0.0)
         client = sum(w.child.cpu_seconds() for w in self.workers)
         other = machine_busy_seconds() - server - client - proc_cpu_seconds(os.getpid())
         return Usage(time.monotonic(), server, client, other)
