@@ -170,7 +170,7 @@ def test_a_tls_socket_that_never_finishes_its_handshake_is_dropped(
         *("--db", str(cluster.root / "server.db"), "--grpc-handshake-timeout", str(HANDSHAKE_S)),
         *("--tls-cert", str(pki.cert), "--tls-key", str(pki.key)),
     )
-    wait_for(lambda: "llmgw server: gRPC on" in cluster.log("server"), 30, "the server serving")
+    wait_for(lambda: ": gRPC on 127.0.0.1:" in cluster.log("server"), 30, "the server serving")
     with _connect(cluster.grpc_port) as silent:  # not even a ClientHello
         _, closed_after = _read_until_closed(silent, HANDSHAKE_S + 4)
     assert closed_after is not None, "a silent TLS socket was kept"
