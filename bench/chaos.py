@@ -25,6 +25,17 @@ duplicate agent refused. Exit status 0 only when every check passes.
     .venv/bin/python -m bench.chaos --markdown           # a BENCHMARKS.md section
     .venv/bin/python -m bench.chaos --duration 90 --kinds duplicate-agent,kill-agent
 
+With ``--servers N`` (N >= 2) the run has N servers on one private PostgreSQL
+(bench/pgcluster.py) sharing its leader lease, the agents and the gateways given all their
+gRPC addresses, the run's own reads asked of each server in turn (a follower refuses:
+chaoskit.ha). ``kill-server``/``stop-server`` then aim at the leader most of the time (each
+such fault's failover measured: the signal → another server says it leads at a higher
+epoch; p50 and max in the report), at a follower sometimes; ``kill-postgres`` and
+``stop-postgres`` are added, ``fill-disk`` (SQLite's state disk) is left out; and a check
+more: no two servers said they lead at once (every sample reads each server's /metrics).
+
+    .venv/bin/python -m bench.chaos --duration 60 --servers 3
+
 Progress goes to stderr; the report to stdout (``--json FILE`` writes it as JSON too). Every
 process the run started, engines included, is killed at the end, whatever happens.
 """
@@ -36,10 +47,11 @@ import asyncio
 import contextlib
 import logging
 import random
+import statistics
 import sys
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Final
@@ -54,18 +66,21 @@ from bench.chaoskit.checks import (
     check_disk,
     check_duplicates,
     check_kv,
+    check_one_leader,
     check_requests,
     converged_at,
     recovery_times,
 )
-from bench.chaoskit.cluster import GATEWAY, RUN_ENV, SERVER, AgentOptions, ChaosCluster
+from bench.chaoskit.cluster import GATEWAY, RUN_ENV, AgentOptions, ChaosCluster, ServerOptions
 from bench.chaoskit.disk import SIZE as DISK_SIZE
 from bench.chaoskit.disk import StateDisk
-from bench.chaoskit.faults import KINDS, FaultConfig, FaultLoop
+from bench.chaoskit.faults import ALL_KINDS, KINDS, PG_KINDS, FaultConfig, FaultLoop, FaultRecord
+from bench.chaoskit.ha import LEADER_SHARE, LeaderClient, Postgres
 from bench.chaoskit.load import Load, LoadConfig, summarize
 from bench.chaoskit.observe import KvReading, Sampler, read_kv, ready_by_deployment
 from bench.chaoskit.report import ChaosReport, render_json, render_markdown, render_text
 from bench.kit import command_line, interrupt_on_sigterm, progress_line
+from bench.pgcluster import find_bindir, private_cluster
 from llmgw.api.llmgw.v1 import (
     ApplyDeploymentRequest,
     Cluster,
@@ -75,7 +90,7 @@ from llmgw.api.llmgw.v1 import (
     ShardState,
 )
 from llmgw.cli.demo import state_dir
-from llmgw.client import ClientError, ControlClient, GrpcWebChannel
+from llmgw.client import ClientError
 from llmgw.client.channel import Timeouts
 from llmgw.server.core.profiles import parse_document
 
@@ -123,6 +138,8 @@ class Options:
     kinds: tuple[str, ...]
     run_id: str
     in_turn: bool = False
+    servers: int = 1
+    lease_ttl_s: float = 3.0  # with several servers: their --lease-ttl
 
 
 # -- phases --------------------------------------------------------------------------------
@@ -145,16 +162,21 @@ async def _answers(url: str) -> bool:
     return False
 
 
-async def _cluster(client: ControlClient) -> Cluster | None:
+async def _cluster(client: LeaderClient) -> Cluster | None:
     with contextlib.suppress(ClientError, TimeoutError):
         async with asyncio.timeout(3.0):
             return await client.get_cluster()
     return None
 
 
-async def _start(cluster: ChaosCluster, client: ControlClient) -> None:
-    cluster.start(SERVER)
-    await _until("the server's /healthz", 30, lambda: _answers(f"{cluster.web}/healthz"))
+async def _start(cluster: ChaosCluster, client: LeaderClient) -> None:
+    for server in cluster.servers:
+        cluster.start(server)
+
+    async def leader_healthy() -> bool:  # a follower's /healthz is 503
+        return any([await _answers(f"{web}/healthz") for web in cluster.server_web.values()])
+
+    await _until("a server's /healthz (the leader's)", 60, leader_healthy)
     cluster.start(GATEWAY)
     for node in cluster.nodes:
         cluster.start(node)
@@ -168,7 +190,7 @@ async def _start(cluster: ChaosCluster, client: ControlClient) -> None:
     await _until("every node READY", 60, nodes_ready)
 
 
-async def _apply(client: ControlClient, document_text: str) -> dict[str, int]:
+async def _apply(client: LeaderClient, document_text: str) -> dict[str, int]:
     document = parse_document(document_text, source="bench/chaos.py")
     for deployment in document.deployments.values():
         profile = document.profiles[deployment.profile]
@@ -180,12 +202,12 @@ async def _apply(client: ControlClient, document_text: str) -> dict[str, int]:
     return {name: d.replicas for name, d in document.deployments.items()}
 
 
-async def _at_count(client: ControlClient, counts: dict[str, int]) -> bool:
+async def _at_count(client: LeaderClient, counts: dict[str, int]) -> bool:
     found = await _cluster(client)
     return found is not None and ready_by_deployment(found) == counts
 
 
-async def _wait_at_count(client: ControlClient, counts: dict[str, int], give_up_s: float) -> None:
+async def _wait_at_count(client: LeaderClient, counts: dict[str, int], give_up_s: float) -> None:
     """Until every deployment is at its count READY, or ``give_up_s`` (the sampler's record
     says when it was, for the check)."""
     with contextlib.suppress(RuntimeError):
@@ -193,7 +215,7 @@ async def _wait_at_count(client: ControlClient, counts: dict[str, int], give_up_
 
 
 async def _kv_settled(
-    client: ControlClient, gateways: dict[str, str], kv_models: set[str]
+    client: LeaderClient, gateways: dict[str, str], kv_models: set[str]
 ) -> KvReading:
     """Both sides of the KV check, read again until they agree (at most 15 s)."""
     reading = KvReading({}, {})
@@ -216,12 +238,11 @@ async def _kv_settled(
 # -- the run -------------------------------------------------------------------------------
 
 
-async def _run(cluster: ChaosCluster, opts: Options) -> ChaosReport:
+async def _run(cluster: ChaosCluster, opts: Options, postgres: Postgres | None) -> ChaosReport:
     rng = random.Random(opts.seed)
     document_text = DOCUMENT.replace("{kv_blocks}", str(opts.kv_blocks))
     timeouts = Timeouts(connect=1.0, call=3.0)
-    async with GrpcWebChannel(cluster.web, timeouts=timeouts) as channel:
-        client = ControlClient(channel)
+    async with LeaderClient(list(cluster.server_web.values()), timeouts) as client:
         progress_line(f"chaos: starting the cluster under {cluster.root}")
         await _start(cluster, client)
         counts = await _apply(client, document_text)
@@ -229,7 +250,8 @@ async def _run(cluster: ChaosCluster, opts: Options) -> ChaosReport:
         await _until("the gateway serving", 30, lambda: _serves(cluster.gateway, counts))
         progress_line(f"chaos: {sum(counts.values())} replicas READY; faults for "
                       f"{opts.duration_s:g}s")  # fmt: skip
-        return await _under_faults(cluster, client, opts, rng, (document_text, counts))
+        desired = (document_text, counts)
+        return await _under_faults(cluster, client, opts, rng, desired, postgres)
 
 
 async def _serves(gateway: str, counts: dict[str, int]) -> bool:
@@ -241,14 +263,15 @@ async def _serves(gateway: str, counts: dict[str, int]) -> bool:
 
 
 async def _under_faults(
-    cluster: ChaosCluster, client: ControlClient, opts: Options, rng: random.Random,
-    desired: tuple[str, dict[str, int]],
+    cluster: ChaosCluster, client: LeaderClient, opts: Options, rng: random.Random,
+    desired: tuple[str, dict[str, int]], postgres: Postgres | None,
 ) -> ChaosReport:  # fmt: skip
     document_text, counts = desired
     load = Load(cluster.gateway, LoadConfig(rate=opts.rate), random.Random(rng.random()))
-    sampler = Sampler(cluster, client)
+    several = len(cluster.servers) > 1
+    sampler = Sampler(cluster, client, webs=cluster.server_web if several else None)
     config = FaultConfig(opts.duration_s, kinds=opts.kinds, in_turn=opts.in_turn)
-    faults = FaultLoop(cluster, config, rng)
+    faults = FaultLoop(cluster, config, rng, postgres)
     stop_load, stop_sampler = asyncio.Event(), asyncio.Event()
     async with asyncio.TaskGroup() as tasks:
         sampling = tasks.create_task(sampler.run(stop_sampler))
@@ -279,10 +302,14 @@ async def _under_faults(
         check_duplicates(
             {name: (cluster.logs / f"{name}.log").read_text() for name in cluster.duplicates()}
         ),
+        *((check_one_leader(sampler.samples),) if several else ()),
     )
+    settings = _settings(opts, len(sampler.samples), load.skipped, cluster.state_disk)
+    if several:
+        settings["leader failover"] = failover_line(faults.records)
     return ChaosReport(
         command=command_line(),
-        settings=_settings(opts, len(sampler.samples), load.skipped, cluster.state_disk),
+        settings=settings,
         faults=tuple(faults.records),
         recoveries=tuple(recovery_times(faults.records, sampler.samples, counts)),
         requests=summarize(load.records),
@@ -309,7 +336,7 @@ def _applied(document_text: str) -> tuple[list[Deployment], list[EngineProfile]]
     return list(document.deployments.values()), list(document.profiles.values())
 
 
-async def _held(client: ControlClient) -> tuple[list[Deployment], list[EngineProfile]] | None:
+async def _held(client: LeaderClient) -> tuple[list[Deployment], list[EngineProfile]] | None:
     with contextlib.suppress(ClientError, TimeoutError):
         async with asyncio.timeout(10.0):
             deployments = (await client.get_cluster()).deployments
@@ -321,7 +348,8 @@ def _check_exits(cluster: ChaosCluster) -> Check:
     exited = cluster.exited()
     details = tuple(f"{name} exited by itself with status {code}" for name, code in exited.items())
     summary = (
-        f"server, gateway and {len(cluster.nodes)} agents running at the end"
+        f"{len(cluster.servers)} server(s), gateway and {len(cluster.nodes)} agents running "
+        "at the end"
         if not exited
         else f"{len(exited)} exited by themselves (logs: {cluster.logs})"
     )
@@ -336,9 +364,15 @@ def _settings(opts: Options, samples: int, skipped: int, disk: StateDisk | None)
         if disk is not None
         else "the server's database in the run's directory (no fill-disk)"
     )
+    if opts.servers > 1:
+        state = (
+            f"{opts.servers} servers (--lease-ttl {opts.lease_ttl_s:g}) on one private "
+            "PostgreSQL database (bench/pgcluster.py); fill-disk is SQLite-only: left out"
+        )
     return {
         "state disk": state,
-        "cluster": f"server (gateway off) + `llmgw gateway`, {len(NODES)} simulated "
+        "cluster": f"{opts.servers} server(s) (gateway off) + `llmgw gateway`, "
+        f"{len(NODES)} simulated "
         f"{agents.fixture} agents (engine restart backoff {agents.restart_backoff_s:g} s "
         f"doubling to {agents.restart_backoff_max_s:g} s), all on 127.0.0.1",
         "deployments": "chat: 3 replicas, TP 1, KV events on (sim engine, "
@@ -346,7 +380,13 @@ def _settings(opts: Options, samples: int, skipped: int, disk: StateDisk | None)
         "faults": f"{opts.duration_s:g} s, one at a time every 2-6 s, kinds"
         f"{' in turn' if opts.in_turn else ''}: "
         f"{', '.join(opts.kinds)}; kills restart after 0.5-3 s, stops last 2-6 s, "
-        "a duplicate agent runs 3-8 s",
+        "a duplicate agent runs 3-8 s"
+        + (
+            f"; server faults on the leader {LEADER_SHARE:.0%} of the time; kill-postgres "
+            "restarts it after 2.5-5 s"
+            if opts.servers > 1
+            else ""
+        ),
         "load": f"~{opts.rate:g} chat completions/s through the gateway, half streamed, "
         f"3 shared system prompts, 4-24 tokens ({skipped} arrivals skipped at 32 in flight)",
         "bounds": f"back at count within {opts.bound_s:g} s of the last fault; a failed request "
@@ -354,6 +394,23 @@ def _settings(opts: Options, samples: int, skipped: int, disk: StateDisk | None)
         "sampler": f"{samples} samples of GetCluster and /proc, every 0.5 s",
         "seed": str(opts.seed),
     }
+
+
+def failover_line(records: Sequence[FaultRecord]) -> str:
+    """The failovers of the faults on the leader: how many, p50 and max, and how many saw
+    no other server lead (within chaoskit.ha.FAILOVER_TIMEOUT_S)."""
+    on_leader = [r for r in records if r.leader]
+    took = sorted(r.failover_s for r in on_leader if r.failover_s is not None)
+    if not on_leader:
+        return "no fault hit the leader"
+    figures = f"p50 {statistics.median(took):.2f} s, max {took[-1]:.2f} s" if took else "none seen"
+    kinds = ", ".join(f"{k} {sum(r.kind == k for r in on_leader)}"
+                      for k in ("kill-server", "stop-server"))  # fmt: skip
+    return (
+        f"{len(on_leader)} faults on the leader ({kinds}): the signal → another server "
+        f"says llmgw_leader 1 at a higher epoch: {figures}; "
+        f"{len(on_leader) - len(took)} with no other leader within 30 s"
+    )
 
 
 # -- the command line ----------------------------------------------------------------------
@@ -372,7 +429,12 @@ def _parser() -> argparse.ArgumentParser:
                    help="seconds a failure may trail the fault that explains it (1)")  # fmt: skip
     p.add_argument("--kv-blocks", type=int, default=512,
                    help="KV blocks per chat engine: few, so blocks get evicted (512)")  # fmt: skip
-    p.add_argument("--kinds", default=",".join(KINDS), help="fault kinds, comma-separated")
+    p.add_argument("--kinds", default=None,
+                   help="fault kinds, comma-separated (default: all that apply)")  # fmt: skip
+    p.add_argument("--servers", type=int, default=1,
+                   help="servers; 2 or more share one private PostgreSQL (1)")  # fmt: skip
+    p.add_argument("--lease-ttl", type=float, default=3.0,
+                   help="with --servers >= 2: the servers' --lease-ttl (3)")  # fmt: skip
     p.add_argument("--in-turn", action="store_true",
                    help="each kind in turn (a seeded shuffle) instead of at random")  # fmt: skip
     p.add_argument("--state-dir", type=Path, default=None,
@@ -385,14 +447,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _options(args: argparse.Namespace) -> Options:
-    kinds = tuple(k.strip() for k in args.kinds.split(",") if k.strip())
-    unknown = [k for k in kinds if k not in KINDS]
+    if args.servers < 1:
+        raise SystemExit(f"chaos: --servers {args.servers}: 1 or more")
+    known = KINDS if args.servers == 1 else (*(k for k in KINDS if k != "fill-disk"), *PG_KINDS)
+    text = args.kinds if args.kinds is not None else ",".join(known)
+    kinds = tuple(k.strip() for k in text.split(",") if k.strip())
+    unknown = [k for k in kinds if k not in ALL_KINDS]
     if unknown or not kinds:
-        raise SystemExit(f"chaos: unknown fault kinds {unknown}; known: {', '.join(KINDS)}")
+        raise SystemExit(f"chaos: unknown fault kinds {unknown}; known: {', '.join(ALL_KINDS)}")
+    misplaced = [k for k in kinds if k not in known]
+    if misplaced:
+        raise SystemExit(
+            f"chaos: {', '.join(misplaced)} not with --servers {args.servers} "
+            f"(fill-disk: one SQLite server only; *-postgres: --servers 2 or more)"
+        )
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000
     run_id = args.run_id or f"chaos-{uuid.uuid4().hex[:12]}"
     return Options(args.duration, seed, args.rate, args.bound, args.slack, args.kv_blocks,
-                   kinds, run_id, args.in_turn)  # fmt: skip
+                   kinds, run_id, args.in_turn, args.servers, args.lease_ttl)  # fmt: skip
 
 
 def _state_disk(root: Path, opts: Options) -> tuple[StateDisk | None, Options]:
@@ -411,6 +483,22 @@ def _state_disk(root: Path, opts: Options) -> tuple[StateDisk | None, Options]:
     return None, replace(opts, kinds=kinds)
 
 
+def _run_on_postgres(root: Path, opts: Options) -> ChaosReport:
+    """The run with ``opts.servers`` servers on a private PostgreSQL cluster."""
+    bindir = find_bindir()
+    if bindir is None:
+        raise SystemExit("chaos: --servers >= 2 needs PostgreSQL (apt-get install postgresql)")
+    with private_cluster(bindir) as pg:
+        cluster = ChaosCluster(
+            root, NODES, opts.run_id, AgentOptions(),
+            servers=ServerOptions(opts.servers, pg.url("postgres"), opts.lease_ttl_s),
+        )  # fmt: skip
+        try:
+            return asyncio.run(_run(cluster, opts, Postgres(pg)))
+        finally:
+            cluster.close()
+
+
 def main() -> int:
     args = _parser().parse_args()
     opts = _options(args)
@@ -419,14 +507,17 @@ def main() -> int:
     logging.getLogger("chaos").setLevel(logging.INFO)
     interrupt_on_sigterm()
     with state_dir(args.state_dir, prefix="llmgw-chaos-") as root:
-        disk, opts = _state_disk(root, opts)
-        cluster = ChaosCluster(root, NODES, opts.run_id, AgentOptions(), state_disk=disk)
-        try:
-            report = asyncio.run(_run(cluster, opts))
-        finally:
-            cluster.close()
-            if disk is not None:
-                disk.close()
+        if opts.servers > 1:
+            report = _run_on_postgres(root, opts)
+        else:
+            disk, opts = _state_disk(root, opts)
+            cluster = ChaosCluster(root, NODES, opts.run_id, AgentOptions(), state_disk=disk)
+            try:
+                report = asyncio.run(_run(cluster, opts, None))
+            finally:
+                cluster.close()
+                if disk is not None:
+                    disk.close()
     sys.stdout.write((render_markdown(report) if args.markdown else render_text(report)) + "\n")
     if args.json is not None:
         args.json.write_text(render_json(report))

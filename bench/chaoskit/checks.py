@@ -17,6 +17,7 @@
    server's ``/healthz`` was 200 again (it takes writes again by itself) within the bound.
 7. **Duplicate agents refused**: every duplicate agent (a copy of a registered agent's
    state dir and node id) was refused by the server naming the holder, and never registered.
+8. **One leader at a time** (several servers): no sample saw two servers say they lead.
 """
 
 from __future__ import annotations
@@ -244,3 +245,16 @@ def check_kv(differences: Sequence[str], replicas: Mapping[str, int]) -> Check:
     )
     return Check("KV index = engines' caches", not differences and bool(replicas), summary,
                  tuple(differences))  # fmt: skip
+
+
+def check_one_leader(samples: Sequence[Sample]) -> Check:
+    """No sample in which two servers said ``llmgw_leader 1`` (a split brain)."""
+    start = samples[0].at if samples else 0.0
+    both = [(s.at, s.leaders) for s in samples if len(s.leaders) > 1]
+    led = sum(1 for s in samples if len(s.leaders) == 1)
+    details = tuple(f"t={at - start:.1f}s: {', '.join(names)} lead" for at, names in both[:20])
+    summary = (
+        f"{len(samples)} samples: {led} with one leader, {len(both)} with two or more, "
+        f"{len(samples) - led - len(both)} with none"
+    )
+    return Check("no two servers said they lead at once", not both, summary, details)

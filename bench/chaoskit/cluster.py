@@ -76,6 +76,16 @@ class AgentOptions:
     restart_backoff_max_s: float = 8.0
 
 
+@dataclass(frozen=True, slots=True)
+class ServerOptions:
+    """How many servers, on which database: one on SQLite (``db_url`` None), or several
+    sharing a PostgreSQL database and its leader lease (``--lease-ttl``)."""
+
+    count: int = 1
+    db_url: str | None = None
+    lease_ttl_s: float | None = None
+
+
 class ChaosCluster:
     """Start, signal and restart the run's processes; `close` leaves nothing behind."""
 
@@ -86,6 +96,7 @@ class ChaosCluster:
         run_id: str,
         agents: AgentOptions = AgentOptions(),
         state_disk: StateDisk | None = None,
+        servers: ServerOptions = ServerOptions(),
     ) -> None:
         self.root, self.logs = root, root / "logs"
         self.state_disk = state_disk  # the server's database on it (fill-disk), else in root
@@ -93,8 +104,16 @@ class ChaosCluster:
         self.run_id = run_id
         self.agent_options = agents
         self._rng = random.SystemRandom()  # ports: not from the run's seed (runs side by side)
-        self.grpc = f"127.0.0.1:{reserved_port(self._rng)}"
-        self.web = f"http://127.0.0.1:{reserved_port(self._rng)}"
+        count = servers.count
+        if count < 1 or (count > 1 and servers.db_url is None):
+            raise ValueError(f"{count} servers: 1, or more on a PostgreSQL db_url")
+        names = (SERVER,) if count == 1 else tuple(f"{SERVER}-{i}" for i in range(count))
+        self.db_url = servers.db_url  # the servers' shared PostgreSQL (None: SQLite at `db`)
+        self.lease_ttl_s = servers.lease_ttl_s
+        self.server_grpc = {n: f"127.0.0.1:{reserved_port(self._rng)}" for n in names}
+        self.server_web = {n: f"http://127.0.0.1:{reserved_port(self._rng)}" for n in names}
+        self.grpc = ",".join(self.server_grpc.values())  # what agents and gateways dial
+        self.web = self.server_web[names[0]]  # the first server's web URL
         self.gateways = {GATEWAY: f"http://127.0.0.1:{reserved_port(self._rng)}"}
         self.engine_ports = format_port_range(pick_window(rng=self._rng))  # its own engines'
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
@@ -106,6 +125,11 @@ class ChaosCluster:
         """The server's state database."""
         disk = self.state_disk
         return (disk.path if disk is not None else self.root) / "server.db"
+
+    @property
+    def servers(self) -> tuple[str, ...]:
+        """The servers' names: "server", or "server-0", "server-1", ... with several."""
+        return tuple(self.server_grpc)
 
     @property
     def gateway(self) -> str:
@@ -120,7 +144,7 @@ class ChaosCluster:
     # -- starting -----------------------------------------------------------------------------
 
     def start(self, name: str) -> int:
-        """Start (or restart) ``name``: "server", "gateway" or a node id; its pid."""
+        """Start (or restart) ``name``: a server, a gateway or a node id; its pid."""
         old = self.procs.get(name)
         if old is not None and old.poll() is None:
             raise RuntimeError(f"{name} is still running (pid {old.pid})")
@@ -129,11 +153,8 @@ class ChaosCluster:
         return proc.pid
 
     def _args(self, name: str) -> tuple[str, ...]:
-        if name == SERVER:
-            return ("server", "--grpc-listen", self.grpc,
-                    "--http-listen", self.web.removeprefix("http://"),
-                    "--gateway-listen", "off", "--engine-ports", self.engine_ports,
-                    "--db", str(self.db))  # fmt: skip
+        if name in self.server_grpc:
+            return self._server_args(name)
         if name in self.gateways:
             return ("gateway", "--server", self.grpc, "--debug-kv-index",
                     "--listen", self.gateways[name].removeprefix("http://"))  # fmt: skip
@@ -145,6 +166,17 @@ class ChaosCluster:
                 "--engine-bin", SIM_ENGINE_BIN,
                 "--restart-backoff", str(opts.restart_backoff_s),
                 "--restart-backoff-max", str(opts.restart_backoff_max_s))  # fmt: skip
+
+    def _server_args(self, name: str) -> tuple[str, ...]:
+        args: tuple[str, ...] = ("server", "--grpc-listen", self.server_grpc[name],
+                "--http-listen", self.server_web[name].removeprefix("http://"),
+                "--gateway-listen", "off", "--engine-ports", self.engine_ports,
+                "--db", self.db_url or str(self.db))  # fmt: skip
+        if len(self.server_grpc) > 1:
+            args += ("--server-id", name)
+        if self.lease_ttl_s is not None:
+            args += ("--lease-ttl", f"{self.lease_ttl_s:g}")
+        return args
 
     # -- a duplicate agent (chaoskit.faults: duplicate-agent) --------------------------------
 

@@ -12,6 +12,12 @@ One fault at a time, a random pause (``gap_s``) before each, for ``duration_s``:
   freed for a moment, filled again for a shorter while, and freed; the server must stay up
   and take writes again by itself. Its record says how often ``/healthz`` answered 503
   (the server saw the disk full) and how long after the end it was 200 again.
+* With several servers on one PostgreSQL (chaoskit.ha): ``kill-server`` and ``stop-server``
+  aim at the current leader (``LEADER_SHARE`` of the time) or else at a follower; on the
+  leader the record has the failover (the signal → another server says ``llmgw_leader 1`` at
+  a higher epoch; None: not within ``FAILOVER_TIMEOUT_S``). ``kill-postgres``: ``pg_ctl stop
+  -m immediate``, started again after ``restart_delay_s`` + 2 s; ``stop-postgres``: the
+  postmaster's process group SIGSTOPped for ``stop_s``, then SIGCONT.
 * ``duplicate-agent``: once an agent is registered, a second agent process with a copy of
   its state dir and its node id starts, runs ``duplicate_s`` from the server's first answer
   to it, then is SIGKILLed. The server
@@ -37,6 +43,7 @@ from typing import Final
 import httpx
 
 from bench.chaoskit.cluster import ChaosCluster, signal_group
+from bench.chaoskit.ha import Postgres, choose_server, leader_of, read_leaders, wait_failover
 
 log = logging.getLogger("chaos.faults")
 
@@ -45,6 +52,8 @@ KINDS: Final = (
     "stop-server", "stop-agent", "stop-engine", "stop-gateway", "fill-disk",
     "duplicate-agent",
 )  # fmt: skip
+PG_KINDS: Final = ("kill-postgres", "stop-postgres")  # with several servers only
+ALL_KINDS: Final = (*KINDS, *PG_KINDS)
 HEALTHY_AGAIN_S: Final = 30.0  # after a fill-disk, the most it waits for /healthz 200
 
 
@@ -66,7 +75,7 @@ class FaultRecord:
     """One fault: what, on which process, from when to when (monotonic seconds)."""
 
     kind: str
-    target: str  # "server", "gateway", a node id, or an engine's shard id
+    target: str  # a server, "gateway", a node id, an engine's shard id, or "postgres"
     pid: int
     started: float
     ended: float
@@ -76,10 +85,18 @@ class FaultRecord:
     healthz_looks: int = 0  # fill-disk: how often it asked the server's /healthz meanwhile
     healthz_503: int = 0  # fill-disk: how often that answered 503 (the disk full)
     healthy_again_s: float | None = None  # fill-disk: its end → /healthz 200 (None: never)
+    leader: bool = False  # several servers: the target led when the fault began
+    failover_s: float | None = None  # on the leader: the signal → another leads (None: not)
 
     @property
     def note(self) -> str:
-        """What a fill-disk saw of the server, in words ("" for the other kinds)."""
+        """What a fill-disk saw of the server, or a leader fault's failover, in words ("" for
+        the other kinds)."""
+        if self.leader:
+            took = self.failover_s
+            return "on the leader; " + (
+                f"another led after {took:.2f}s" if took is not None else "no other led"
+            )
         if self.kind != "fill-disk":
             return ""
         back = self.healthy_again_s
@@ -91,8 +108,15 @@ class FaultRecord:
 class FaultLoop:
     """Inject faults until the duration is over or ``stop`` is set; `records` says which."""
 
-    def __init__(self, cluster: ChaosCluster, config: FaultConfig, rng: random.Random) -> None:
+    def __init__(
+        self,
+        cluster: ChaosCluster,
+        config: FaultConfig,
+        rng: random.Random,
+        postgres: Postgres | None = None,
+    ) -> None:
         self._cluster = cluster
+        self._postgres = postgres
         self._config = config
         self._rng = rng
         self._turns: list[str] = []  # with in_turn: the kinds still to come in this round
@@ -130,6 +154,10 @@ class FaultLoop:
             return await self._fill_disk()
         if role == "engine":
             return await self._engine(action)
+        if role == "postgres":
+            return await self._database(action)
+        if role == "server" and len(self._cluster.servers) > 1:
+            return await self._server(action)
         name = self._rng.choice(self._cluster.nodes) if role == "agent" else role
         node = name if role == "agent" else ""
         pid = self._cluster.pid(name)
@@ -143,6 +171,53 @@ class FaultLoop:
         else:
             await self._hang(pid)
         return FaultRecord(kind, name, pid, started, time.monotonic(), node=node)
+
+    async def _server(self, action: str) -> FaultRecord | None:
+        """A fault on one of several servers: the leader most of the time (its failover
+        measured meanwhile), else a follower."""
+        webs = self._cluster.server_web
+        async with httpx.AsyncClient() as http:
+            leading = leader_of(await read_leaders(http, webs))
+            name = choose_server(self._cluster.servers, leading and leading[0], self._rng)
+            pid = self._cluster.pid(name)
+            if pid is None:
+                return None
+            on_leader = leading is not None and leading[0] == name
+            others = {n: u for n, u in webs.items() if n != name}
+            started = time.monotonic()
+            if action == "kill":
+                self._cluster.kill(name)
+            else:
+                signal_group(pid, signal.SIGSTOP)
+            failover = (
+                asyncio.create_task(wait_failover(http, others, leading[1]))
+                if on_leader and leading is not None
+                else None
+            )
+            try:
+                if action == "kill":
+                    await asyncio.sleep(self._rng.uniform(*self._config.restart_delay_s))
+                    self._cluster.start(name)
+                else:
+                    await asyncio.sleep(self._rng.uniform(*self._config.stop_s))
+            finally:
+                if action != "kill":
+                    signal_group(pid, signal.SIGCONT)
+            ended = time.monotonic()
+            took = await failover if failover is not None else None
+        return FaultRecord(
+            f"{action}-server", name, pid, started, ended, leader=on_leader, failover_s=took
+        )
+
+    async def _database(self, action: str) -> FaultRecord | None:
+        if self._postgres is None:
+            return None
+        started = time.monotonic()
+        if action == "kill":
+            pid = await self._postgres.kill(2.0 + self._rng.uniform(*self._config.restart_delay_s))
+        else:
+            pid = await self._postgres.hang(self._rng.uniform(*self._config.stop_s))
+        return FaultRecord(f"{action}-postgres", "postgres", pid, started, time.monotonic())
 
     async def _engine(self, action: str) -> FaultRecord | None:
         engines = [e for e in self._cluster.engines() if e.shard_id and not e.stopped]

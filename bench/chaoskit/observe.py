@@ -6,7 +6,8 @@ the server's shards and the live engine processes, any replica rank that runs tw
 server's view counts a shard STARTING, LOADING, READY or DRAINING as running; the processes'
 view names each engine from its agent's record (an engine no record names is an *orphan*:
 nobody manages it). A sample taken while the server does not answer says so and still
-checks the processes.
+checks the processes. With several servers each sample also reads every server's
+``/metrics`` and records which said they lead (``llmgw_leader 1``).
 """
 
 from __future__ import annotations
@@ -16,14 +17,16 @@ import contextlib
 import logging
 import time
 from collections import defaultdict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import httpx
 
 from bench.chaoskit.cluster import ChaosCluster, EngineProc
+from bench.chaoskit.ha import read_leaders
 from llmgw.api.llmgw.v1 import Cluster, ShardState
-from llmgw.client import ClientError, ControlClient
+from llmgw.client import ClientError
 
 log = logging.getLogger("chaos.observe")
 
@@ -43,6 +46,13 @@ class Sample:
     process_twins: tuple[str, ...]  # replica ranks with two live engine processes, in words
     orphans: tuple[int, ...]  # live engine pids no agent record names
     engines: int  # live engine processes
+    leaders: tuple[str, ...] = ()  # several servers: those that said they lead (sorted)
+
+
+class ClusterSource(Protocol):
+    """What the sampler asks the cluster of (a ControlClient, a chaoskit.ha.LeaderClient)."""
+
+    async def get_cluster(self) -> Cluster: ...
 
 
 def ready_by_deployment(cluster: Cluster) -> dict[str, int]:
@@ -79,9 +89,16 @@ def process_twins(engines: Iterable[EngineProc]) -> list[str]:
 class Sampler:
     """Samples until ``stop``; `samples` in order, `last_cluster` the latest answer."""
 
-    def __init__(self, cluster: ChaosCluster, client: ControlClient, every_s: float = 0.5):
+    def __init__(
+        self,
+        cluster: ChaosCluster,
+        client: ClusterSource,
+        every_s: float = 0.5,
+        webs: Mapping[str, str] | None = None,
+    ) -> None:
         self._cluster = cluster
         self._client = client
+        self._webs = dict(webs or {})  # server name → web URL whose /metrics to read
         self._every_s = every_s
         self.samples: list[Sample] = []
         self.last_cluster: Cluster | None = None
@@ -96,6 +113,7 @@ class Sampler:
     async def sample(self) -> Sample:
         at = time.monotonic()
         cluster = await self._cluster_or_none()
+        leaders = await self._leaders()
         engines = self._cluster.engines()
         if cluster is not None:
             self.last_cluster = cluster
@@ -107,7 +125,15 @@ class Sampler:
             process_twins=tuple(process_twins(engines)),
             orphans=tuple(sorted(e.pid for e in engines if not e.shard_id)),
             engines=len(engines),
+            leaders=leaders,
         )
+
+    async def _leaders(self) -> tuple[str, ...]:
+        if not self._webs:
+            return ()
+        async with httpx.AsyncClient() as http:
+            seen = await read_leaders(http, self._webs)
+        return tuple(sorted(name for name, (lead, _) in seen.items() if lead))
 
     async def _cluster_or_none(self) -> Cluster | None:
         try:
