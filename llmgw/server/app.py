@@ -37,8 +37,8 @@ An SQLite state database is held with an exclusive lock (``llmgw.server.state.st
 taken before it opens and before any port binds: a second server on the same ``--db``
 refuses, naming the first. A PostgreSQL one (``--db postgresql://…``) may be shared by
 several servers: the leader lease (``llmgw.server.state.leadership``) makes one of them
-lead, and ``_roles`` serves as the leader or as a follower (``llmgw.server.wire.follower``)
-as the lease turns, binding the ports anew at each turn.
+lead, and ``llmgw.server.roles.take_turns`` serves as the leader or as a follower
+(``llmgw.server.wire.follower``) as the lease turns, binding the ports anew at each turn.
 
 Both HTTP ports run under ``ServerConfig.http_limits`` (``llmgw.gateway.httplimits``:
 head size, head/body/idle timeouts, connections in all and per peer, buffered body bytes);
@@ -78,8 +78,9 @@ from llmgw.server.autoscale_loop import (
     AutoscaleLoop,
 )
 from llmgw.server.core.autoscale_window import GatewayReport
-from llmgw.server.errors import ConfigError, Deposed
+from llmgw.server.errors import ConfigError
 from llmgw.server.reconcile_loop import ReconcileLoop
+from llmgw.server.roles import take_turns
 from llmgw.server.state.inventory import InventoryConfig
 from llmgw.server.state.leadership import Leadership, LeaseTimes
 from llmgw.server.state.plane import ControlPlane
@@ -217,16 +218,27 @@ class _GatewaySlot:
 
 async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set): as the leader while this server
-    holds the lease, as a follower while it does not (``_roles``)."""
+    holds the lease, as a follower while it does not (``llmgw.server.roles.take_turns``)."""
     stop = stop or asyncio.Event()
     tls = _PortTls.load(config.tls)  # before anything binds or opens
     install_message_limit()
     with _state_lock(config.db_path):  # before the database opens and any port binds
         async with Store(config.db_path) as store:
             leadership = await _leadership(config, store)
+            auth = Authenticator(store, join_token=config.join_token)  # for every turn
+            # reads the tokens now: an unreadable row stops the start, named
+            exposure = unauthenticated_exposure(config, auth_on=await auth.enabled())
+            if exposure is not None:
+                raise ConfigError(exposure)
             try:
                 with stop_on_signals(stop):
-                    await _roles(config, stop, tls, leadership)
+                    await take_turns(
+                        leadership,
+                        stop,
+                        lead=lambda over: _serve(config, over, tls, leadership, auth),
+                        follow=lambda over: _follow(config, over, tls, leadership, auth),
+                        first_claim_s=config.lease.follow_s * 2,
+                    )
             finally:
                 await leadership.release()
                 await store.close()
@@ -241,59 +253,6 @@ async def _leadership(config: ServerConfig, store: Store) -> Leadership:
     if isinstance(config.db_path, Path):
         return Leadership.sole(store, server_id, address)
     return Leadership(store, server_id, address, config.lease)
-
-
-async def _roles(
-    config: ServerConfig, stop: asyncio.Event, tls: _PortTls, leadership: Leadership
-) -> None:
-    """Lead while the lease is this server's, follow while it is not, until ``stop``: each
-    turn binds the ports anew with what that role serves. A role's error (a ConfigError, a
-    StoreError) ends the server as it is, not wrapped."""
-    helpers: list[asyncio.Task[None]] = []
-    try:
-        if not leadership.leading():
-            helpers.append(asyncio.create_task(leadership.keep()))
-            await _first(leadership.wait_until(True), stop, config.lease.follow_s * 2)
-        while not stop.is_set():
-            term_over = asyncio.Event()
-            if leadership.leading():
-                helpers.append(asyncio.create_task(_watch_term(leadership, stop, term_over)))
-                try:
-                    await _serve(config, term_over, tls, leadership)
-                except* Deposed as deposed:  # a write after the lease ran out: the term ends
-                    log.warning("the term ended: %s", deposed.exceptions[0])
-            else:
-                helpers.append(asyncio.create_task(_watch_follow(leadership, stop, term_over)))
-                await _follow(config, term_over, tls, leadership)
-            helpers.pop().cancel()
-    finally:
-        for task in helpers:
-            task.cancel()
-        await asyncio.gather(*helpers, return_exceptions=True)
-
-
-async def _first(waiting: Awaitable[None], stop: asyncio.Event, timeout_s: float) -> None:
-    with contextlib.suppress(TimeoutError):
-        async with asyncio.timeout(timeout_s):
-            stopped = asyncio.ensure_future(stop.wait())
-            try:
-                await asyncio.wait([asyncio.ensure_future(waiting), stopped],
-                                   return_when=asyncio.FIRST_COMPLETED)  # fmt: skip
-            finally:
-                stopped.cancel()
-
-
-async def _watch_term(leadership: Leadership, stop: asyncio.Event, over: asyncio.Event) -> None:
-    """End the leader's term the moment its lease runs out (or the server stops)."""
-    await _first(leadership.wait_until(False), stop, math.inf)
-    if not stop.is_set():
-        log.warning("the leader lease ran out: this server stops acting now")
-    over.set()
-
-
-async def _watch_follow(leadership: Leadership, stop: asyncio.Event, over: asyncio.Event) -> None:
-    await _first(leadership.wait_until(True), stop, math.inf)
-    over.set()
 
 
 def _state_lock(db: DbTarget) -> contextlib.AbstractContextManager[object]:
@@ -314,11 +273,15 @@ async def _loaded_plane(store: Store, config: ServerConfig) -> ControlPlane:
 
 
 async def _serve(
-    config: ServerConfig, stop: asyncio.Event, tls: _PortTls, leadership: Leadership
+    config: ServerConfig,
+    stop: asyncio.Event,
+    tls: _PortTls,
+    leadership: Leadership,
+    auth: Authenticator,
 ) -> None:
     """One term as the leader: the plane loaded afresh from the store, every port, the
     reconciler and the autoscaler, until ``stop`` (the term's end)."""
-    plane = await _loaded_plane(store := leadership.store, config)
+    plane = await _loaded_plane(leadership.store, config)
     await leadership.begin_term()
     slot = _GatewaySlot()
     # gateways' reports: RouterService in; GetRouterStats, the autoscaler's signals out
@@ -335,11 +298,6 @@ async def _serve(
         codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
         limits=config.grpc_limits,
     )
-    auth = Authenticator(store, join_token=config.join_token)
-    # reads the tokens now: an unreadable row stops the start, named
-    exposure = unauthenticated_exposure(config, auth_on=await auth.enabled())
-    if exposure is not None:
-        raise ConfigError(exposure)
     install(grpc, auth)
     install_store_health(grpc)
     try:
@@ -376,17 +334,16 @@ async def _serve(
 
 
 async def _follow(
-    config: ServerConfig, stop: asyncio.Event, tls: _PortTls, leadership: Leadership
+    config: ServerConfig,
+    stop: asyncio.Event,
+    tls: _PortTls,
+    leadership: Leadership,
+    auth: Authenticator,
 ) -> None:
     """One turn as a follower (``llmgw.server.wire.follower``) until ``stop``: the native
     and gRPC-web ports refuse every call naming the leader; ``/healthz`` answers 503 naming it and
     ``/metrics`` says who leads; the in-server gateway does not serve (it would route from
     state only the leader has)."""
-    store = leadership.store
-    auth = Authenticator(store, join_token=config.join_token)
-    exposure = unauthenticated_exposure(config, auth_on=await auth.enabled())
-    if exposure is not None:
-        raise ConfigError(exposure)
     services = follower_services(leadership)
     grpc = LimitedServer(
         services,

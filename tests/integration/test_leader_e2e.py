@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 from procs import Cluster, wait_for
 
+from bench.pgcluster import find_bindir, private_cluster
 from llmgw.promtext import metric_samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -165,3 +166,27 @@ def test_an_agent_follows_the_new_leader_which_adopts_its_engine(
     assert len(out) == 1
     remembered = (a.root / "n1" / "leader-epoch").read_text().split()
     assert remembered == [str(epoch + 1), (a.root / "n1" / "cluster-id").read_text().strip()]
+
+
+def test_servers_outlive_their_database_and_one_leads_again(tmp_path: Path) -> None:
+    bindir = find_bindir()
+    if bindir is None:
+        pytest.skip("PostgreSQL is not installed")
+    with private_cluster(bindir) as pg:
+        a, b = _pair(pg.url("postgres"), tmp_path)
+        try:
+            a.start_server()
+            wait_for(lambda: (leader(a) or (0, 0))[0] == 1, 10, "a leading")
+            b.start_server(follower=True)
+            pg.stop("immediate")  # as a crash
+            wait_for(lambda: (leader(a) or (1, 0))[0] == 0, 10, "a deposed")
+            time.sleep(4)  # several turns begin and end without a database
+            assert a.procs["server"].poll() is None and b.procs["server"].poll() is None
+            pg.start()
+            wait_for(
+                lambda: [(leader(c) or (0, 0))[0] for c in (a, b)].count(1) == 1, 20, "a leader"
+            )
+        finally:
+            for cluster in (a, b):
+                cluster.stop_all()
+                cluster.release_engine_ports()
