@@ -18,9 +18,10 @@ import os
 import random
 import signal
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from contextlib import AsyncExitStack
 from types import TracebackType
+from typing import TypeVar
 
 import httpx
 
@@ -29,6 +30,8 @@ from llmgw.api.llmgw.v1 import ActionResult, ApplyDeploymentRequest, Cluster, En
 from llmgw.client import ClientError, ControlClient, GrpcWebChannel
 from llmgw.client.channel import Timeouts
 from llmgw.promtext import metric_samples
+
+_T = TypeVar("_T")
 
 LEADER_SHARE = 0.75  # of server faults, the share aimed at the leader (when one is known)
 FAILOVER_TIMEOUT_S = 30.0
@@ -136,11 +139,13 @@ class LeaderClient:
         n = len(self._clients)
         return [(self._first + i) % n for i in range(n)]
 
-    async def get_cluster(self) -> Cluster:
+    async def _ask(self, call: Callable[[ControlClient], Awaitable[_T]]) -> _T:
+        """``call`` on each server in turn, from the one that answered last, until one
+        answers (a follower refuses); the last refusal when none does."""
         error: ClientError | None = None
         for i in self._order():
             try:
-                found = await self._clients[i].get_cluster()
+                found = await call(self._clients[i])
             except ClientError as exc:
                 error = exc
                 continue
@@ -148,32 +153,15 @@ class LeaderClient:
             return found
         assert error is not None
         raise error
+
+    async def get_cluster(self) -> Cluster:
+        return await self._ask(lambda client: client.get_cluster())
 
     async def list_profiles(self) -> list[EngineProfile]:
-        error: ClientError | None = None
-        for i in self._order():
-            try:
-                found = await self._clients[i].list_profiles()
-            except ClientError as exc:
-                error = exc
-                continue
-            self._first = i
-            return found
-        assert error is not None
-        raise error
+        return await self._ask(lambda client: client.list_profiles())
 
     async def apply_deployment(self, request: ApplyDeploymentRequest) -> ActionResult:
-        error: ClientError | None = None
-        for i in self._order():
-            try:
-                found = await self._clients[i].apply_deployment(request)
-            except ClientError as exc:
-                error = exc
-                continue
-            self._first = i
-            return found
-        assert error is not None
-        raise error
+        return await self._ask(lambda client: client.apply_deployment(request))
 
 
 def postmaster_pid(data: os.PathLike[str] | str) -> int:

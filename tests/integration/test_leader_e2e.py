@@ -164,6 +164,7 @@ def test_an_agent_follows_the_new_leader_which_adopts_its_engine(
     assert _ready_replicas(b) == before
     out = json.loads(b.cli("get", "replicas", "-o", "json").stdout)["replicas"]
     assert len(out) == 1
+    assert f"registered with 127.0.0.1:{b.grpc_port}" in a.log("n1")
     remembered = (a.root / "n1" / "leader-epoch").read_text().split()
     assert remembered == [str(epoch + 1), (a.root / "n1" / "cluster-id").read_text().strip()]
 
