@@ -46,6 +46,10 @@ def test_after_warm_up_the_precise_tier_routes_to_the_replica_holding_the_prefix
 def _exercise(base: str) -> None:
     routes = "llmgw_replica_in_flight{"
     wait_for(lambda: sum(k.startswith(routes) for k in _metrics(base)) == 3, 30, "3 routes")
+    # the engines' counters count from the poller's first reading of each (its baseline):
+    # a first poll after the traffic would see no hits delivered
+    capacity = "llmgw_engine_kv_capacity_tokens"
+    wait_for(lambda: sum(k.startswith(capacity) for k in _metrics(base)) == 3, 30, "3 polls")
     conversations = [Conversation(g, u) for g in range(GROUPS) for u in range(USERS)]
     with httpx.Client(base_url=base, timeout=30) as client:
         for conversation in conversations[::USERS]:  # warm-up: each group's first user

@@ -39,7 +39,7 @@ from typing import Any, Protocol
 import grpclib.const
 import grpclib.server
 from grpclib.const import Status
-from grpclib.exceptions import GRPCError
+from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 
 from llmgw.api.llmgw.v1 import (
     AgentMessage,
@@ -249,7 +249,7 @@ class AgentService(AgentServiceBase):
                 reason = "agent stream cancelled"
                 raise
             reason = connection.closed_because
-            raise GRPCError(Status.UNAVAILABLE, connection.closed_because) from None
+            await _end_quietly(stream, Status.UNAVAILABLE, reason)
         except GRPCError as exc:
             reason = f"agent stream failed: {exc.message}"
             raise
@@ -401,6 +401,18 @@ async def _refuse(
         status_message=message,
         metadata={RETRY_AFTER_KEY: str(max(1, round(retry_after_s * 1000)))},
     )
+
+
+async def _end_quietly(
+    stream: grpclib.server.Stream[Any, Any], status: Status, message: str
+) -> None:
+    """End the call with ``status`` when the server closes it on purpose (a shutdown, a
+    newer connection). The agent may be hanging up at the same moment: a stream it has
+    already reset has nobody to tell, and is not an error worth a traceback."""
+    try:
+        await stream.send_trailing_metadata(status=status, status_message=message)
+    except (StreamTerminatedError, ProtocolError, OSError):
+        log.debug("agent stream already gone when ending it: %s", message)
 
 
 def _check_bound(node_id: str) -> None:

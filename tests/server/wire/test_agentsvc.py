@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import grpclib.client
 import grpclib.server
 import pytest
 from grpclib.const import Cardinality, Status
-from grpclib.exceptions import GRPCError
+from grpclib.exceptions import GRPCError, StreamTerminatedError
 
 from llmgw.agent.backoff import BackoffPolicy
 from llmgw.agent.link import CONNECT_PATH, AgentLink, LinkConfig
@@ -32,7 +34,7 @@ from llmgw.protocol import PROTOCOL_VERSION
 from llmgw.server.state.inventory import InventoryConfig
 from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.store import Store
-from llmgw.server.wire.agentsvc import AgentService
+from llmgw.server.wire.agentsvc import AgentService, _end_quietly
 from llmgw.server.wire.codec import CheckedProtoCodec, install_message_limit
 
 FAST = BackoffPolicy(base_s=0.05, cap_s=0.2)
@@ -264,3 +266,20 @@ async def _register_once(port: int, *, instance_id: str = "", run_id: str = "") 
             await stream.cancel()
     finally:
         channel.close()
+
+
+class _HungUp:
+    """A server stream whose agent has already reset it (what a shutdown races with)."""
+
+    async def send_trailing_metadata(self, **_: object) -> None:
+        raise StreamTerminatedError("Stream reset by remote party, error_code: 0")
+
+
+async def test_ending_a_stream_the_agent_already_reset_logs_no_traceback(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    stream: Any = _HungUp()
+    with caplog.at_level(logging.DEBUG):
+        await _end_quietly(stream, Status.UNAVAILABLE, "the control server is shutting down")
+    assert all(record.levelno < logging.WARNING for record in caplog.records)
+    assert all(record.exc_info is None for record in caplog.records)
