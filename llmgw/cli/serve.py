@@ -80,6 +80,7 @@ def run_server_command(args: argparse.Namespace) -> int:
             server_id=_server_id(args.server_id),
             advertise=_advertise(args.advertise),
             lease=_lease(args.lease_ttl),
+            peer_ca=args.peer_ca_file,
         )
         asyncio.run(within_fd_limits(run_server(config)))
     except ServerError as exc:

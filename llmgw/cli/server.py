@@ -184,8 +184,20 @@ def _add_leader_flags(p: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="the leader lease's time to live with --db postgresql://… (default 1.5): "
         "several servers may share one database, exactly one leads (runs the reconciler "
-        "and the autoscaler, serves agents and gateways) and the others answer naming it; "
-        "a leader gone is replaced within about this long",
+        "and the autoscaler, serves agents and gateways); the others relay operators' "
+        "calls to it, feed their gateway from it and tell agents where it is; a leader gone "
+        "is replaced within about this long",
+    )
+    p.add_argument(
+        "--ca-file",
+        dest="peer_ca_file",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="with --tls-cert: trust the CA certificates (PEM) in FILE in the leader's "
+        "certificate when this server follows (it relays calls and feeds its gateway over "
+        "TLS; default: --tls-cert's own file, so servers sharing one certificate or CA chain "
+        "trust each other)",
     )
 
 

@@ -52,6 +52,7 @@ from llmgw.gateway.routing import (
     Target,
     make_policy,
 )
+from llmgw.gateway.standalone import run_gateway
 from llmgw.gateway.stats import model_signals, router_stats
 
 __all__ = [
@@ -83,6 +84,7 @@ __all__ = [
     "make_policy",
     "model_signals",
     "router_stats",
+    "run_gateway",
     "status_line",
     "targets_from_snapshot",
 ]

@@ -176,11 +176,15 @@ def feed_channel(
 class ServerList:
     """The control servers a gateway may follow, in order, and the one it follows now."""
 
-    def __init__(self, servers: Sequence[Address]) -> None:
+    def __init__(self, servers: Sequence[Address], *, follow_any_leader: bool = False) -> None:
         if not servers:
             raise ValueError("a gateway needs at least one control server")
         self.servers = tuple(servers)
         self._index = 0
+        # a control server's own gateway while it follows: it starts from its own server,
+        # which always names the leader, and goes to whichever leader is named
+        self._open = follow_any_leader
+        self._given = len(self.servers)
 
     @property
     def current(self) -> Address:
@@ -207,6 +211,20 @@ class ServerList:
             if index is not None:
                 return index
         return None
+
+    def leader_index(self, text: str) -> int | None:
+        """Where the leader a follower named (HOST:PORT ``text``) is in the list; a list
+        that follows any leader takes in one it did not hold (in one slot after the servers
+        it was given, so that no sequence of answers grows it)."""
+        index = self.index_of(text)
+        if index is not None or not self._open:
+            return index
+        try:
+            address = parse_host_port(text, port_zero=False)
+        except AddressError:
+            return None
+        self.servers = (*self.servers[: self._given], address)
+        return self._given
 
     def move_to(self, index: int) -> None:
         """Follow server ``index`` from now on."""
@@ -317,7 +335,7 @@ async def _round(
             raise
         except _NotLeader as exc:
             why = str(exc)
-            leader = servers.index_of(exc.address) if servers is not None else None
+            leader = servers.leader_index(exc.address) if servers is not None else None
         except _EXPECTED as exc:
             why = f"{type(exc).__name__}: {exc}"
             leader = _named_leader(exc, servers)

@@ -45,7 +45,7 @@ def with_bearer(channel: grpclib.client.Channel, token: str | None) -> grpclib.c
     return channel
 
 
-async def run_gateway(
+async def run_gateway(  # noqa: PLR0913 (each by keyword but the servers and the config)
     servers: Sequence[Address],
     config: GatewayConfig,
     stop: asyncio.Event | None = None,
@@ -54,17 +54,22 @@ async def run_gateway(
     feed_tls: ssl.SSLContext | None = None,
     gateway_id: str | None = None,
     report_interval_s: float = DEFAULT_INTERVAL_S,
+    embedded: bool = False,
 ) -> None:
     """Serve until SIGINT/SIGTERM (or ``stop`` is set), following the feed of the leader
     among ``servers`` (over TLS with ``feed_tls``, a client context) and reporting its
     figures to the server the feed follows every ``report_interval_s`` (0: never) as
-    ``gateway_id`` (None: this host's name and port)."""
+    ``gateway_id`` (None: this host's name and port).
+
+    ``embedded``: a follower control server's own gateway (``llmgw server``): the process's
+    signals are the server's, not this gateway's, and it follows whichever leader its
+    server names, in ``servers`` or not (``ServerList(follow_any_leader=True)``)."""
     stop = stop or asyncio.Event()
     started_ms = int(time.time() * 1000)
     table = RoutingTable()
     gateway = Gateway(table, config)
     host, port = await gateway.start()
-    followed = ServerList(servers)
+    followed = ServerList(servers, follow_any_leader=embedded)
 
     def channel() -> grpclib.client.Channel:
         return with_bearer(feed_channel(*followed.current, ssl=feed_tls), token)
@@ -84,7 +89,7 @@ async def run_gateway(
             _FollowedChannel(followed, channel), gateway, name, started_ms, report_interval_s
         )
         async with reporting:
-            with stop_on_signals(stop):
+            with contextlib.nullcontext() if embedded else stop_on_signals(stop):
                 await follow(channel, table, stop=stop, index=gateway.kv_index, servers=followed)
     finally:
         await gateway.stop()

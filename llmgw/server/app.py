@@ -37,8 +37,10 @@ An SQLite state database is held with an exclusive lock (``llmgw.server.state.st
 taken before it opens and before any port binds: a second server on the same ``--db``
 refuses, naming the first. A PostgreSQL one (``--db postgresql://…``) may be shared by
 several servers: the leader lease (``llmgw.server.state.leadership``) makes one of them
-lead, and ``llmgw.server.roles.take_turns`` serves as the leader or as a follower
-(``llmgw.server.wire.follower``) as the lease turns, binding the ports anew at each turn.
+lead, and ``llmgw.server.roles.take_turns`` serves as the leader or as a follower as
+the lease turns, binding the ports anew at each turn. A follower tells agents and gateways
+where the leader is (``llmgw.server.wire.follower``), relays operators' calls to it
+(``llmgw.server.wire.relay``) and runs its gateway on the leader's router feed.
 
 Both HTTP ports run under ``ServerConfig.http_limits`` (``llmgw.gateway.httplimits``:
 head size, head/body/idle timeouts, connections in all and per peer, buffered body bytes);
@@ -53,7 +55,7 @@ import logging
 import math
 import ssl
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -69,6 +71,7 @@ from llmgw.gateway import (
     HttpServer,
     ServerLimits,
     router_stats,
+    run_gateway,
 )
 from llmgw.httpguard import BrowserAccess, HttpGuard, is_loopback_host
 from llmgw.server.autoscale_loop import (
@@ -78,7 +81,7 @@ from llmgw.server.autoscale_loop import (
     AutoscaleLoop,
 )
 from llmgw.server.core.autoscale_window import GatewayReport
-from llmgw.server.errors import ConfigError
+from llmgw.server.errors import ConfigError, StoreError
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.roles import take_turns
 from llmgw.server.state.inventory import InventoryConfig
@@ -90,9 +93,10 @@ from llmgw.server.state.store import Store
 from llmgw.server.state.storebackend import DbTarget, parse_db
 from llmgw.server.state.storehealth import install as install_store_health
 from llmgw.server.state.storehealth import unavailable_when_unwritable
+from llmgw.server.state.tokens import Role
 from llmgw.server.wire.agentsvc import AgentService
 from llmgw.server.wire.asgihttp import AsgiHandler
-from llmgw.server.wire.auth import Authenticator, install
+from llmgw.server.wire.auth import Authenticator, hash_token, install, new_token
 from llmgw.server.wire.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.wire.controlsvc import ControlService
 from llmgw.server.wire.follower import follower_services
@@ -100,11 +104,19 @@ from llmgw.server.wire.grpcport import ConnectionLimits, LimitedServer
 from llmgw.server.wire.grpcweb import BrowserGate, GrpcWebApp, most_body_bytes
 from llmgw.server.wire.logrelay import LogRelay
 from llmgw.server.wire.metrics import leader_metrics, server_metrics
+from llmgw.server.wire.relay import LeaderRelay
 from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
 from llmgw.server.wire.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.wire.testhooks import AgentCommandHook
 from llmgw.signals import stop_on_signals
-from llmgw.tls import ALPN_GRPC, ALPN_HTTP1, TlsFileError, TlsFiles, server_context
+from llmgw.tls import (
+    ALPN_GRPC,
+    ALPN_HTTP1,
+    TlsFileError,
+    TlsFiles,
+    client_context,
+    server_context,
+)
 
 log = logging.getLogger(__name__)
 
@@ -182,6 +194,8 @@ class ServerConfig:
     server_id: str | None = None  # --server-id: this server among its peers; None: advertise
     advertise: str | None = None  # --advertise: where agents reach this server; None: grpc_listen
     lease: LeaseTimes = LeaseTimes()  # --lease-ttl: the leader lease (PostgreSQL only)
+    # --ca-file: what a follower trusts in the leader's certificate; None: its own --tls-cert
+    peer_ca: Path | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,14 +204,22 @@ class _PortTls:
 
     grpc: ssl.SSLContext | None = None
     http: ssl.SSLContext | None = None
+    peer: ssl.SSLContext | None = None  # a follower's client context to the leader
 
     @classmethod
-    def load(cls, files: TlsFiles | None) -> _PortTls:
-        """Read the certificate and key; a ConfigError naming a file that will not do."""
+    def load(cls, files: TlsFiles | None, peer_ca: Path | None = None) -> _PortTls:
+        """Read the certificate and key (and the peers' CA: ``peer_ca``, else the
+        certificate itself); a ConfigError naming a file that will not do."""
         if files is None:
+            if peer_ca is not None:
+                raise ConfigError(f"--ca-file {peer_ca}: needs --tls-cert (plaintext trusts no CA)")
             return cls()
         try:
-            return cls(server_context(files, ALPN_GRPC), server_context(files, ALPN_HTTP1))
+            return cls(
+                server_context(files, ALPN_GRPC),
+                server_context(files, ALPN_HTTP1),
+                client_context(peer_ca or files.cert, ALPN_GRPC),
+            )
         except TlsFileError as exc:
             raise ConfigError(str(exc)) from exc
 
@@ -220,7 +242,7 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
     """Serve until SIGINT/SIGTERM (or ``stop`` is set): as the leader while this server
     holds the lease, as a follower while it does not (``llmgw.server.roles.take_turns``)."""
     stop = stop or asyncio.Event()
-    tls = _PortTls.load(config.tls)  # before anything binds or opens
+    tls = _PortTls.load(config.tls, config.peer_ca)  # before anything binds or opens
     install_message_limit()
     with _state_lock(config.db_path):  # before the database opens and any port binds
         async with Store(config.db_path) as store:
@@ -340,13 +362,15 @@ async def _follow(
     leadership: Leadership,
     auth: Authenticator,
 ) -> None:
-    """One turn as a follower (``llmgw.server.wire.follower``) until ``stop``: the native
-    and gRPC-web ports refuse every call naming the leader; ``/healthz`` answers 503 naming it and
-    ``/metrics`` says who leads; the in-server gateway does not serve (it would route from
-    state only the leader has)."""
-    services = follower_services(leadership)
+    """One turn as a follower until ``stop``: the agents' and the gateways' calls are told
+    where the leader is (``llmgw.server.wire.follower``), the operators' calls, native and
+    gRPC-web, are relayed to it (``llmgw.server.wire.relay``), and the in-server gateway
+    follows the leader's router feed as a separate gateway does. ``/healthz`` answers 503
+    naming the leader (a balancer sends nothing here that only a leader serves) and
+    ``/metrics`` says who leads."""
+    relay = LeaderRelay(leadership, ssl=tls.peer)
     grpc = LimitedServer(
-        services,
+        [*follower_services(leadership), relay],
         codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
         limits=config.grpc_limits,
     )
@@ -357,13 +381,13 @@ async def _follow(
         raise _cannot_listen(config.grpc_listen, "--grpc-listen", "native gRPC", exc) from exc
     browsers = HttpGuard(config.browsers, config.http_listen.host, tls=tls.http is not None)
     app = GrpcWebApp(
-        services=[services[1]],  # the operators' ControlService
+        services=[relay],
         browsers=browsers,
         max_message_bytes=config.max_message_bytes,
         authorize=auth.check,
         guard=auth.guard,
         metrics=lambda: leader_metrics(leadership.message()),
-        health=_refusal(leadership),  # 503: a follower serves no call (not for a balancer)
+        health=_refusal(leadership),
     )
     limits = replace(config.http_limits, max_body_bytes=most_body_bytes(config.max_message_bytes))
     web = HttpServer(AsgiHandler(app, scheme=tls.scheme), limits, guard=browsers, cors=False)
@@ -373,11 +397,98 @@ async def _follow(
         except OSError as exc:
             raise _cannot_listen(config.http_listen, "--http-listen", "gRPC-web", exc) from exc
         log.info("llmgw server %s follows: %s", leadership.server_id, leadership.refusal())
-        await stop.wait()
+        await _follower_gateway(config, stop, tls, leadership, auth)
     finally:
         await web.stop()
         grpc.close()
         await grpc.wait_closed()
+        relay.close()
+
+
+async def _follower_gateway(
+    config: ServerConfig,
+    stop: asyncio.Event,
+    tls: _PortTls,
+    leadership: Leadership,
+    auth: Authenticator,
+) -> None:
+    """Until ``stop``: the in-server gateway of a follower, fed by the leader's router feed
+    and reporting to it (``run_gateway``, embedded), as a separate gateway would be. It
+    starts from this server's own port, which names the leader, and goes where that says.
+    With authentication on, it calls with a gateway token of its own, stored (hashed) for
+    this turn only: :func:`_turn_token`."""
+    if config.gateway_listen is None:
+        await stop.wait()
+        return
+    own = _own_address(config)
+    async with _turn_token(leadership, auth, stop) as token:
+        if stop.is_set():
+            return
+        await run_gateway(
+            [own],
+            _gateway_config(config, tls.http),
+            stop,
+            token=token,
+            feed_tls=tls.peer,
+            gateway_id=f"server {leadership.server_id}",
+            embedded=True,
+        )
+
+
+def _own_address(config: ServerConfig) -> tuple[str, int]:
+    """Where this server's own native port is dialled: ``--advertise`` (the name its
+    certificate holds), else ``--grpc-listen`` (loopback for a wildcard)."""
+    if config.advertise:
+        return parse_host_port(config.advertise, port_zero=False)
+    host = config.grpc_listen.host
+    return ("127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host,
+            config.grpc_listen.port)  # fmt: skip
+
+
+TURN_TOKEN_NOTE = "llmgw server {}: its own gateway's feed while it follows"
+"""The note of a follower's gateway token (``llmgw token list`` shows it); one per server id."""
+
+
+TURN_TOKEN_RETRY_S = 5.0
+"""How soon a follower tries again to store its gateway's token when the database refused."""
+
+
+@contextlib.asynccontextmanager
+async def _turn_token(
+    leadership: Leadership, auth: Authenticator, stop: asyncio.Event
+) -> AsyncIterator[str | None]:
+    """A gateway token for this follower's turn, None while authentication is off (a token
+    would turn it on for the whole cluster). Only its hash is stored, under
+    :data:`TURN_TOKEN_NOTE`; one a killed process of this server id left is replaced, and
+    the token is deleted when the turn ends. While the database refuses, it tries again
+    every :data:`TURN_TOKEN_RETRY_S` until ``stop`` (then None: the turn is over)."""
+    if not await auth.enabled():
+        yield None
+        return
+    store = leadership.store
+    note = TURN_TOKEN_NOTE.format(leadership.server_id)
+    token = new_token()
+    while True:
+        try:
+            for stale in await store.load_tokens():
+                if stale.note == note:
+                    await store.delete_token(stale.token_id)
+            token_id = await store.add_token(Role.GATEWAY, hash_token(token), note)
+            break
+        except StoreError as exc:
+            log.warning("the follower's gateway waits for its token: %s", exc)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), TURN_TOKEN_RETRY_S)
+            if stop.is_set():
+                yield None
+                return
+    try:
+        yield token
+    finally:
+        try:
+            await store.delete_token(token_id)
+        except StoreError as exc:  # the database is away: the next turn replaces it
+            log.warning("the follower's gateway token %d is not deleted: %s", token_id, exc)
 
 
 def _refusal(leadership: Leadership) -> Callable[[], Awaitable[str | None]]:
@@ -423,8 +534,14 @@ def _gateway(
     if config.gateway_listen is None:
         log.info("the in-server gateway is off")
         return contextlib.nullcontext()
+    return serve_gateway(plane, _gateway_config(config, tls))
+
+
+def _gateway_config(config: ServerConfig, tls: ssl.SSLContext | None) -> GatewayConfig:
+    """The in-server gateway's configuration (``--gateway-*``), the leader's or a follower's."""
     listen = config.gateway_listen
-    gateway = GatewayConfig(
+    assert listen is not None
+    return GatewayConfig(
         host=listen.host,
         port=listen.port,
         policy=config.gateway_policy,
@@ -436,7 +553,6 @@ def _gateway(
         browsers=config.browsers,
         limits=config.http_limits,
     )
-    return serve_gateway(plane, gateway)
 
 
 def _reconcile_loop(

@@ -148,6 +148,16 @@ def test_server_list_finds_addresses_as_parsed() -> None:
         ServerList([])
 
 
+def test_a_list_that_follows_any_leader_takes_in_one_slot_for_the_named_leader() -> None:
+    closed = ServerList([("own", 1)])
+    assert closed.leader_index("c:3") is None  # a gateway's --server list is the operator's
+    servers = ServerList([("own", 1)], follow_any_leader=True)
+    assert servers.leader_index("own:1") == 0
+    assert servers.leader_index("b:2") == 1 and servers.servers == (("own", 1), ("b", 2))
+    assert servers.leader_index("c:3") == 1 and servers.servers == (("own", 1), ("c", 3))
+    assert servers.leader_index("not an address") is None and len(servers.servers) == 2
+
+
 async def test_reports_go_to_the_server_the_feed_follows() -> None:
     from llmgw.gateway.app import Gateway
     from llmgw.gateway.reporter import ReportConfig, report_forever

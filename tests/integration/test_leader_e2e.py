@@ -1,21 +1,26 @@
 """Several servers on one PostgreSQL database (issue #17), as real processes: exactly one
-leads; a follower refuses calls naming the leader; a leader killed (kill -9) or frozen
-(SIGSTOP) is replaced within seconds at a higher epoch, and a frozen one that wakes knows
-at once that it no longer leads."""
+leads; a follower relays operators' calls to it and feeds its gateway from it; a leader
+killed (kill -9) or frozen (SIGSTOP) is replaced within seconds at a higher epoch, and a
+frozen one that wakes knows at once that it no longer leads."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import signal
+import subprocess
 import sys
 import time
 from pathlib import Path
 
+import grpclib.client
+import httpx
 import pytest
 from procs import Cluster, wait_for
 
 from bench.pgcluster import find_bindir, private_cluster
+from llmgw.api.llmgw.v1 import ControlServiceStub, GetClusterRequest, Leadership
 from llmgw.promtext import metric_samples
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
@@ -75,16 +80,12 @@ def test_one_leads_a_follower_names_it_and_a_killed_leader_is_replaced(
     b.start_server(follower=True)
     assert leader(b) == (0, epoch)
 
-    refused = b.cli("get", "nodes", check=False)
-    assert refused.returncode != 0
-    said = refused.stderr + refused.stdout
-    assert f"the leader is at 127.0.0.1:{a.grpc_port} (epoch {epoch})" in said
-
     a.start_agent("n1", "dgx-h100", "--engine-bin", SIM_BIN)
     wait_for(lambda: a.node_states().get("n1") == "NODE_STATE_READY", 30, "n1 READY on a")
     document = tmp_path / "chat.toml"
     document.write_text(DEPLOYMENT)
     assert "deployment chat applied" in a.cli("apply", "-f", str(document)).stdout
+    assert "its own gateway" not in _token_list(b)  # no token: it would turn auth on
 
     began = time.monotonic()
     a.kill("server", signal.SIGKILL)
@@ -94,6 +95,66 @@ def test_one_leads_a_follower_names_it_and_a_killed_leader_is_replaced(
     out = b.cli("get", "deployments", "-o", "json")
     assert '"chat"' in out.stdout  # the desired state came through the database
     assert "n1" in b.nodes()  # remembered; its agent would have to reach b
+
+
+def test_a_follower_relays_operators_calls_and_its_gateway_serves_the_leaders_replicas(
+    pair: tuple[Cluster, Cluster], tmp_path: Path
+) -> None:
+    a, b = pair
+    admin = a.create_token("admin", "ops")
+    viewer = a.create_token("viewer", "dashboards")
+    a.token = b.token = admin
+    a.start_server()
+    wait_for(lambda: (leader(a) or (0, 0))[0] == 1, 10, "a leading")
+    b.start_server(follower=True)
+    agent_token = tmp_path / "agent.token"
+    agent_token.write_text(a.create_token("agent", "n1"))
+    a.start_agent("n1", "dgx-h100", "--engine-bin", SIM_BIN, "--token-file", str(agent_token))
+    wait_for(lambda: b.node_states().get("n1") == "NODE_STATE_READY", 30, "n1 READY via b")
+
+    document = tmp_path / "chat.toml"
+    document.write_text(DEPLOYMENT)
+    assert "deployment chat applied" in b.cli("apply", "-f", str(document)).stdout  # on b
+    replicas = wait_for(lambda: _ready_replicas(b), 60, "chat's replica READY, read via b")
+    assert _ready_replicas(a) == replicas  # the leader acted on the follower's write
+    said = asyncio.run(_leadership(b.grpc_port, admin))  # native gRPC, relayed by b
+    assert said.leader_address == f"127.0.0.1:{a.grpc_port}"
+    assert said.server_id == f"127.0.0.1:{b.grpc_port}" and not said.leading  # b answered
+    b.token = viewer
+    refused = b.cli("scale", "chat", "2", check=False)
+    assert refused.returncode != 0 and "operator" in refused.stderr  # roles hold on b too
+    b.token = admin
+
+    def answered() -> int:
+        body = {"model": "chat", "prompt": "hello", "max_tokens": 4}
+        try:
+            return httpx.post(f"{b.gateway_url}/v1/completions", json=body, timeout=5).status_code
+        except httpx.HTTPError:
+            return 0
+
+    wait_for(lambda: answered() == 200, 30, "b's gateway routing to the leader's replica")
+    tokens = _token_list(a)
+    assert f"llmgw server 127.0.0.1:{b.grpc_port}: its own gateway" in tokens
+    b.kill("server", signal.SIGTERM)
+    wait_for(lambda: "its own gateway" not in _token_list(a), 10, "b's turn token deleted")
+
+
+async def _leadership(port: int, token: str) -> Leadership:
+    channel = grpclib.client.Channel("127.0.0.1", port)
+    try:
+        metadata = {"authorization": f"Bearer {token}"}
+        cluster = await ControlServiceStub(channel).get_cluster(
+            GetClusterRequest(), metadata=metadata, timeout=10
+        )
+    finally:
+        channel.close()
+    assert cluster.leadership is not None
+    return cluster.leadership
+
+
+def _token_list(cluster: Cluster) -> str:
+    command = [sys.executable, "-m", "llmgw", "token", "list", "--db", str(cluster.db)]
+    return subprocess.run(command, capture_output=True, text=True, check=True, timeout=30).stdout
 
 
 def test_a_frozen_leader_is_deposed_and_knows_it_when_it_wakes(

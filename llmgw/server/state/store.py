@@ -92,16 +92,31 @@ def _write(
 ) -> Callable[Concatenate[Store, _P], Awaitable[_T]]:
     """A write of the store, through ``Store.health`` (``llmgw.server.state.storehealth``): one
     at a time, in one transaction, rolled back on failure, StoreUnwritable when the database
-    cannot be written now."""
+    cannot be written now; Deposed (nothing written) once ``Store.fence`` names a lease this
+    server no longer holds."""
+    return _writing(method, fenced=True)
 
+
+def _any_server_writes(
+    method: Callable[Concatenate[Store, _P], Awaitable[_T]],
+) -> Callable[Concatenate[Store, _P], Awaitable[_T]]:
+    """A write as :func:`_write`, but of rows that are no leader's to keep (the tokens, which
+    ``llmgw token`` and a follower's own gateway write): not fenced."""
+    return _writing(method, fenced=False)
+
+
+def _writing(
+    method: Callable[Concatenate[Store, _P], Awaitable[_T]], *, fenced: bool
+) -> Callable[Concatenate[Store, _P], Awaitable[_T]]:
     @functools.wraps(method)
     async def write(store: Store, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         db = store._db
         async with store.health.writing(db.changes), db.transaction():
-            if store.fence is not None and not await db.fetch(fence_sql(db), store.fence):
+            fence = store.fence if fenced else None
+            if fence is not None and not await db.fetch(fence_sql(db), fence):
                 raise Deposed(
                     f"{store.path_text}: this server no longer holds the leader lease at "
-                    f"epoch {store.fence[1]}: nothing written"
+                    f"epoch {fence[1]}: nothing written"
                 )
             return await method(store, *args, **kwargs)
 
@@ -294,7 +309,7 @@ class Store(HistoryRows):
 
     # --- tokens ---------------------------------------------------------------------
 
-    @_write
+    @_any_server_writes
     async def add_token(
         self, role: Role, token_hash: str, note: str = "", nodes: Iterable[str] = ()
     ) -> int:
@@ -325,7 +340,7 @@ class Store(HistoryRows):
                 raise unreadable_row(self.path, "tokens", str(token_id), exc) from exc
         return tokens
 
-    @_write
+    @_any_server_writes
     async def delete_token(self, token_id: int) -> bool:
         """Forget a token; False when there was none with that id."""
         return await self._db.execute("DELETE FROM tokens WHERE id = ?", (token_id,)) > 0

@@ -1,13 +1,14 @@
-"""What a follower serves (issue #17): where the leader is, and nothing it would have to
-lead for.
+"""What a follower serves (issue #17) of the agents' and the gateways' services: where the
+leader is.
 
 A server that does not hold the leader lease (``llmgw.server.state.leadership``) runs no
-reconciler and knows no agent's live state, so every call that needs them is refused,
-naming the leader: an agent's ``Connect`` and a gateway's ``Feed`` get one ``not_leader``
-message (the leader's address and epoch), so that they follow it at
-once (the stream then ends: the message is the answer, and a client drops one that comes
-before an error status); every ``ControlService`` call and ``Report`` get UNAVAILABLE, its
-message naming the leader for the operator. A follower never answers with state it does not have.
+reconciler and knows no agent's live state, so an agent's ``Connect`` and a gateway's
+``Feed`` get one ``not_leader`` message (the leader's address and epoch), so that they follow
+it at once (the stream then ends: the message is the answer, and a client drops one that
+comes before an error status); a gateway's ``Report`` gets UNAVAILABLE naming the leader (a
+gateway reports to the server its feed follows). A follower never answers with state it
+does not have. The operators' ``ControlService`` is relayed to the leader instead
+(``llmgw.server.wire.relay``).
 """
 
 from __future__ import annotations
@@ -24,7 +25,6 @@ from grpclib.exceptions import GRPCError
 from llmgw.api.llmgw.v1 import (
     AgentServiceBase,
     ControlMessage,
-    ControlServiceBase,
     RouterFeedEvent,
     RouterServiceBase,
 )
@@ -71,8 +71,5 @@ class FollowerService:
 
 
 def follower_services(leadership: Leadership) -> list[FollowerService]:
-    """The agents', the operators' and the gateways' services as a follower serves them."""
-    return [
-        FollowerService(base, leadership)
-        for base in (AgentServiceBase, ControlServiceBase, RouterServiceBase)
-    ]
+    """The agents' and the gateways' services as a follower serves them."""
+    return [FollowerService(base, leadership) for base in (AgentServiceBase, RouterServiceBase)]
