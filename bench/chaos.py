@@ -26,13 +26,16 @@ duplicate agent refused. Exit status 0 only when every check passes.
     .venv/bin/python -m bench.chaos --duration 90 --kinds duplicate-agent,kill-agent
 
 With ``--servers N`` (N >= 2) the run has N servers on one private PostgreSQL
-(bench/pgcluster.py) sharing its leader lease, the agents and the gateways given all their
-gRPC addresses, the run's own reads asked of each server in turn (a follower refuses:
-chaoskit.ha). ``kill-server``/``stop-server`` then aim at the leader most of the time (each
-such fault's failover measured: the signal → another server says it leads at a higher
-epoch; p50 and max in the report), at a follower sometimes; ``kill-postgres`` and
-``stop-postgres`` are added, ``fill-disk`` (SQLite's state disk) is left out; and a check
+(bench/pgcluster.py) sharing its leader lease, two separate gateways (``--gateways K``,
+1 to 4; one with a single server) that the load takes in turn, the agents and the gateways
+given all the servers' gRPC addresses, the run's own reads asked of each server in turn (a
+follower refuses: chaoskit.ha). ``kill-server``/``stop-server`` then aim at the leader most
+of the time (each such fault's failover measured: the signal → another server says it leads
+at a higher epoch; p50 and max in the report), at a follower sometimes; ``kill-postgres``
+and ``stop-postgres`` are added, ``fill-disk`` (SQLite's state disk) is left out; and a check
 more: no two servers said they lead at once (every sample reads each server's /metrics).
+``stop-gateway`` hangs one of the gateways (drawn by the seed) and explains only failures of
+requests that went through it; the KV check reads every gateway's index.
 
     .venv/bin/python -m bench.chaos --duration 60 --servers 3
 
@@ -53,6 +56,7 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, replace
+from functools import partial
 from pathlib import Path
 from typing import Final
 
@@ -71,12 +75,18 @@ from bench.chaoskit.checks import (
     converged_at,
     recovery_times,
 )
-from bench.chaoskit.cluster import GATEWAY, RUN_ENV, AgentOptions, ChaosCluster, ServerOptions
+from bench.chaoskit.cluster import (
+    MAX_GATEWAYS,
+    RUN_ENV,
+    AgentOptions,
+    ChaosCluster,
+    ServerOptions,
+)
 from bench.chaoskit.disk import SIZE as DISK_SIZE
 from bench.chaoskit.disk import StateDisk
 from bench.chaoskit.faults import ALL_KINDS, KINDS, PG_KINDS, FaultConfig, FaultLoop, FaultRecord
 from bench.chaoskit.ha import LEADER_SHARE, LeaderClient, Postgres
-from bench.chaoskit.load import Load, LoadConfig, summarize
+from bench.chaoskit.load import Load, LoadConfig, RequestRecord, by_gateway, summarize
 from bench.chaoskit.observe import KvReading, Sampler, read_kv, ready_by_deployment
 from bench.chaoskit.report import ChaosReport, render_json, render_markdown, render_text
 from bench.kit import command_line, interrupt_on_sigterm, progress_line
@@ -140,6 +150,7 @@ class Options:
     in_turn: bool = False
     servers: int = 1
     lease_ttl_s: float = 3.0  # with several servers: their --lease-ttl
+    gateways: int = 1  # separate gateways the load goes through
 
 
 # -- phases --------------------------------------------------------------------------------
@@ -177,10 +188,12 @@ async def _start(cluster: ChaosCluster, client: LeaderClient) -> None:
         return any([await _answers(f"{web}/healthz") for web in cluster.server_web.values()])
 
     await _until("a server's /healthz (the leader's)", 60, leader_healthy)
-    cluster.start(GATEWAY)
+    for gateway in cluster.load_gateways:
+        cluster.start(gateway)
     for node in cluster.nodes:
         cluster.start(node)
-    await _until("the gateway's /healthz", 30, lambda: _answers(f"{cluster.gateway}/healthz"))
+    for gateway, url in cluster.load_gateway_urls.items():
+        await _until(f"{gateway}'s /healthz", 30, partial(_answers, f"{url}/healthz"))
 
     async def nodes_ready() -> bool:
         found = await _cluster(client)
@@ -247,7 +260,8 @@ async def _run(cluster: ChaosCluster, opts: Options, postgres: Postgres | None) 
         await _start(cluster, client)
         counts = await _apply(client, document_text)
         await _until("every deployment READY", 120, lambda: _at_count(client, counts))
-        await _until("the gateway serving", 30, lambda: _serves(cluster.gateway, counts))
+        for gateway, url in cluster.load_gateway_urls.items():
+            await _until(f"{gateway} serving", 30, partial(_serves, url, counts))
         progress_line(f"chaos: {sum(counts.values())} replicas READY; faults for "
                       f"{opts.duration_s:g}s")  # fmt: skip
         desired = (document_text, counts)
@@ -267,7 +281,7 @@ async def _under_faults(
     desired: tuple[str, dict[str, int]], postgres: Postgres | None,
 ) -> ChaosReport:  # fmt: skip
     document_text, counts = desired
-    load = Load(cluster.gateway, LoadConfig(rate=opts.rate), random.Random(rng.random()))
+    load = Load(cluster.load_gateway_urls, LoadConfig(rate=opts.rate), random.Random(rng.random()))
     several = len(cluster.servers) > 1
     sampler = Sampler(cluster, client, webs=cluster.server_web if several else None)
     config = FaultConfig(opts.duration_s, kinds=opts.kinds, in_turn=opts.in_turn)
@@ -305,6 +319,7 @@ async def _under_faults(
         *((check_one_leader(sampler.samples),) if several else ()),
     )
     settings = _settings(opts, len(sampler.samples), load.skipped, cluster.state_disk)
+    settings["load"] += _through_line(load.records)
     if several:
         settings["leader failover"] = failover_line(faults.records)
     return ChaosReport(
@@ -318,12 +333,12 @@ async def _under_faults(
 
 
 async def _fresh_gateway(cluster: ChaosCluster) -> dict[str, str]:
-    """The run's gateway and a new one: the new one's index is the server's KV store as a
-    snapshot sends it, so a difference tells the server's store from the old gateway's."""
+    """The load's gateways and a new one: the new one's index is the server's KV store as a
+    snapshot sends it, so a difference tells the server's store from the old gateways'."""
     url = cluster.add_gateway(FRESH_GATEWAY)
     cluster.start(FRESH_GATEWAY)
     await _until("a fresh gateway", 30, lambda: _answers(f"{url}/healthz"))
-    return {GATEWAY: cluster.gateway, FRESH_GATEWAY: url}
+    return {**cluster.load_gateway_urls, FRESH_GATEWAY: url}
 
 
 def _kv_models(document_text: str) -> set[str]:
@@ -348,8 +363,8 @@ def _check_exits(cluster: ChaosCluster) -> Check:
     exited = cluster.exited()
     details = tuple(f"{name} exited by itself with status {code}" for name, code in exited.items())
     summary = (
-        f"{len(cluster.servers)} server(s), gateway and {len(cluster.nodes)} agents running "
-        "at the end"
+        f"{len(cluster.servers)} server(s), {len(cluster.gateways)} gateway(s) (the fresh one "
+        f"included) and {len(cluster.nodes)} agents running at the end"
         if not exited
         else f"{len(exited)} exited by themselves (logs: {cluster.logs})"
     )
@@ -371,7 +386,7 @@ def _settings(opts: Options, samples: int, skipped: int, disk: StateDisk | None)
         )
     return {
         "state disk": state,
-        "cluster": f"{opts.servers} server(s) (gateway off) + `llmgw gateway`, "
+        "cluster": f"{opts.servers} server(s) (gateway off) + {_gateways_words(opts.gateways)}, "
         f"{len(NODES)} simulated "
         f"{agents.fixture} agents (engine restart backoff {agents.restart_backoff_s:g} s "
         f"doubling to {agents.restart_backoff_max_s:g} s), all on 127.0.0.1",
@@ -387,13 +402,31 @@ def _settings(opts: Options, samples: int, skipped: int, disk: StateDisk | None)
             if opts.servers > 1
             else ""
         ),
-        "load": f"~{opts.rate:g} chat completions/s through the gateway, half streamed, "
+        "load": f"~{opts.rate:g} chat completions/s through "
+        f"{'the gateway' if opts.gateways == 1 else f'{opts.gateways} gateways in turn'}, "
+        "half streamed, "
         f"3 shared system prompts, 4-24 tokens ({skipped} arrivals skipped at 32 in flight)",
         "bounds": f"back at count within {opts.bound_s:g} s of the last fault; a failed request "
         f"is explained by a fault on its path it overlapped within {opts.slack_s:g} s",
         "sampler": f"{samples} samples of GetCluster and /proc, every 0.5 s",
         "seed": str(opts.seed),
     }
+
+
+def _gateways_words(count: int) -> str:
+    return "one separate `llmgw gateway`" if count == 1 else (
+        f"{count} separate `llmgw gateway`s, each given every server"
+    )  # fmt: skip
+
+
+def _through_line(records: Sequence[RequestRecord]) -> str:
+    """Per gateway, how many requests went through it and how many of those failed."""
+    counts = by_gateway(records)
+    if len(counts) < 2:
+        return ""
+    return "; through " + ", ".join(
+        f"{name} {sent} ({failed} failed)" for name, (sent, failed) in counts.items()
+    )
 
 
 def failover_line(records: Sequence[FaultRecord]) -> str:
@@ -433,6 +466,9 @@ def _parser() -> argparse.ArgumentParser:
                    help="fault kinds, comma-separated (default: all that apply)")  # fmt: skip
     p.add_argument("--servers", type=int, default=1,
                    help="servers; 2 or more share one private PostgreSQL (1)")  # fmt: skip
+    p.add_argument("--gateways", type=int, default=None,
+                   help=f"separate gateways the load takes in turn, 1 to {MAX_GATEWAYS} "
+                   "(default: 2 with --servers >= 2, else 1)")  # fmt: skip
     p.add_argument("--lease-ttl", type=float, default=3.0,
                    help="with --servers >= 2: the servers' --lease-ttl (3)")  # fmt: skip
     p.add_argument("--in-turn", action="store_true",
@@ -461,10 +497,14 @@ def _options(args: argparse.Namespace) -> Options:
             f"chaos: {', '.join(misplaced)} not with --servers {args.servers} "
             f"(fill-disk: one SQLite server only; *-postgres: --servers 2 or more)"
         )
+    gateways = args.gateways if args.gateways is not None else (2 if args.servers > 1 else 1)
+    if not 1 <= gateways <= MAX_GATEWAYS:
+        raise SystemExit(f"chaos: --gateways {gateways}: 1 to {MAX_GATEWAYS}")
     seed = args.seed if args.seed is not None else int(time.time()) % 100_000
     run_id = args.run_id or f"chaos-{uuid.uuid4().hex[:12]}"
     return Options(args.duration, seed, args.rate, args.bound, args.slack, args.kv_blocks,
-                   kinds, run_id, args.in_turn, args.servers, args.lease_ttl)  # fmt: skip
+                   kinds, run_id, args.in_turn, args.servers, args.lease_ttl,
+                   gateways)  # fmt: skip
 
 
 def _state_disk(root: Path, opts: Options) -> tuple[StateDisk | None, Options]:
@@ -492,6 +532,7 @@ def _run_on_postgres(root: Path, opts: Options) -> ChaosReport:
         cluster = ChaosCluster(
             root, NODES, opts.run_id, AgentOptions(),
             servers=ServerOptions(opts.servers, pg.url("postgres"), opts.lease_ttl_s),
+            gateways=opts.gateways,
         )  # fmt: skip
         try:
             return asyncio.run(_run(cluster, opts, Postgres(pg)))
@@ -511,7 +552,8 @@ def main() -> int:
             report = _run_on_postgres(root, opts)
         else:
             disk, opts = _state_disk(root, opts)
-            cluster = ChaosCluster(root, NODES, opts.run_id, AgentOptions(), state_disk=disk)
+            cluster = ChaosCluster(root, NODES, opts.run_id, AgentOptions(), state_disk=disk,
+                                   gateways=opts.gateways)  # fmt: skip
             try:
                 report = asyncio.run(_run(cluster, opts, None))
             finally:

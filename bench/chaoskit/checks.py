@@ -8,11 +8,12 @@
 3. **Back at count**: every deployment had its count of READY replicas within
    ``bound_s`` after the last fault ended, and kept it (measured on the sampler's record).
 4. **Failed requests**: each one overlapped (within ``slack_s``) a fault on a process on
-   its path: the gateway (hung), or an engine (killed or hung) of the replica that answered
+   its path: the gateway it went through (hung; a fault on another gateway explains
+   nothing), or an engine (killed or hung) of the replica that answered
    it (the gateway's ``x-llmgw-replica``), or of its model when no answer came (the gateway
    may have tried several). The server and the agents are not on a request's path: a fault
    there explains nothing.
-5. **KV index**: the gateway's index equals each KV-events engine's own cache.
+5. **KV index**: each gateway's index equals each KV-events engine's own cache.
 6. **State disk**: after each time the server's state disk was filled (``fill-disk``), the
    server's ``/healthz`` was 200 again (it takes writes again by itself) within the bound.
 7. **Duplicate agents refused**: every duplicate agent (a copy of a registered agent's
@@ -32,6 +33,7 @@ from bench.chaoskit.observe import Sample
 from llmgw.api.llmgw.v1 import Deployment, EngineProfile
 
 ON_PATH_KINDS = frozenset({"kill-engine", "stop-engine", "stop-gateway"})
+GATEWAY_KINDS = frozenset({"stop-gateway"})  # their record's target: the gateway's name
 
 
 @dataclass(frozen=True, slots=True)
@@ -178,17 +180,21 @@ def explaining_fault(
     for fault in faults:
         if fault.kind not in ON_PATH_KINDS:
             continue
-        if fault.kind != "stop-gateway" and not _on_path(request, fault):
+        if not _on_path(request, fault):
             continue
         if request.started <= fault.ended + slack_s and request.ended >= fault.started:
             return fault
     return None
 
 
-def _on_path(request: RequestRecord, engine_fault: FaultRecord) -> bool:
+def _on_path(request: RequestRecord, fault: FaultRecord) -> bool:
+    """A gateway fault: on the gateway the request went through; an engine fault: on the
+    replica that answered it, or (no answer came) on an engine of its model."""
+    if fault.kind in GATEWAY_KINDS:
+        return fault.target == request.gateway
     if request.replica:
-        return engine_fault.replica == request.replica
-    return engine_fault.model == request.model
+        return fault.replica == request.replica
+    return fault.model == request.model
 
 
 def check_requests(
@@ -206,7 +212,8 @@ def check_requests(
     start = min((r.started for r in records), default=0.0)
     details = [
         f"t={r.started - start:.1f}-{r.ended - start:.1f}s {r.model} "
-        f"{'stream' if r.stream else 'whole'} on {r.replica or 'no replica'}: {r.error}"
+        f"{'stream' if r.stream else 'whole'} via {r.gateway or 'no gateway'} "
+        f"on {r.replica or 'no replica'}: {r.error}"
         for r in unexplained[:20]
     ]
     explained = ", ".join(f"{n} during {kind}" for kind, n in sorted(causes.items()))

@@ -1,4 +1,4 @@
-"""The chaos run's processes: a control server, a gateway, agents, and the engines they start.
+"""The chaos run's processes: control servers, gateways, agents, and the engines they start.
 
 Everything listens on 127.0.0.1 and lives under one state directory. The server, the
 gateway and each agent are children of this process, each in a session of its own (so a
@@ -8,7 +8,9 @@ adopts them). Every process carries ``LLMGW_CHAOS_RUN=<run id>`` in its environm
 engines inherit it from their agent), which is how `ChaosCluster.engines` finds them in
 ``/proc`` and how `ChaosCluster.close` kills whatever is left, whoever started it.
 
-The server's and the gateway's ports come from outside the kernel's ephemeral range, so an
+The load's gateways are ``gateway``, ``gateway-2``, ... (`ChaosCluster.load_gateways`); a
+gateway added later (`ChaosCluster.add_gateway`, e.g. a fresh one at the end) is not one of
+them. The server's and the gateways' ports come from outside the kernel's ephemeral range, so an
 engine started while the server is down cannot take the port the server restarts on.
 """
 
@@ -38,7 +40,13 @@ RUN_ENV: Final = "LLMGW_CHAOS_RUN"
 SIM_ENGINE_BIN: Final = f"sim={shlex.join(LLMGW_COMMAND)} sim-engine"
 SERVER: Final = "server"
 GATEWAY: Final = "gateway"
+MAX_GATEWAYS: Final = 4
 _PORT_RANGE: Final = (12000, 20000)  # below engine windows (21000 up) and ephemeral ports
+
+
+def gateway_names(count: int) -> tuple[str, ...]:
+    """The names of ``count`` load gateways: "gateway", then "gateway-2", "gateway-3", ..."""
+    return (GATEWAY, *(f"{GATEWAY}-{i}" for i in range(2, count + 1)))
 
 
 def reserved_port(rng: random.Random) -> int:
@@ -97,6 +105,7 @@ class ChaosCluster:
         agents: AgentOptions = AgentOptions(),
         state_disk: StateDisk | None = None,
         servers: ServerOptions = ServerOptions(),
+        gateways: int = 1,
     ) -> None:
         self.root, self.logs = root, root / "logs"
         self.state_disk = state_disk  # the server's database on it (fill-disk), else in root
@@ -114,7 +123,11 @@ class ChaosCluster:
         self.server_web = {n: f"http://127.0.0.1:{reserved_port(self._rng)}" for n in names}
         self.grpc = ",".join(self.server_grpc.values())  # what agents and gateways dial
         self.web = self.server_web[names[0]]  # the first server's web URL
-        self.gateways = {GATEWAY: f"http://127.0.0.1:{reserved_port(self._rng)}"}
+        if not 1 <= gateways <= MAX_GATEWAYS:
+            raise ValueError(f"{gateways} gateways: 1 to {MAX_GATEWAYS}")
+        self.load_gateways = gateway_names(gateways)  # the load's; not one added later
+        self.gateways = {n: f"http://127.0.0.1:{reserved_port(self._rng)}"
+                         for n in self.load_gateways}  # fmt: skip
         self.engine_ports = format_port_range(pick_window(rng=self._rng))  # its own engines'
         self.procs: dict[str, subprocess.Popen[bytes]] = {}
         self._duplicates = 0  # duplicate agents started (chaoskit.faults: duplicate-agent)
@@ -133,11 +146,19 @@ class ChaosCluster:
 
     @property
     def gateway(self) -> str:
-        """The URL of the gateway the load goes through."""
+        """The URL of the first of the load's gateways (``gateway``)."""
         return self.gateways[GATEWAY]
 
+    @property
+    def load_gateway_urls(self) -> dict[str, str]:
+        """Name → URL of each gateway the load goes through, in order."""
+        return {name: self.gateways[name] for name in self.load_gateways}
+
     def add_gateway(self, name: str) -> str:
-        """Another gateway (started by `start`), e.g. a fresh one at the end; its URL."""
+        """Another gateway (started by `start`), e.g. a fresh one at the end; its URL.
+        Not one of the load's gateways; ValueError for a name already taken."""
+        if name in self.gateways or name in self.server_grpc or name in self.nodes:
+            raise ValueError(f"{name!r}: a process of the run already has that name")
         self.gateways[name] = f"http://127.0.0.1:{reserved_port(self._rng)}"
         return self.gateways[name]
 

@@ -1,4 +1,4 @@
-"""The chaos run's faults: SIGKILL and SIGSTOP/SIGCONT on the server, agents, engines, gateway.
+"""The chaos run's faults: SIGKILL and SIGSTOP/SIGCONT on servers, agents, engines, gateways.
 
 One fault at a time, a random pause (``gap_s``) before each, for ``duration_s``:
 
@@ -7,7 +7,9 @@ One fault at a time, a random pause (``gap_s``) before each, for ``duration_s``:
   the new agent adopts them); ``kill-engine``: SIGKILL one engine's process group (its agent
   restarts it).
 * ``stop-server``, ``stop-agent``, ``stop-engine``, ``stop-gateway``: SIGSTOP, ``stop_s``
-  later SIGCONT: a hung process.
+  later SIGCONT: a hung process. A gateway fault hits one of the load's gateways
+  (`ChaosCluster.load_gateways`), drawn from the run's rng when there are several; its
+  record's target names it (the request check holds it only against requests through it).
 * ``fill-disk``: the server's state disk (a tmpfs, chaoskit.disk) filled for ``stop_s``,
   freed for a moment, filled again for a shorter while, and freed; the server must stay up
   and take writes again by itself. Its record says how often ``/healthz`` answered 503
@@ -75,7 +77,7 @@ class FaultRecord:
     """One fault: what, on which process, from when to when (monotonic seconds)."""
 
     kind: str
-    target: str  # a server, "gateway", a node id, an engine's shard id, or "postgres"
+    target: str  # a server, a gateway's name, a node id, an engine's shard id, or "postgres"
     pid: int
     started: float
     ended: float
@@ -158,7 +160,7 @@ class FaultLoop:
             return await self._database(action)
         if role == "server" and len(self._cluster.servers) > 1:
             return await self._server(action)
-        name = self._rng.choice(self._cluster.nodes) if role == "agent" else role
+        name = self._target(role)
         node = name if role == "agent" else ""
         pid = self._cluster.pid(name)
         if pid is None:
@@ -171,6 +173,16 @@ class FaultLoop:
         else:
             await self._hang(pid)
         return FaultRecord(kind, name, pid, started, time.monotonic(), node=node)
+
+    def _target(self, role: str) -> str:
+        """The process a fault on ``role`` hits: one agent, or one of the load's gateways
+        (drawn only when there are several: a run with one draws what it always drew)."""
+        if role == "agent":
+            return self._rng.choice(self._cluster.nodes)
+        if role == "gateway":
+            names = self._cluster.load_gateways
+            return names[0] if len(names) == 1 else self._rng.choice(names)
+        return role
 
     async def _server(self, action: str) -> FaultRecord | None:
         """A fault on one of several servers: the leader most of the time (its failover

@@ -1,14 +1,16 @@
-"""The chaos run's steady load: chat completions through the gateway, each one recorded.
+"""The chaos run's steady load: chat completions through the gateways, each one recorded.
 
 Poisson arrivals at ``rate`` per second (``llmgw.sim.workload``, shared with ``llmgw demo``);
 every request picks a model by weight, one of a few long system prompts (shared prefixes, so
 the KV caches and the prefix routing move), a short question, a small ``max_tokens``, and
-streaming or not. A request is OK when it answers 200 and, streamed, ends with
-``data: [DONE]``; non-streamed, carries a choice. Anything else (another status, a connection
-error, a stream cut short, a timeout) is a failure, kept
-with its start and end on this process's monotonic clock and the replica that answered it
-(the gateway's ``x-llmgw-replica``, when an answer came), so the checks can hold it against
-the faults of the same moment on that replica.
+streaming or not. The requests take the gateways in turn (round robin, in the order given:
+the same seed sends the same requests through the same gateways). A request is OK when it
+answers 200 and, streamed, ends with ``data: [DONE]``; non-streamed, carries a choice.
+Anything else (another status, a connection error, a stream cut short, a timeout) is a
+failure, kept with its start and end on this process's monotonic clock, the gateway it went
+through, and the replica that answered it (the gateway's ``x-llmgw-replica``, when an answer
+came), so the checks can hold it against the faults of the same moment on that gateway or
+replica.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -51,17 +54,35 @@ class RequestRecord:
     status: int  # 0: no HTTP answer
     error: str = ""
     replica: str = ""  # the replica whose answer came through ("": none did)
+    gateway: str = ""  # the name of the gateway it went through
 
 
 class Load:
-    """Send requests until ``stop`` is set; `records` holds every finished one."""
+    """Send requests until ``stop`` is set, through ``gateways`` (name → URL) in turn;
+    `records` holds every finished one. ``transport``: httpx's (tests), else real sockets."""
 
-    def __init__(self, gateway: str, config: LoadConfig, rng: random.Random) -> None:
-        self._gateway = gateway
+    def __init__(
+        self,
+        gateways: Mapping[str, str],
+        config: LoadConfig,
+        rng: random.Random,
+        transport: httpx.AsyncBaseTransport | None = None,
+    ) -> None:
+        if not gateways:
+            raise ValueError("a load needs at least one gateway")
+        self._gateways = tuple(gateways.items())
+        self._transport = transport
         self._config = config
         self._rng = rng
+        self._sent = 0  # requests started: the next one goes through gateway _sent % count
         self.records: list[RequestRecord] = []
         self.skipped = 0
+
+    def next_gateway(self) -> tuple[str, str]:
+        """(name, URL) of the gateway the next request goes through: each in turn."""
+        gateway = self._gateways[self._sent % len(self._gateways)]
+        self._sent += 1
+        return gateway
 
     def body(self) -> dict[str, Any]:
         rng, config = self._rng, self._config
@@ -78,17 +99,19 @@ class Load:
         timeout = httpx.Timeout(config.request_timeout_s, connect=config.connect_timeout_s)
         limits = httpx.Limits(max_connections=config.max_in_flight)
         arrivals = Arrivals(config.rate, config.max_in_flight, self._rng)
-        async with httpx.AsyncClient(base_url=self._gateway, timeout=timeout, limits=limits) as c:
+        http = httpx.AsyncClient(timeout=timeout, limits=limits, transport=self._transport)
+        async with http as c:
             await arrivals.run(stop, lambda: asyncio.create_task(self._one(c, self.body())))
             self.skipped = arrivals.skipped
             if arrivals.pending:
                 await asyncio.wait(arrivals.pending)
 
     async def _one(self, client: httpx.AsyncClient, body: dict[str, Any]) -> None:
+        gateway, url = self.next_gateway()
         started = time.monotonic()
         head = _Head()
         try:
-            ok, error = await _exchange(client, body, head)
+            ok, error = await _exchange(client, f"{url}/v1/chat/completions", body, head)
         except asyncio.CancelledError:
             raise
         except (httpx.HTTPError, ValueError) as exc:  # ValueError: a body that is not JSON
@@ -96,7 +119,7 @@ class Load:
         self.records.append(
             RequestRecord(
                 started, time.monotonic(), body["model"], body["stream"], ok, head.status,
-                error, head.replica,
+                error, head.replica, gateway,
             )
         )  # fmt: skip
 
@@ -110,10 +133,10 @@ class _Head:
 
 
 async def _exchange(
-    client: httpx.AsyncClient, body: dict[str, Any], head: _Head
+    client: httpx.AsyncClient, url: str, body: dict[str, Any], head: _Head
 ) -> tuple[bool, str]:
     """(ok, why not) of one request, reading a stream to its end; ``head`` filled on the way."""
-    async with client.stream("POST", "/v1/chat/completions", json=body) as response:
+    async with client.stream("POST", url, json=body) as response:
         head.status = response.status_code
         head.replica = response.headers.get("x-llmgw-replica", "")
         if response.status_code != 200:
@@ -142,3 +165,10 @@ def summarize(records: Sequence[RequestRecord]) -> dict[str, int]:
         "p50_ms": rank(0.5),
         "p99_ms": rank(0.99),
     }
+
+
+def by_gateway(records: Sequence[RequestRecord]) -> dict[str, tuple[int, int]]:
+    """Per gateway (by name, sorted): (requests sent through it, of which failed)."""
+    sent = Counter(r.gateway for r in records)
+    failed = Counter(r.gateway for r in records if not r.ok)
+    return {name: (sent[name], failed[name]) for name in sorted(sent)}

@@ -17,16 +17,22 @@ from llmgw.api.llmgw.v1 import (
 
 
 def _request(
-    started: float, ended: float, model: str = "chat", ok: bool = False, replica: str = ""
+    started: float,
+    ended: float,
+    model: str = "chat",
+    ok: bool = False,
+    replica: str = "",
+    gateway: str = "gateway",
 ) -> load.RequestRecord:
     status = 200 if ok or replica else 0
-    return load.RequestRecord(started, ended, model, True, ok, status, "cut", replica)
+    return load.RequestRecord(started, ended, model, True, ok, status, "cut", replica, gateway)
 
 
 def _fault(
     kind: str, started: float, ended: float, model: str = "", replica: str = ""
 ) -> faults.FaultRecord:
-    return faults.FaultRecord(kind, "x", 42, started, ended, model=model, replica=replica)
+    target = "gateway" if kind == "stop-gateway" else "x"  # the first of the load's gateways
+    return faults.FaultRecord(kind, target, 42, started, ended, model=model, replica=replica)
 
 
 def test_a_failure_is_explained_only_by_an_overlapping_fault_on_its_path() -> None:
@@ -57,7 +63,23 @@ def test_a_failure_that_names_its_replica_is_explained_only_by_a_fault_there() -
     assert explain(_request(31.0, 32.0, replica="chat-0"), known, 1.0) is hang_gateway
     summary = checks.check_requests([_request(9.0, 10.2, replica="chat-1")], known, 1.0)
     assert not summary.passed
-    assert summary.details[0].endswith("chat stream on chat-1: cut")
+    assert summary.details[0].endswith("chat stream via gateway on chat-1: cut")
+
+
+def test_a_stopped_gateway_explains_only_the_failures_of_requests_through_it() -> None:
+    hang_1 = faults.FaultRecord("stop-gateway", "gateway", 41, 10.0, 13.0)
+    hang_2 = faults.FaultRecord("stop-gateway", "gateway-2", 42, 20.0, 23.0)
+    known = [hang_1, hang_2]
+    explain = checks.explaining_fault
+    assert explain(_request(11.0, 14.0, gateway="gateway"), known, 1.0) is hang_1
+    assert explain(_request(11.0, 14.0, gateway="gateway-2"), known, 1.0) is None
+    assert explain(_request(21.0, 24.0, gateway="gateway-2"), known, 1.0) is hang_2
+    assert explain(_request(21.0, 24.0, replica="chat-0"), known, 1.0) is None  # via gateway
+    assert explain(_request(21.0, 24.0, gateway=""), known, 1.0) is None  # no gateway named
+    failed = [_request(11.0, 14.0, gateway="gateway"), _request(21.0, 22.0, gateway="gateway")]
+    verdict = checks.check_requests(failed, known, 1.0)
+    assert not verdict.passed and "(1 during stop-gateway), 1 unexplained" in verdict.summary
+    assert verdict.details[0].startswith("t=10.0-11.0s chat stream via gateway on no replica")
 
 
 def test_the_request_check_fails_on_an_unexplained_failure_and_counts_by_cause() -> None:
