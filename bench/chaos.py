@@ -310,7 +310,9 @@ async def _under_faults(
         check_copies(sampler.samples, orphan_grace_s=15.0),
         check_convergence(last, converged_at(sampler.samples, last, counts), opts.bound_s),
         check_requests(load.records, faults.records, opts.slack_s),
-        check_kv(kv.differences(), {r: len(k or ()) for r, k in kv.engines.items()}),
+        check_kv(
+            kv.differences(), {r: len(k or ()) for r, k in kv.engines.items()}, tuple(kv.indexes)
+        ),  # fmt: skip
         _check_exits(cluster),
         check_disk(faults.records, opts.bound_s),
         check_duplicates(

@@ -245,10 +245,14 @@ def check_disk(faults: Sequence[FaultRecord], bound_s: float) -> Check:
     return Check("state disk writable again", not late, summary, details)
 
 
-def check_kv(differences: Sequence[str], replicas: Mapping[str, int]) -> Check:
+def check_kv(
+    differences: Sequence[str], replicas: Mapping[str, int], gateways: Sequence[str] = ()
+) -> Check:
+    """``gateways``: the names of those whose index was read (said in the summary)."""
     blocks = sum(replicas.values())
-    summary = f"{len(replicas)} KV-events replicas, {blocks} cached blocks: " + (
-        "the index equals every engine's cache" if not differences else "differences"
+    read = f" ({len(gateways)} gateways: {', '.join(gateways)})" if gateways else ""
+    summary = f"{len(replicas)} KV-events replicas, {blocks} cached blocks{read}: " + (
+        "each index equals every engine's cache" if not differences else "differences"
     )
     return Check("KV index = engines' caches", not differences and bool(replicas), summary,
                  tuple(differences))  # fmt: skip

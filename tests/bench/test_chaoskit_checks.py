@@ -166,6 +166,14 @@ def test_ready_counts_and_kv_differences() -> None:
         "chat-1: the engine's cache could not be read",
         "gw: its index could not be read",
     ]
+    verdict = checks.check_kv(same.differences(), {"chat-1": 2}, ("gateway", "gateway-2"))
+    assert verdict.passed and "(2 gateways: gateway, gateway-2): each index" in verdict.summary
+    two = observe.KvReading({"chat-1": {"a"}}, {"gw": {"chat-1": {"a"}}, "gw-2": {}})
+    assert two.differences() == [
+        "gw-2: chat-1: 1 of the engine's 1 blocks missing from the index, 0 indexed blocks not "
+        "in the engine"
+    ]  # a second gateway's index is held to the engines too
+    assert not checks.check_kv(two.differences(), {"chat-1": 1}, tuple(two.indexes)).passed
 
 
 def test_convergence_time_is_where_the_last_run_at_count_begins() -> None:
