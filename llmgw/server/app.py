@@ -40,7 +40,8 @@ several servers: the leader lease (``llmgw.server.state.leadership``) makes one 
 lead, and ``llmgw.server.roles.take_turns`` serves as the leader or as a follower as
 the lease turns, binding the ports anew at each turn. A follower tells agents and gateways
 where the leader is (``llmgw.server.wire.follower``), relays operators' calls to it
-(``llmgw.server.wire.relay``) and runs its gateway on the leader's router feed.
+(``llmgw.server.wire.relay``) and runs its gateway on the leader's router feed
+(``llmgw.server.wire.followergateway``).
 
 Both HTTP ports run under ``ServerConfig.http_limits`` (``llmgw.gateway.httplimits``:
 head size, head/body/idle timeouts, connections in all and per peer, buffered body bytes);
@@ -52,15 +53,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import ssl
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from llmgw.addresses import AddressError, bracketed, parse_host_port, state_home
-from llmgw.api.llmgw.v1 import ReplicaRouterStats
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
 from llmgw.gateway import (
     TOKENIZE_TIMEOUT_S,
@@ -70,8 +68,6 @@ from llmgw.gateway import (
     HoldConfig,
     HttpServer,
     ServerLimits,
-    router_stats,
-    run_gateway,
 )
 from llmgw.httpguard import BrowserAccess, HttpGuard, is_loopback_host
 from llmgw.server.autoscale_loop import (
@@ -80,8 +76,7 @@ from llmgw.server.autoscale_loop import (
     AutoscaleConfig,
     AutoscaleLoop,
 )
-from llmgw.server.core.autoscale_window import GatewayReport
-from llmgw.server.errors import ConfigError, StoreError
+from llmgw.server.errors import ConfigError
 from llmgw.server.reconcile_loop import ReconcileLoop
 from llmgw.server.roles import take_turns
 from llmgw.server.state.inventory import InventoryConfig
@@ -93,19 +88,19 @@ from llmgw.server.state.store import Store
 from llmgw.server.state.storebackend import DbTarget, parse_db
 from llmgw.server.state.storehealth import install as install_store_health
 from llmgw.server.state.storehealth import unavailable_when_unwritable
-from llmgw.server.state.tokens import Role
 from llmgw.server.wire.agentsvc import AgentService
 from llmgw.server.wire.asgihttp import AsgiHandler
-from llmgw.server.wire.auth import Authenticator, hash_token, install, new_token
+from llmgw.server.wire.auth import Authenticator, install
 from llmgw.server.wire.codec import CheckedProtoCodec, install_message_limit
 from llmgw.server.wire.controlsvc import ControlService
 from llmgw.server.wire.follower import follower_services
+from llmgw.server.wire.followergateway import follow_leader_gateway
 from llmgw.server.wire.grpcport import ConnectionLimits, LimitedServer
 from llmgw.server.wire.grpcweb import BrowserGate, GrpcWebApp, most_body_bytes
 from llmgw.server.wire.logrelay import LogRelay
 from llmgw.server.wire.metrics import leader_metrics, server_metrics
 from llmgw.server.wire.relay import LeaderRelay
-from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
+from llmgw.server.wire.routerreports import RouterReports, fleet_rows, gateway_reports
 from llmgw.server.wire.routersvc import RouterService, ServedGateway, serve_gateway
 from llmgw.server.wire.testhooks import AgentCommandHook
 from llmgw.signals import stop_on_signals
@@ -412,27 +407,19 @@ async def _follower_gateway(
     leadership: Leadership,
     auth: Authenticator,
 ) -> None:
-    """Until ``stop``: the in-server gateway of a follower, fed by the leader's router feed
-    and reporting to it (``run_gateway``, embedded), as a separate gateway would be. It
-    starts from this server's own port, which names the leader, and goes where that says.
-    With authentication on, it calls with a gateway token of its own, stored (hashed) for
-    this turn only: :func:`_turn_token`."""
+    """Until ``stop``: a follower's in-server gateway on the leader's router feed
+    (``llmgw.server.wire.followergateway``); none without ``--gateway-listen``."""
     if config.gateway_listen is None:
         await stop.wait()
         return
-    own = _own_address(config)
-    async with _turn_token(leadership, auth, stop) as token:
-        if stop.is_set():
-            return
-        await run_gateway(
-            [own],
-            _gateway_config(config, tls.http),
-            stop,
-            token=token,
-            feed_tls=tls.peer,
-            gateway_id=f"server {leadership.server_id}",
-            embedded=True,
-        )
+    await follow_leader_gateway(
+        _gateway_config(config, tls.http),
+        _own_address(config),
+        stop,
+        leadership,
+        auth,
+        feed_tls=tls.peer,
+    )
 
 
 def _own_address(config: ServerConfig) -> tuple[str, int]:
@@ -443,52 +430,6 @@ def _own_address(config: ServerConfig) -> tuple[str, int]:
     host = config.grpc_listen.host
     return ("127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host,
             config.grpc_listen.port)  # fmt: skip
-
-
-TURN_TOKEN_NOTE = "llmgw server {}: its own gateway's feed while it follows"
-"""The note of a follower's gateway token (``llmgw token list`` shows it); one per server id."""
-
-
-TURN_TOKEN_RETRY_S = 5.0
-"""How soon a follower tries again to store its gateway's token when the database refused."""
-
-
-@contextlib.asynccontextmanager
-async def _turn_token(
-    leadership: Leadership, auth: Authenticator, stop: asyncio.Event
-) -> AsyncIterator[str | None]:
-    """A gateway token for this follower's turn, None while authentication is off (a token
-    would turn it on for the whole cluster). Only its hash is stored, under
-    :data:`TURN_TOKEN_NOTE`; one a killed process of this server id left is replaced, and
-    the token is deleted when the turn ends. While the database refuses, it tries again
-    every :data:`TURN_TOKEN_RETRY_S` until ``stop`` (then None: the turn is over)."""
-    if not await auth.enabled():
-        yield None
-        return
-    store = leadership.store
-    note = TURN_TOKEN_NOTE.format(leadership.server_id)
-    token = new_token()
-    while True:
-        try:
-            for stale in await store.load_tokens():
-                if stale.note == note:
-                    await store.delete_token(stale.token_id)
-            token_id = await store.add_token(Role.GATEWAY, hash_token(token), note)
-            break
-        except StoreError as exc:
-            log.warning("the follower's gateway waits for its token: %s", exc)
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), TURN_TOKEN_RETRY_S)
-            if stop.is_set():
-                yield None
-                return
-    try:
-        yield token
-    finally:
-        try:
-            await store.delete_token(token_id)
-        except StoreError as exc:  # the database is away: the next turn replaces it
-            log.warning("the follower's gateway token %d is not deleted: %s", token_id, exc)
 
 
 def _refusal(leadership: Leadership) -> Callable[[], Awaitable[str | None]]:
@@ -586,29 +527,6 @@ def _autoscale_loop(
         rows=lambda: fleet_rows(reports, slot()),
         config=settings,
     )
-
-
-def fleet_rows(reports: RouterReports, gateway: Gateway | None) -> list[ReplicaRouterStats]:
-    """Every gateway's replica rows merged, as ``GetRouterStats`` answers them."""
-    now_ms = int(time.time() * 1000)
-    parts = reports.parts()
-    if gateway is not None:  # read now: the freshest figures there are
-        parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
-    return list(combine(parts, now_ms).replicas)
-
-
-def gateway_reports(reports: RouterReports) -> list[GatewayReport]:
-    """Every live gateway's latest signals (the in-server gateway's read now), as the
-    autoscaler's window takes them: one gateway process per id and start time."""
-    return [
-        GatewayReport(
-            gateway=f"{s.gateway_id}@{s.started_at_unix_ms}",
-            at=s.received_s,
-            bounds=s.bounds_ms,
-            models={m.model: m for m in s.models},
-        )
-        for s in reports.signals()
-    ]
 
 
 def _grpc_web_server(

@@ -1,12 +1,12 @@
-"""What the autoscaler takes of the gateways' reports (``llmgw.server.app.gateway_reports``):
-each gateway process its own window, a restart another one, differences over the window."""
+"""What the autoscaler takes of the gateways' reports
+(``llmgw.server.wire.routerreports.gateway_reports``): each gateway process its own window, a
+restart another one, differences over the window."""
 
 from __future__ import annotations
 
 from llmgw.api.llmgw.v1 import ModelSignals, RouterReport, RouterStats
-from llmgw.server.app import gateway_reports
 from llmgw.server.core.autoscale_window import GatewayReport, keep, measure
-from llmgw.server.wire.routerreports import RouterReports
+from llmgw.server.wire.routerreports import RouterReports, gateway_reports
 
 BOUNDS = [100.0, 1000.0]
 

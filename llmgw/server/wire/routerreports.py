@@ -55,7 +55,8 @@ from typing import TypeVar
 from grpclib.const import Status
 
 from llmgw.api.llmgw.v1 import ReplicaRouterStats, RouteDecision, RouterReport, RouterStats
-from llmgw.gateway import Gateway
+from llmgw.gateway import Gateway, router_stats
+from llmgw.server.core.autoscale_window import GatewayReport
 from llmgw.server.errors import ServerError, quoted
 from llmgw.server.wire.reportsignals import (
     GatewaySignals,
@@ -486,6 +487,29 @@ class RouterReports:
         self._retired = fold(self._retired, gone.stats, keep)
 
 
+def fleet_rows(reports: RouterReports, gateway: Gateway | None) -> list[ReplicaRouterStats]:
+    """Every gateway's replica rows merged, as ``GetRouterStats`` answers them."""
+    now_ms = int(time.time() * 1000)
+    parts = reports.parts()
+    if gateway is not None:  # read now: the freshest figures there are
+        parts.append(StatsPart(router_stats(gateway, now_ms), live=True, fresh_s=math.inf))
+    return list(combine(parts, now_ms).replicas)
+
+
+def gateway_reports(reports: RouterReports) -> list[GatewayReport]:
+    """Every live gateway's latest signals (the in-server gateway's read now), as the
+    autoscaler's window takes them: one gateway process per id and start time."""
+    return [
+        GatewayReport(
+            gateway=f"{s.gateway_id}@{s.started_at_unix_ms}",
+            at=s.received_s,
+            bounds=s.bounds_ms,
+            models={m.model: m for m in s.models},
+        )
+        for s in reports.signals()
+    ]
+
+
 __all__ = [
     "DEFAULT_LIVE_S",
     "LIVE_INTERVALS",
@@ -496,7 +520,9 @@ __all__ = [
     "StatsPart",
     "check_report",
     "combine",
+    "fleet_rows",
     "fold",
+    "gateway_reports",
     "merged_decisions",
     "sum_counters",
     "went_back",
