@@ -124,7 +124,10 @@ class AgentConnection:
         self.closed_because = ""  # set when the server ends this stream on purpose
 
     def close(self, status_message: str) -> None:
-        """End this stream from the server side; the agent sees UNAVAILABLE and the reason."""
+        """End this stream from the server side; the agent sees UNAVAILABLE and the reason
+        (the first reason: a stream closed twice is cancelled once)."""
+        if self.closed_because:
+            return
         self.closed_because = status_message
         if self.task is not None:
             self.task.cancel()
@@ -245,8 +248,11 @@ class AgentService(AgentServiceBase):
             )
             reason = await self._serve(connection, stream)
         except asyncio.CancelledError:
-            if not connection.closed_because:
-                reason = "agent stream cancelled"
+            task = asyncio.current_task()
+            if not connection.closed_because or (task is not None and task.cancelling() > 1):
+                # cancelled by grpclib too (the agent reset the stream, or the port closes):
+                # the cancellation must go on, else grpclib logs "Failed to handle cancellation"
+                reason = connection.closed_because or "agent stream cancelled"
                 raise
             reason = connection.closed_because
             await _end_quietly(stream, Status.UNAVAILABLE, reason)

@@ -283,3 +283,28 @@ async def test_ending_a_stream_the_agent_already_reset_logs_no_traceback(
         await _end_quietly(stream, Status.UNAVAILABLE, "the control server is shutting down")
     assert all(record.levelno < logging.WARNING for record in caplog.records)
     assert all(record.exc_info is None for record in caplog.records)
+
+
+async def test_a_stream_the_agent_resets_while_the_server_closes_it_ends_quietly(
+    running: Running, caplog: pytest.LogCaptureFixture
+) -> None:
+    link = AgentLink(
+        LinkConfig("127.0.0.1", running.port, backoff=FAST), node=_node, telemetry=list
+    )
+    task = asyncio.create_task(link.run())
+    try:
+        await _until(lambda: link.stats.connected)
+        connection = running.service.connections["n1"]
+        handler = connection.task
+        assert handler is not None
+        wrapper = connection._stream._stream.wrapper  # type: ignore[attr-defined]
+        with caplog.at_level(logging.INFO, logger="grpclib.server"):
+            # both in one tick, as in a shutdown the agent races: the peer's reset (grpclib
+            # cancels the handler through its wrapper) and the server's own close
+            wrapper.cancel(StreamTerminatedError("Stream reset by remote party"))
+            connection.close("the control server is shutting down")
+            await _until(handler.done)
+        assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
