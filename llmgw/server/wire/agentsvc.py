@@ -248,10 +248,9 @@ class AgentService(AgentServiceBase):
             )
             reason = await self._serve(connection, stream)
         except asyncio.CancelledError:
-            task = asyncio.current_task()
-            if not connection.closed_because or (task is not None and task.cancelling() > 1):
-                # cancelled by grpclib too (the agent reset the stream, or the port closes):
-                # the cancellation must go on, else grpclib logs "Failed to handle cancellation"
+            if not connection.closed_because or _reset_by_peer(stream):
+                # grpclib cancelled it too (the agent reset the stream): the cancellation
+                # must go on, else grpclib logs "Failed to handle cancellation"
                 reason = connection.closed_because or "agent stream cancelled"
                 raise
             reason = connection.closed_because
@@ -407,6 +406,13 @@ async def _refuse(
         status_message=message,
         metadata={RETRY_AFTER_KEY: str(max(1, round(retry_after_s * 1000)))},
     )
+
+
+def _reset_by_peer(stream: grpclib.server.Stream[Any, Any]) -> bool:
+    """Whether grpclib itself cancelled this call's handler (the peer reset the stream, or
+    its deadline passed): grpclib's wrapper of the call says so (``Wrapper.cancelled``)."""
+    wrapper = getattr(getattr(stream, "_stream", None), "wrapper", None)
+    return bool(getattr(wrapper, "cancelled", False))
 
 
 async def _end_quietly(

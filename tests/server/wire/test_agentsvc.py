@@ -297,7 +297,7 @@ async def test_a_stream_the_agent_resets_while_the_server_closes_it_ends_quietly
         connection = running.service.connections["n1"]
         handler = connection.task
         assert handler is not None
-        wrapper = connection._stream._stream.wrapper  # type: ignore[attr-defined]
+        wrapper: Any = getattr(connection._stream._stream, "wrapper")  # noqa: B009 (grpclib's)
         with caplog.at_level(logging.INFO, logger="grpclib.server"):
             # both in one tick, as in a shutdown the agent races: the peer's reset (grpclib
             # cancels the handler through its wrapper) and the server's own close
