@@ -4,7 +4,8 @@ Roles: ``viewer`` reads (GetCluster, Watch, ListProfiles, GetRouterStats, Descri
 RolloutHistory); ``operator`` is a viewer that also acts on replicas, deployments' counts
 and revisions (ScaleDeployment, RolloutUndo) and nodes, and reads engine logs (StreamLogs:
 engine output may hold prompts); ``admin`` is an operator that also applies and deletes
-deployments and nodes (and manages tokens, through ``llmgw token`` on the server's file);
+deployments and nodes, manages tenants' gateway keys (CreateKey, ListKeys, RevokeKey; ``llmgw key``)
+and manages tokens (through ``llmgw token`` on the server's file);
 only an admin reads profiles' env values: other roles see their names, each value
 :data:`REDACTED` (:func:`sees_secrets`).
 ``agent`` may only join (``AgentService.Connect``; a token made with ``--node`` only as
@@ -109,6 +110,9 @@ METHOD_ROLES: Mapping[str, Role] = {
     _CONTROL + "ScaleDeployment": Role.OPERATOR,
     _CONTROL + "RolloutHistory": Role.VIEWER,
     _CONTROL + "RolloutUndo": Role.OPERATOR,
+    _CONTROL + "CreateKey": Role.ADMIN,  # tenants' gateway keys (issue #18)
+    _CONTROL + "ListKeys": Role.ADMIN,
+    _CONTROL + "RevokeKey": Role.ADMIN,
     "/llmgw.v1.AgentService/Connect": Role.AGENT,
     "/llmgw.v1.RouterService/Feed": Role.GATEWAY,
     "/llmgw.v1.RouterService/Report": Role.GATEWAY,

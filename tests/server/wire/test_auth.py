@@ -64,7 +64,14 @@ ACTIONS = {
     "ScaleDeployment",
     "RolloutUndo",
 }
-DESIRED = {"ApplyDeployment", "DeleteDeployment", "DeleteNode"}  # admin only
+DESIRED = {
+    "ApplyDeployment",
+    "DeleteDeployment",
+    "DeleteNode",
+    "CreateKey",
+    "ListKeys",
+    "RevokeKey",
+}  # admin only
 
 
 def every_rpc() -> set[str]:
