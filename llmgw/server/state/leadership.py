@@ -161,8 +161,12 @@ class Leadership:
             log.warning("could not release the leader lease (it expires by itself): %s", exc)
 
     def not_leader(self) -> NotLeader:
-        """Where the leader is, for a caller of this follower."""
+        """Where the leader is, for a caller of this follower: nowhere while the lease is
+        expired, or held by an earlier process of this server id (killed, its row not run
+        out yet: naming this server's own address would send callers round in a loop)."""
         view = self.view if self.view.remaining_ms > 0 else NO_LEASE
+        if self._earlier_self(view):
+            view = NO_LEASE
         return NotLeader(
             leader_address=view.address, leader_epoch=view.epoch, leader_id=view.server_id,
             server_id=self.server_id,
@@ -180,9 +184,17 @@ class Leadership:
             leading=leading,
         )
 
+    def _earlier_self(self, view: LeaseView) -> bool:
+        return view.server_id == self.server_id and view.holder != self.holder
+
     def refusal(self) -> str:
         """Why this server does not act, naming the leader (a follower's UNAVAILABLE)."""
         view = self.not_leader()
+        if self._earlier_self(self.view) and self.view.remaining_ms > 0:
+            return (
+                f"server {self.server_id} does not lead yet: an earlier process of it holds "
+                f"the lease for {self.view.remaining_ms} ms more; retry soon"
+            )
         if not view.leader_address:
             return f"server {self.server_id} does not lead, and no server leads now; retry soon"
         named = "" if view.leader_id == view.leader_address else f"{view.leader_id} "

@@ -63,3 +63,20 @@ async def test_a_server_follows_a_lease_another_holds_and_names_the_leader(tmp_p
 def test_a_ttl_that_leaves_no_time_to_renew_is_refused() -> None:
     with pytest.raises(ValueError, match="leaves no time to renew"):
         LeaseTimes(ttl_s=0.5)
+
+
+async def test_a_lease_an_earlier_process_of_this_server_holds_names_no_leader(
+    tmp_path: Path,
+) -> None:
+    async with Store(tmp_path / "s.db") as store:
+        await claim_lease(store.backend, "a/killed", "a", "h:1", 60_000)  # kill -9, restarted
+        lead = Leadership(store, "a", "h:1", TIMES)
+        keeper = asyncio.create_task(lead.keep())
+        try:
+            await asyncio.sleep(0.3)
+            assert not lead.leading()
+            told = lead.not_leader()
+            assert told.leader_address == "" and told.server_id == "a"  # never itself
+            assert "an earlier process of it holds the lease" in lead.refusal()
+        finally:
+            keeper.cancel()
