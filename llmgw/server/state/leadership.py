@@ -21,7 +21,7 @@ import asyncio
 import logging
 import secrets
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from llmgw.api.llmgw.v1 import Leadership as LeadershipMessage
 from llmgw.api.llmgw.v1 import NotLeader
@@ -63,7 +63,8 @@ class Leadership:
         self.address = address
         self.times = times
         self.holder = f"{server_id}/{secrets.token_hex(6)}"  # this process, not only its id
-        self.view: LeaseView = NO_LEASE
+        self.view: LeaseView = NO_LEASE  # the lease as last read (see :meth:`_lease_now`)
+        self._view_at = 0.0  # monotonic: when it was read
         self.epoch = 0  # the epoch of this server's lease while it leads; else the last one
         self._until = 0.0  # monotonic: leading until then
         self._forever = False
@@ -86,6 +87,7 @@ class Leadership:
         if not self._forever:
             return
         self.view = await self.store.take_lease(self.holder, self.server_id, self.address)
+        self._view_at = time.monotonic()
         self.epoch = self.view.epoch
         log.info("leader of %s at epoch %d (one server per file)", self.store.path_text, self.epoch)
 
@@ -124,7 +126,7 @@ class Leadership:
         except Exception:  # a driver's surprise must not end the claims for good
             log.exception("the leader lease's claim failed; trying again")
             return
-        self.view = view
+        self.view, self._view_at = view, time.monotonic()
         if view.held_by(self.holder):
             self._until = began + times.ttl_s - times.margin_s
             self.epoch = view.epoch
@@ -162,10 +164,11 @@ class Leadership:
 
     def not_leader(self) -> NotLeader:
         """Where the leader is, for a caller of this follower: nowhere while the lease is
-        expired, or held by an earlier process of this server id (killed, its row not run
-        out yet: naming this server's own address would send callers round in a loop)."""
-        view = self.view if self.view.remaining_ms > 0 else NO_LEASE
-        if self._earlier_self(view):
+        expired or names this server id (this process, taking the lead, or an earlier one,
+        killed, its row not run out yet): naming this server's own address would send
+        callers round from it to it."""
+        view = self._lease_now()
+        if view.remaining_ms <= 0 or view.server_id == self.server_id:
             view = NO_LEASE
         return NotLeader(
             leader_address=view.address, leader_epoch=view.epoch, leader_id=view.server_id,
@@ -184,17 +187,21 @@ class Leadership:
             leading=leading,
         )
 
-    def _earlier_self(self, view: LeaseView) -> bool:
-        return view.server_id == self.server_id and view.holder != self.holder
+    def _lease_now(self) -> LeaseView:
+        """The lease as last read, its time left counted down since by this server's clock
+        (a read from before a freeze says nothing about now)."""
+        gone_ms = int((time.monotonic() - self._view_at) * 1000)
+        return replace(self.view, remaining_ms=self.view.remaining_ms - gone_ms)
 
     def refusal(self) -> str:
         """Why this server does not act, naming the leader (a follower's UNAVAILABLE)."""
         view = self.not_leader()
-        if self._earlier_self(self.view) and self.view.remaining_ms > 0:
-            return (
-                f"server {self.server_id} does not lead yet: an earlier process of it holds "
-                f"the lease for {self.view.remaining_ms} ms more; retry soon"
-            )
+        own = self._lease_now()
+        if own.server_id == self.server_id and own.remaining_ms > 0:
+            which = "it is taking the lead" if own.holder == self.holder else (
+                f"an earlier process of it holds the lease for {own.remaining_ms} ms more"
+            )  # fmt: skip
+            return f"server {self.server_id} does not lead yet: {which}; retry soon"
         if not view.leader_address:
             return f"server {self.server_id} does not lead, and no server leads now; retry soon"
         named = "" if view.leader_id == view.leader_address else f"{view.leader_id} "

@@ -80,3 +80,16 @@ async def test_a_lease_an_earlier_process_of_this_server_holds_names_no_leader(
             assert "an earlier process of it holds the lease" in lead.refusal()
         finally:
             keeper.cancel()
+
+
+async def test_a_lease_read_before_a_freeze_names_no_leader_after_it(tmp_path: Path) -> None:
+    async with Store(tmp_path / "s.db") as store:
+        await claim_lease(store.backend, "b/1", "b", "h:2", 500)
+        lead = Leadership(store, "a", "h:1", TIMES)
+        keeper = asyncio.create_task(lead.keep())
+        await asyncio.sleep(0.15)
+        keeper.cancel()  # frozen: no claim reads the lease again
+        assert lead.not_leader().leader_address == "h:2"
+        await asyncio.sleep(0.6)  # b's lease ran out meanwhile, by any clock
+        assert lead.not_leader().leader_address == ""
+        assert "no server leads now" in lead.refusal()
