@@ -342,7 +342,7 @@ async def _serve(
     finally:
         slot.gateway = None
         await web.stop()
-        agents.shutdown()
+        agents.shutdown(_term_end(leadership))
         router.shutdown()
         await asyncio.sleep(0)  # let the streams send their trailers
         grpc.close()
@@ -430,6 +430,13 @@ def _own_address(config: ServerConfig) -> tuple[str, int]:
     host = config.grpc_listen.host
     return ("127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host,
             config.grpc_listen.port)  # fmt: skip
+
+
+def _term_end(leadership: Leadership) -> str:
+    """Why a leader's term ends, as its agents' streams are told."""
+    if leadership.leading():
+        return "the control server is shutting down"
+    return f"the control server no longer leads (its lease at epoch {leadership.epoch} ran out)"
 
 
 def _refusal(leadership: Leadership) -> Callable[[], Awaitable[str | None]]:

@@ -319,10 +319,11 @@ class AgentService(AgentServiceBase):
             )
             old.close("superseded by a newer connection of the same node")
 
-    def shutdown(self) -> None:
-        """End every agent stream with UNAVAILABLE, so agents reconnect at once."""
+    def shutdown(self, reason: str = "the control server is shutting down") -> None:
+        """End every agent stream with UNAVAILABLE and ``reason``, so agents reconnect at
+        once."""
         for connection in {*self.connections.values(), *self._claims.values()}:
-            connection.close("the control server is shutting down")
+            connection.close(reason)
 
     async def _serve(
         self, connection: AgentConnection, stream: grpclib.server.Stream[AgentMessage, Any]
