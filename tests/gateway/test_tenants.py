@@ -17,12 +17,19 @@ from collections.abc import AsyncIterator
 import httpx
 import pytest
 
-from llmgw.api.llmgw.v1 import RouterFeedEvent, RouterSnapshot, TenantKey, TenantKeys
+from llmgw.api.llmgw.v1 import (
+    RouterFeedEvent,
+    RouterReport,
+    RouterSnapshot,
+    TenantKey,
+    TenantKeys,
+)
 from llmgw.gateway.apikeys import UNAUTHORIZED_BODY, ApiKeys
 from llmgw.gateway.app import Gateway, GatewayConfig
 from llmgw.gateway.errors import RateLimited
 from llmgw.gateway.feed import apply_feed_event
 from llmgw.gateway.openai import render_messages
+from llmgw.gateway.reporter import ReportConfig, report_once
 from llmgw.gateway.routing.table import RoutingTable, Target
 from llmgw.gateway.stats import tenant_usage
 from llmgw.gateway.tenantmeter import Usage
@@ -391,3 +398,31 @@ async def test_flat_keys_keep_working_beside_tenant_keys(upstream: Upstream) -> 
     finally:
         await gateway.stop()
     assert tenant_usage(gateway)[0].refused == 1
+
+
+async def test_the_report_carries_the_usage_rows(upstream: Upstream) -> None:
+    clock = Clock()
+    gateway, url = await serve(upstream, clock, tenant_key(SECRET_A, rpm=1))
+    try:
+        async with httpx.AsyncClient(base_url=url, timeout=10) as http:
+            for _ in range(2):
+                await http.post("/v1/chat/completions", json=CHAT, headers=bearer(SECRET_A))
+    finally:
+        await gateway.stop()
+    sent: list[RouterReport] = []
+
+    class Stub:
+        async def report(self, report: RouterReport, **_: object) -> None:
+            sent.append(report)
+
+    config = ReportConfig(gateway_id="g1", started_at_unix_ms=1)
+    await report_once(Stub(), gateway, config)  # type: ignore[arg-type]
+    [row] = sent[0].usage
+    assert (row.tenant, row.key_id, row.model, row.requests, row.refused) == (
+        "acme",
+        "k1",
+        "m",
+        1,
+        1,
+    )
+    assert (row.prompt_tokens, row.cached_prompt_tokens, row.completion_tokens) == (40, 32, 7)
