@@ -13,6 +13,8 @@ control server (``llmgw server``, fed in process from the plane). Two parts:
   the figures it sends: ``stats``, and the signals per model for the autoscaler:
   ``modelsignals``), the queues that hold requests for a model scaled to zero
   (``holding``), the OpenAI request reading (``openai``), client API keys (``apikeys``),
+  tenants' keys with their models and limits (``tenants``) and their metering
+  (``tenantmeter``),
   ``/metrics`` (``metrics``), the last decisions (``routelog``) and the precise tier's
   check of them (``reusecheck``), errors (``errors``), and ``app``: the :class:`Gateway`
   that puts them together;

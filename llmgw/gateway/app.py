@@ -19,11 +19,15 @@ the answer; after one, the connection is closed). A client that goes away cancel
 request: the upstream connection is closed, never pooled. ``stop`` closes the listener,
 every client connection and every upstream connection.
 
-With client keys (``GatewayConfig.api_keys``, ``--api-key-file``; apikeys.py) a request for
-``/v1`` or below without ``Authorization: Bearer`` one of them is answered 401 and counted,
-as soon as its head has arrived, none of its body read; ``/healthz`` and ``/metrics`` stay
-open, as vLLM leaves ``/health`` and ``/metrics``. What clients may send and hold (head
-size, timeouts, connections per peer, bodies buffered) is ``GatewayConfig.limits``.
+With client keys (``GatewayConfig.api_keys``, ``--api-key-file``; apikeys.py) or tenant keys
+(the router feed's, ``Gateway.tenants``; tenants.py) a request for ``/v1`` or below without
+``Authorization: Bearer`` one of them is answered 401 and counted, as soon as its head has
+arrived, none of its body read (an expired tenant key: 401 saying so). A tenant key's
+request is then held to the key's models (403), its limits (429 with Retry-After and
+``x-ratelimit-*``, which its answers carry too) and metered (tenantmeter.py). ``/healthz``
+and ``/metrics`` stay open, as vLLM leaves ``/health`` and ``/metrics``. What clients may
+send and hold (head size, timeouts, connections per peer, bodies buffered) is
+``GatewayConfig.limits``.
 
 The HTTP server and the upstream client are llmgw's own (httpserver.py, upstream.py): in a
 bare proxy they spent less CPU per request than an ASGI server under uvicorn or an aiohttp
@@ -59,13 +63,14 @@ import time
 from dataclasses import dataclass, field
 from functools import partial
 
-from llmgw.gateway.apikeys import UNAUTHORIZED_BODY, ApiKeys
+from llmgw.gateway.apikeys import ApiKeys
 from llmgw.gateway.engines import EnginePoller, PollerConfig
 from llmgw.gateway.errors import (
     GatewayTimeout,
     HoldRefused,
     ModelNotFound,
     NoReplica,
+    RateLimited,
     RequestRefused,
     UpstreamClosed,
     UpstreamConnectError,
@@ -98,6 +103,14 @@ from llmgw.gateway.routing.kvindex import KvIndex
 from llmgw.gateway.routing.load import LoadTracker
 from llmgw.gateway.routing.policy import Decision, Policy, PrefixPolicy, RouteRequest, make_policy
 from llmgw.gateway.routing.table import RoutingTable, Target
+from llmgw.gateway.tenantmeter import Usage
+from llmgw.gateway.tenants import (
+    TenantRegistry,
+    Ticket,
+    admit_head,
+    bind_registry,
+    estimate_tokens,
+)
 from llmgw.gateway.tokenize import TokenizeClient, TokenizeConfig
 from llmgw.gateway.upstream import Origin, UpstreamConnection, UpstreamPool
 from llmgw.httpguard import BrowserAccess, HttpGuard
@@ -156,8 +169,11 @@ class Gateway:
         *,
         policy: Policy | None = None,
         kv_index: KvIndex | None = None,
+        tenants: TenantRegistry | None = None,
     ) -> None:
         self.table = table
+        self.tenants = tenants if tenants is not None else TenantRegistry()  # tenants.py
+        bind_registry(table, self.tenants)  # the feed's tenant keys reach it
         self.kv_index = kv_index if kv_index is not None else KvIndex()
         self.config = config
         self.policy = policy if policy is not None else make_policy(config.policy)
@@ -189,6 +205,7 @@ class Gateway:
             lambda: kv_index_lines(self.kv_index.stats(), self._replica_blocks())
         )
         self.metrics.add_collector(self.engines.lines)
+        self.metrics.add_collector(self.tenants.meter.lines)
 
     def _precise_tier(self) -> PreciseTier | None:
         if not self.config.precise or not isinstance(self.policy, PrefixPolicy):
@@ -256,13 +273,9 @@ class Gateway:
         self, method: bytes, path: str, headers: tuple[tuple[bytes, bytes], ...]
     ) -> Refusal | None:
         """The API key, checked on the head alone: a keyless body is never read."""
-        keys = self.config.api_keys
-        if not keys.guards(path):
-            return None  # /healthz and /metrics stay open
         authorization = next((v for k, v in headers if k == b"authorization"), None)
-        if keys.allows(authorization) or self.config.explain_keys.allows(authorization):
-            return None
-        return Refusal(401, UNAUTHORIZED_BODY)
+        config = self.config
+        return admit_head(path, authorization, config.api_keys, config.explain_keys, self.tenants)
 
     def _may_explain(self, request: Request) -> bool:
         """Whether ``request`` asks for ``x-llmgw-route`` with a key that may see it."""
@@ -271,7 +284,7 @@ class Gateway:
         config = self.config
         if config.explain_keys.required:
             return config.explain_keys.allows(request.header(b"authorization"))
-        return not config.api_keys.required  # an open gateway explains to anyone
+        return not (config.api_keys.required or self.tenants.required)  # an open gateway
 
     async def _handle(self, request: Request, conn: HttpConnection) -> None:
         path = request.path
@@ -286,7 +299,7 @@ class Gateway:
             known = path in ("/v1/models", "/metrics", "/healthz")
             self._refuse(conn, 405 if known else 404, f"{'GET' if known else 'no route'} {path}")
         elif path == "/v1/models":
-            conn.respond(200, self._models_body())
+            conn.respond(200, self._models_body(request))
         elif path == "/metrics":
             conn.respond(200, self.metrics.render(self._in_flight()), CONTENT_TYPE)
         else:
@@ -296,11 +309,14 @@ class Gateway:
         type_ = "NotFoundError" if status == 404 else "MethodNotAllowedError"
         conn.respond(status, error_body(message, type_, status))
 
-    def _models_body(self) -> bytes:
+    def _models_body(self, request: Request) -> bytes:
+        """The READY models; for a tenant key, those of them it may use."""
         created = int(time.time())
+        key = self.tenants.lookup(request.header(b"authorization"))
         data = [
             {"id": model, "object": "model", "created": created, "owned_by": "llmgw"}
             for model in self.table.models()
+            if key is None or key.may_use(model)
         ]
         return dumps({"object": "list", "data": data})
 
@@ -324,6 +340,7 @@ class Gateway:
 
     async def _proxy(self, request: Request, conn: HttpConnection) -> None:
         status, model = CLIENT_GONE, UNKNOWN_LABEL
+        ticket: Ticket | None = None
         try:
             async with asyncio.timeout(self.config.request_timeout_s):
                 session = request.header(_SESSION_HEADER)
@@ -332,13 +349,19 @@ class Gateway:
                 model = self._model_label(parsed.model)
                 if model != UNKNOWN_LABEL:
                     self.signals.arrived(model)
-                status = await self._route(request, conn, parsed)
+                key = self.tenants.lookup(request.header(b"authorization"))
+                if key is not None:  # a tenant's: its models, its limits (tenants.py)
+                    estimate = estimate_tokens(parsed.text, parsed.max_tokens)
+                    ticket = self.tenants.admit(key, parsed.model, model, estimate)
+                status = await self._route(request, conn, parsed, ticket)
         except RequestRefused as exc:
             status = self._answer_refusal(conn, exc)
         except TimeoutError:
             message = f"the request took longer than {self.config.request_timeout_s} s"
             status = self._answer_refusal(conn, GatewayTimeout(message))
         finally:
+            if ticket is not None:
+                ticket.close()
             self.metrics.request_done(status, model, request.path)
 
     def _model_label(self, model: str) -> str:
@@ -356,16 +379,22 @@ class Gateway:
         if conn.started:  # too late for an error answer: cut the response short
             conn.abort()
             return exc.status
-        body = error_body(exc.message, exc.error_type, exc.status, param=exc.param)
+        code = exc.status if exc.code is None else exc.code
+        body = error_body(exc.message, exc.error_type, code, param=exc.param)
         retry = b""
-        if isinstance(exc, HoldRefused):
+        if isinstance(exc, HoldRefused | RateLimited):
             retry = b"retry-after: %d\r\n" % exc.retry_after_s
+        if isinstance(exc, RateLimited):
+            retry += exc.headers
         conn.respond(exc.status, body, headers=retry)
         return exc.status
 
-    async def _route(self, request: Request, conn: HttpConnection, parsed: ParsedRequest) -> int:
+    async def _route(
+        self, request: Request, conn: HttpConnection, parsed: ParsedRequest, ticket: Ticket | None
+    ) -> int:
         """Answer ``request``; the status sent. Raises RequestRefused to answer an error.
-        A request for a scalable model with no READY replica waits first (holding.py)."""
+        A request for a scalable model with no READY replica waits first (holding.py).
+        A tenant's ``ticket`` meters the answer."""
         if self.holding.should_hold(parsed.model):
             await self.holding.hold(parsed.model)
         route = RouteRequest(parsed.model, parsed.text, parsed.session)
@@ -385,9 +414,16 @@ class Gateway:
             may_retry = attempt < self.config.retries and others
             record = self.route_log.add(parsed.model, decision, fallback)
             why = header_value(explain(decision, fallback)) if explaining else ""
-            exchange = await self._attempt(decision.target, request, conn, parsed, may_retry, why)
+            exchange = await self._attempt(
+                decision.target, request, conn, parsed, may_retry, why, ticket
+            )
             if exchange.outcome is Outcome.DONE:
                 self._check_reuse(record, exchange, precise)
+                if ticket is not None:
+                    usage = Usage(
+                        exchange.prompt_tokens, exchange.completion_tokens, exchange.cached_tokens
+                    )
+                    ticket.answered(usage, exchange.upstream_s)
                 return exchange.status
             if exchange.outcome is Outcome.BROKEN:
                 log.warning("%s failed mid-response: %s", replica_id, exchange.error)
@@ -463,9 +499,11 @@ class Gateway:
         parsed: ParsedRequest,
         may_retry: bool,
         route: str = "",
+        ticket: Ticket | None = None,
     ) -> Exchange:
         """One attempt on ``target`` (already acquired on the load tracker, released here);
-        ``route``: the ``x-llmgw-route`` value to answer with ("" none).
+        ``route``: the ``x-llmgw-route`` value to answer with ("" none); a tenant's
+        ``ticket``: its x-ratelimit-* headers on the answer, whose usage is read.
 
         A pooled connection that turns out closed before any answer (the replica dropped it
         while idle) is not the replica's fault: the request goes once more on a fresh one.
@@ -480,6 +518,8 @@ class Gateway:
             replica=target.replica_id,
             route=route,
             signals=self.signals,
+            extra=ticket.headers if ticket is not None else b"",
+            meter=ticket is not None,
         )
         self.signals.upstream(parsed.model, +1)
         try:

@@ -6,8 +6,10 @@
     ├── RequestRefused          a request answered with an OpenAI-style error JSON; ``status``,
     │   │                       ``error_type`` and ``param`` are what the answer carries
     │   ├── BadRequest          400: a malformed body or header (the message names what)
+    │   ├── PermissionDenied    403: a tenant key that may not use the request's model
     │   ├── ModelNotFound       404: no replica, in any state, serves this model
     │   ├── BodyTooLarge        413: the body is larger than ``max_body_bytes``
+    │   ├── RateLimited         429 with Retry-After and x-ratelimit-*: over a key's limit
     │   ├── NoReplica           503: no READY replica could take the request
     │   │   └── HoldRefused     503 with Retry-After: held too long, or the queue was full
     │   └── GatewayTimeout      504: the request ran past ``request_timeout_s``
@@ -37,6 +39,7 @@ class RequestRefused(GatewayError):
 
     status = 500
     error_type = "InternalServerError"
+    code: int | str | None = None  # the error JSON's ``code``; None: the status
 
     def __init__(self, message: str, *, param: str | None = None) -> None:
         super().__init__(message)
@@ -49,6 +52,13 @@ class BadRequest(RequestRefused):
 
     status = 400
     error_type = "BadRequestError"
+
+
+class PermissionDenied(RequestRefused):
+    """403: a tenant key whose models do not include the request's (``tenants``)."""
+
+    status = 403
+    error_type = "PermissionDeniedError"
 
 
 class ModelNotFound(RequestRefused):
@@ -67,6 +77,22 @@ class BodyTooLarge(RequestRefused):
 
     status = 413
     error_type = "RequestEntityTooLargeError"
+
+
+class RateLimited(RequestRefused):
+    """429: a tenant key over its requests, tokens or concurrency limit (``tenants``).
+
+    ``retry_after_s`` (an integer ≥ 1) and ``headers`` (the ``x-ratelimit-*`` lines, each
+    ending CRLF) go on the answer; its code is OpenAI's ``rate_limit_exceeded``."""
+
+    status = 429
+    error_type = "RateLimitError"
+    code = "rate_limit_exceeded"
+
+    def __init__(self, message: str, *, retry_after_s: int, headers: bytes = b"") -> None:
+        super().__init__(message)
+        self.retry_after_s = retry_after_s
+        self.headers = headers
 
 
 class NoReplica(RequestRefused):
@@ -120,6 +146,8 @@ __all__ = [
     "HoldRefused",
     "ModelNotFound",
     "NoReplica",
+    "PermissionDenied",
+    "RateLimited",
     "RequestRefused",
     "UpstreamClosed",
     "UpstreamConnectError",

@@ -10,6 +10,10 @@ it on the plane's events directly, and :func:`follow` does it over grpclib for a
     stop = asyncio.Event()
     await follow(lambda: feed_channel("10.0.0.1", 50051), table, stop=stop, index=index)
 
+The feed's tenant keys (``TenantKeys``: every live key) replace the set of the tenant
+registry bound to the table (``llmgw.gateway.tenants``); a snapshot leaves them as they
+are, and so does an outage: a gateway cut off from the server keeps its last keys.
+
 A snapshot makes the index forget every replica but those in its ``kv_replicas``, whose
 full copies follow it, each replacing what the index had for that replica when it arrives.
 
@@ -26,7 +30,7 @@ that address is in the list, else to the next server; a failed stream moves on t
 server at once too. Only a whole round of the list without a stream backs off.
 
 This module imports only ``llmgw.api``, ``llmgw.protocol``, ``llmgw.addresses`` and the
-router's own modules: the separate gateway process runs without a control plane.
+gateway's own modules: the separate gateway process runs without a control plane.
 """
 
 from __future__ import annotations
@@ -56,6 +60,7 @@ from llmgw.api.llmgw.v1 import (
 )
 from llmgw.gateway.routing.kvindex import KvIndex
 from llmgw.gateway.routing.table import RoutingTable, Target
+from llmgw.gateway.tenants import TenantRegistry, registry_of
 from llmgw.kvcache.keys import unpack_keys
 from llmgw.protocol import read_shard_state
 
@@ -89,11 +94,16 @@ def targets_from_snapshot(snapshot: RouterSnapshot) -> tuple[Target, ...]:
 
 
 def apply_feed_event(
-    table: RoutingTable, event: RouterFeedEvent, index: KvIndex | None = None
+    table: RoutingTable,
+    event: RouterFeedEvent,
+    index: KvIndex | None = None,
+    tenants: TenantRegistry | None = None,
 ) -> None:
     """Fold one feed event into ``table``: a snapshot replaces it, a target is upserted,
     a removal drops its replica, scalable models replace the table's; KV blocks go to
-    ``index`` (dropped without one). An event with none of them (from a newer server) is
+    ``index`` (dropped without one); tenant keys replace the set of ``tenants``, or of the
+    registry bound to ``table`` (``tenants.bind_registry``: a Gateway binds its own), and
+    are dropped without either. An event with none of them (from a newer server) is
     ignored."""
     if event.snapshot is not None:
         table.replace_all(targets_from_snapshot(event.snapshot))
@@ -109,6 +119,10 @@ def apply_feed_event(
         apply_kv_blocks(index, event.kv_blocks)
     elif event.scalable is not None:
         table.set_scalable(event.scalable.models)
+    elif event.tenant_keys is not None:
+        registry = tenants if tenants is not None else registry_of(table)
+        if registry is not None:
+            registry.replace(event.tenant_keys.keys)
 
 
 def apply_kv_blocks(index: KvIndex, blocks: KvBlocks) -> None:

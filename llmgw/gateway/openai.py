@@ -1,8 +1,9 @@
 """OpenAI request bodies as the gateway reads them, and the error JSON it answers with.
 
 The gateway reads only what routing needs (``model``, ``stream``, the prompt or messages,
-the session key) and forwards the body it received byte for byte, so fields it does not know
-reach the engine unchanged and the engine stays the judge of everything else. What it does
+the session key, and ``max_tokens`` for a tenant's token estimate) and forwards the body
+it received byte for byte, so fields it does not know reach the engine unchanged and the
+engine stays the judge of everything else. What it does
 check, it refuses with a 400 naming the field, in vLLM's error shape
 (spec/vllm-openai-server.md): ``{"error": {"message", "type", "param", "code"}}``.
 
@@ -37,6 +38,7 @@ class ParsedRequest:
     stream: bool
     text: str  # the prompt, or the rendered messages
     session: str  # header x-session-id, else the body's "user"; "" = none
+    max_tokens: int = 0  # max_completion_tokens, else max_tokens; 0: neither (or not an int)
 
 
 def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> ParsedRequest:
@@ -59,7 +61,17 @@ def parse_request(path: str, body: bytes, headers: Mapping[str, str]) -> ParsedR
         text = _prompt_text(document)
     else:
         raise BadRequest(f"{path} takes no completion request")
-    return ParsedRequest(model, stream, text, _session(document, headers))
+    return ParsedRequest(model, stream, text, _session(document, headers), _max_tokens(document))
+
+
+def _max_tokens(document: Mapping[str, Any]) -> int:
+    """The completion tokens the request asks for at most (0: it does not say; the engine
+    judges a bad value, this is only the tenant limits' estimate)."""
+    for name in ("max_completion_tokens", "max_tokens"):
+        value = document.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return value
+    return 0
 
 
 def render_messages(messages: list[Any]) -> str:

@@ -26,9 +26,13 @@ broke; and ``x-llmgw-route`` (why it went there) when the gateway passes one.
 
 Reading the engine's usage: a 200 answer's body is searched, piece by piece as it is
 forwarded, for ``"cached_tokens":N`` (vLLM's ``usage.prompt_tokens_details``, in a whole
-answer or a stream's final usage chunk); nothing is buffered or parsed as JSON, and the
-last match wins (``cached_tokens``; None when the engine said nothing). The key cannot
-occur inside a JSON string: there its quotes are escaped.
+answer or a stream's final usage chunk) and, for a metered request (``meter``: a tenant
+key's), ``"prompt_tokens":N`` and ``"completion_tokens":N`` too; nothing is buffered or
+parsed as JSON, and the last match wins (``cached_tokens``, ``prompt_tokens``,
+``completion_tokens``; None when the engine said nothing). A key cannot occur inside a JSON
+string: there its quotes are escaped. ``upstream_s`` is the time from the request written
+to the answer's end (metering's GPU-seconds). ``extra``: header lines the gateway adds to
+the forwarded head (a tenant key's ``x-ratelimit-*``).
 """
 
 from __future__ import annotations
@@ -65,6 +69,8 @@ _NOT_FORWARDED_DOWN = _HOP_BY_HOP | {
     b"x-llmgw-route",
 }  # ours alone
 _CACHED_KEY = b'"cached_tokens":'
+_PROMPT_KEY = b'"prompt_tokens":'
+_COMPLETION_KEY = b'"completion_tokens":'
 _TAIL = 64  # bytes of a piece kept to find a key split between two pieces
 
 
@@ -111,6 +117,8 @@ class Exchange:
         "_chunked",
         "_client",
         "_events",
+        "_extra",
+        "_meter",
         "_may_retry",
         "_metrics",
         "_model",
@@ -123,12 +131,15 @@ class Exchange:
         "_stream",
         "_tail",
         "cached_tokens",
+        "completion_tokens",
         "error",
         "head_seen",
         "outcome",
+        "prompt_tokens",
         "result",
         "reused",
         "status",
+        "upstream_s",
     )
 
     def __init__(  # noqa: PLR0913 (each by keyword: the attempt and its sinks)
@@ -142,8 +153,15 @@ class Exchange:
         replica: str,
         route: str = "",
         signals: ModelSignalBook | None = None,
+        extra: bytes = b"",
+        meter: bool = False,
     ) -> None:
         self._client = client
+        self._extra = extra  # more header lines for the client (each ending CRLF)
+        self._meter = meter  # read prompt and completion tokens too
+        self.prompt_tokens: int | None = None
+        self.completion_tokens: int | None = None
+        self.upstream_s = 0.0
         self._signals = signals  # the model's autoscaling signals (None: not counted)
         self._events: StreamClock | None = None
         self._replica_header = b"x-llmgw-replica: %s\r\n" % _header_value(replica)
@@ -192,7 +210,7 @@ class Exchange:
         if self._events is not None:
             self._events.piece(data, time.perf_counter())
         if self._scan:
-            self._find_cached(data)
+            self._find_usage(data)
         if self._chunked:
             self._out += (b"%x\r\n" % len(data), data, b"\r\n")
         else:
@@ -209,17 +227,20 @@ class Exchange:
             if ok and self._stream:
                 self._events = StreamClock(self._signals, self._model)
 
-    def _find_cached(self, data: bytes) -> None:
-        """The last ``"cached_tokens":N`` in the body so far (module docstring)."""
-        window = data
-        at = data.rfind(_CACHED_KEY)
-        if at < 0 and self._tail:  # split between the last piece and this one?
-            window = self._tail + data[:_TAIL]
-            at = window.rfind(_CACHED_KEY)
-        if at >= 0:
-            value = _read_count(window, at + len(_CACHED_KEY))
+    def _find_usage(self, data: bytes) -> None:
+        """The last ``"cached_tokens":N`` in the body so far, and with ``meter`` the last
+        prompt and completion tokens (module docstring)."""
+        tail = self._tail
+        value = _last_count(data, tail, _CACHED_KEY)
+        if value is not None:
+            self.cached_tokens = value
+        if self._meter:
+            value = _last_count(data, tail, _PROMPT_KEY)
             if value is not None:
-                self.cached_tokens = value
+                self.prompt_tokens = value
+            value = _last_count(data, tail, _COMPLETION_KEY)
+            if value is not None:
+                self.completion_tokens = value
         # the last _TAIL bytes of the body so far (several short pieces may hold them)
         self._tail = data[-_TAIL:] if len(data) >= _TAIL else (self._tail + data)[-_TAIL:]
 
@@ -235,7 +256,8 @@ class Exchange:
         if self._chunked:
             self._out.append(b"0\r\n\r\n")
         self.upstream_flush()
-        self._metrics.finished(self._model, time.perf_counter() - self._sent_at)
+        self.upstream_s = time.perf_counter() - self._sent_at
+        self._metrics.finished(self._model, self.upstream_s)
         self._end(Outcome.DONE)
 
     def upstream_failed(self, error: UpstreamError) -> None:
@@ -264,6 +286,8 @@ class Exchange:
         parts.append(self._replica_header)
         if self._route_header:
             parts.append(self._route_header)
+        if self._extra:
+            parts.append(self._extra)
         if content_length is not None:
             parts.append(b"content-length: %d\r\n" % content_length)
         elif status not in (204, 304):
@@ -275,6 +299,17 @@ class Exchange:
         parts.append(client.connection_header())
         parts.append(b"\r\n")
         return b"".join(parts)
+
+
+def _last_count(data: bytes, tail: bytes, key: bytes) -> int | None:
+    """The count after the last ``key`` in ``data``, or in ``tail`` + the start of ``data``
+    when the key is split between the last piece and this one."""
+    window = data
+    at = data.rfind(key)
+    if at < 0 and tail:
+        window = tail + data[:_TAIL]
+        at = window.rfind(key)
+    return _read_count(window, at + len(key)) if at >= 0 else None
 
 
 def _read_count(data: bytes, start: int) -> int | None:

@@ -5,7 +5,8 @@
 gateway (``llmgw.gateway.stats.router_stats``) and sends them in a unary
 ``RouterService.Report`` under its ``gateway_id`` (see :func:`instance_id`), so
 ``GetRouterStats`` answers for every gateway of the fleet; with them go its signals per
-model (``llmgw.gateway.modelsignals``), which the server's autoscaler reads.
+model (``llmgw.gateway.modelsignals``), which the server's autoscaler reads, and its
+metering per tenant key and model (``RouterReport.usage``, cumulative: tenantmeter.py).
 
 Reporting never disturbs routing: a failed report is logged and the next interval sends
 fresh figures (counters are cumulative, so nothing is lost by a missed report). A control
@@ -31,7 +32,7 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from llmgw.api.llmgw.v1 import RouterReport, RouterServiceStub
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.modelsignals import LATENCY_BOUNDS_MS
-from llmgw.gateway.stats import model_signals, router_stats
+from llmgw.gateway.stats import model_signals, router_stats, tenant_usage
 
 log = logging.getLogger(__name__)
 
@@ -89,6 +90,7 @@ async def report_once(stub: RouterServiceStub, gateway: Gateway, config: ReportC
         interval_ms=round(config.interval_s * 1000),
         models=model_signals(gateway),
         latency_bounds_ms=list(LATENCY_BOUNDS_MS),
+        usage=tenant_usage(gateway),
     )
     await stub.report(report, timeout=config.timeout_s)
 

@@ -1,7 +1,8 @@
 """A gateway's figures as ``RouterStats``: what ``GetRouterStats`` answers for the in-server
 gateway, and what a separate ``llmgw gateway`` reports (``RouterService.Report``).
 
-One function for both (and one for the signals per model the autoscaler reads), so the
+One function for both (and one for the signals per model the autoscaler reads, and one
+for the tenant keys' metering, ``RouterReport.usage``), so the
 server's own figures and every reported gateway's add up field by field. Counters are
 cumulative since the gateway started; ``in_flight`` is a gauge.
 """
@@ -16,6 +17,7 @@ from llmgw.api.llmgw.v1 import (
     RouteCandidate,
     RouteDecision,
     RouterStats,
+    TenantUsage,
 )
 from llmgw.gateway.app import Gateway
 from llmgw.gateway.routelog import RouteRecord
@@ -58,6 +60,11 @@ def model_signals(gateway: Gateway) -> list[ModelSignals]:
     """``gateway``'s signals per model for the autoscaler (cumulative; ``modelsignals``),
     their histograms over ``modelsignals.LATENCY_BOUNDS_MS``."""
     return gateway.signals.signals(gateway.holding.waiting())
+
+
+def tenant_usage(gateway: Gateway) -> list[TenantUsage]:
+    """``gateway``'s metering per tenant key and model (cumulative; tenantmeter.py)."""
+    return gateway.tenants.meter.usage()
 
 
 def route_decision(record: RouteRecord) -> RouteDecision:
@@ -118,4 +125,11 @@ def replica_rows(gateway: Gateway, routed: Mapping[str, int]) -> list[ReplicaRou
     return rows
 
 
-__all__ = ["MAX_CANDIDATES", "model_signals", "replica_rows", "route_decision", "router_stats"]
+__all__ = [
+    "MAX_CANDIDATES",
+    "model_signals",
+    "replica_rows",
+    "route_decision",
+    "router_stats",
+    "tenant_usage",
+]
