@@ -10,20 +10,25 @@ import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+import grpclib.client
+import grpclib.server
 import pytest
 from grpclib.const import Status
 from grpclib.exceptions import GRPCError
 
 from llmgw.api.llmgw.v1 import (
+    ControlServiceStub,
     CreateKeyRequest,
     KeyPriority,
     ListKeysRequest,
+    NotLeader,
     RevokeKeyRequest,
     RouterFeedEvent,
 )
 from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.store import Store
 from llmgw.server.wire.controlsvc import ControlService
+from llmgw.server.wire.relay import LeaderRelay
 from llmgw.server.wire.routersvc import route_events
 from llmgw.server.wire.tenantkeys import KEY_PREFIX
 
@@ -175,3 +180,46 @@ async def test_a_resubscribed_feed_gets_the_keys_again(plane: ControlPlane) -> N
             assert len(await _next_keys(events)) == 1
         finally:
             await events.aclose()
+
+
+class _Lease:
+    """What LeaderRelay reads of Leadership: the leader is at ``address``."""
+
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.server_id = "B"
+
+    def not_leader(self) -> NotLeader:
+        return NotLeader(leader_address=self.address, leader_id="A", server_id="B")
+
+    def refusal(self) -> str:
+        return f"server B does not lead: the leader is at {self.address}"
+
+
+def _port(server: grpclib.server.Server) -> int:
+    return int(server._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+
+
+async def test_a_follower_relays_the_key_calls_to_the_leader(plane: ControlPlane) -> None:
+    leader = grpclib.server.Server([ControlService(plane)])
+    await leader.start("127.0.0.1", 0)
+    relay = LeaderRelay(_Lease(f"127.0.0.1:{_port(leader)}"))  # type: ignore[arg-type]
+    follower = grpclib.server.Server([relay])
+    await follower.start("127.0.0.1", 0)
+    channel = grpclib.client.Channel("127.0.0.1", _port(follower))
+    try:
+        stub = ControlServiceStub(channel)
+        made = await stub.create_key(CreateKeyRequest(tenant="team-a"), timeout=5)
+        assert made.created is not None and made.key.startswith(KEY_PREFIX)
+        listed = await stub.list_keys(ListKeysRequest(), timeout=5)
+        assert [k.key_id for k in listed.keys] == [made.created.key_id]
+        with pytest.raises(GRPCError) as caught:
+            await stub.revoke_key(RevokeKeyRequest(key_id="k_nope"), timeout=5)
+        assert caught.value.status is Status.NOT_FOUND  # the leader's refusal, as it is
+    finally:
+        channel.close()
+        relay.close()
+        for server in (follower, leader):
+            server.close()
+            await server.wait_closed()
+    assert relay.relayed == 3 and [k.tenant for k in plane.tenant_keys.keys] == ["team-a"]
