@@ -85,6 +85,7 @@ async def test_create_returns_the_key_once_and_stores_only_its_digest(
         (CreateKeyRequest(tenant="t", expires_unix_ms=1000), "expires_unix_ms 1000: in the past"),
         (CreateKeyRequest(tenant="t", note="x" * 201), "note: at most 200"),
         (CreateKeyRequest(tenant="t", note="bell\x07"), "note: at most 200 printable"),
+        (CreateKeyRequest.parse(b"\x0a\x01t\x30\x05"), "priority 5: unknown"),  # a band unknown
     ],
 )
 async def test_a_bad_request_is_refused_naming_the_field(
