@@ -11,8 +11,8 @@ pyproject.toml holds it; tests/cli/test_import_graph.py checks the graph has no 
 - The commands, each registering its subcommands and what runs them: ``server``, ``agent``,
   ``get`` (also ``cordon``, ``uncordon``), ``actions`` (``start``, ``drain``, ``reprofile``,
   ``drain-node``), ``logs``, ``desired`` (``apply``, ``delete``, ``events``), ``history``
-  (``describe``, ``scale``, ``rollout``), ``simengine``, ``gateway``, ``console``, ``token``, ``db``
-  (``db migrate``).
+  (``describe``, ``scale``, ``rollout``), ``simengine``, ``gateway``, ``console``, ``token``,
+  ``tenantkeys`` (``key``), ``db`` (``db migrate``).
 - What the heavy commands run, imported only when they run: ``serve`` (the server and the
   agent), ``apply`` (the desired state), ``describe`` (describe, scale and rollout).
 - ``rpc``: calling the control server over gRPC-web (its flags, its token and CA, one call

@@ -30,6 +30,7 @@ from llmgw.cli import (
     logs,
     server,
     simengine,
+    tenantkeys,
     token,
 )
 from llmgw.cli.errors import CliError
@@ -51,6 +52,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], 
     gateway.register,  # gateway
     console.register,  # console
     token.register,  # token create|list|revoke
+    tenantkeys.register,  # key create|list|revoke
     db.register,  # db migrate
 )
 """Each command module's ``register``, in the order ``llmgw --help`` lists the commands."""

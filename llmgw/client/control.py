@@ -10,6 +10,8 @@ from llmgw.api.llmgw.v1 import (
     ActionResult,
     ApplyDeploymentRequest,
     Cluster,
+    CreateKeyRequest,
+    CreateKeyResponse,
     DeleteDeploymentRequest,
     DeleteNodeRequest,
     DescribeRequest,
@@ -17,6 +19,8 @@ from llmgw.api.llmgw.v1 import (
     EngineProfile,
     GetClusterRequest,
     GetRouterStatsRequest,
+    ListKeysRequest,
+    ListKeysResponse,
     ListProfilesRequest,
     ListProfilesResponse,
     LogLines,
@@ -24,11 +28,13 @@ from llmgw.api.llmgw.v1 import (
     NodeRequest,
     ReplicaRequest,
     ReprofileReplicaRequest,
+    RevokeKeyRequest,
     RolloutHistoryRequest,
     RolloutHistoryResponse,
     RolloutUndoRequest,
     RouterStats,
     ScaleRequest,
+    TenantKey,
     WatchEvent,
     WatchRequest,
 )
@@ -97,6 +103,12 @@ class ControlClient:
         path = _SERVICE + "RolloutHistory"
         return await self._channel.unary(path, request, RolloutHistoryResponse)
 
+    async def list_keys(self, tenant: str = "") -> list[TenantKey]:
+        """The live tenant keys (of ``tenant``, or every tenant's), by creation; admin only."""
+        path = _SERVICE + "ListKeys"
+        reply = await self._channel.unary(path, ListKeysRequest(tenant=tenant), ListKeysResponse)
+        return list(reply.keys)
+
     # --- writes ----------------------------------------------------------------------------
 
     async def cordon_node(self, node_id: str) -> ActionResult:
@@ -151,6 +163,16 @@ class ControlClient:
     async def rollout_undo(self, deployment: str, *, to_revision: int = 0) -> ActionResult:
         request = RolloutUndoRequest(deployment=deployment, to_revision=to_revision)
         return await self._act("RolloutUndo", request)
+
+    async def create_key(self, request: CreateKeyRequest) -> CreateKeyResponse:
+        """Make a tenant key: the answer holds the key itself, once; admin only."""
+        if self._read_only:
+            raise ClientError("refused: this client is read-only")
+        path = _SERVICE + "CreateKey"
+        return await self._channel.unary(path, request, CreateKeyResponse)
+
+    async def revoke_key(self, key_id: str) -> ActionResult:
+        return await self._act("RevokeKey", RevokeKeyRequest(key_id=key_id))
 
     async def _act(self, method: str, request: betterproto2.Message) -> ActionResult:
         if self._read_only:

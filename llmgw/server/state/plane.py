@@ -1,51 +1,50 @@
 """The control plane's state and its effects: inventory + store + watch fan-out.
 
-The services call this; it keeps the inventory and the desired state (``desired``: profiles
-and deployments), writes what must survive a kill to the store before answering, and
-publishes every change to watchers. Snapshots carry the deployments and the audit log's
-most recent records. A periodic ``tick`` marks
-silent nodes NOT_READY and flushes heartbeat times to the store in one batch. Time the
-server itself did not run (stopped, starved: a tick at least ``STALL_S`` later than the
-shortest gap between ticks seen) does not count toward a heartbeat's age: the heartbeats of
-that time sit unread in its sockets, they are not missing.
+The services call this; it keeps the inventory, the desired state (``desired``: profiles and
+deployments) and the tenants' gateway keys (``tenant_keys``: ``state.tenantkeys``), writes
+what must survive a kill to the store before answering, and publishes every change to
+watchers. Snapshots carry the deployments and the audit log's most recent records. A
+periodic ``tick`` marks silent nodes NOT_READY and flushes heartbeat times to the store in
+one batch. Time the server itself did not run (stopped, starved: a tick at least ``STALL_S``
+later than the shortest gap between ticks seen) does not count toward a heartbeat's age:
+the heartbeats of that time sit unread in its sockets, they are not missing.
 
 After a start, :meth:`ControlPlane.agents_back` waits (at most ``WARMUP_S``) until every
 node the store remembers has registered again: until then the replicas on the others look
 not READY although their engines serve, and a router feed's first snapshot waits for it
 (bench/chaos.py saw gateways answer 503 for a model whose agents were not back yet).
 
-It also holds the replica records the reconciler decided on (``llmgw.server.reconcile_loop``
-writes them through :meth:`ControlPlane.save_replicas`) and shows each one that is not
-RETIRED as a ``Replica``: its state derived from its shards on their planned nodes (READY
-only when every shard is READY), its endpoint ``http://ADDRESS:PORT`` of the leader, and
-``out_of_date`` when its fingerprint differs from its deployment's profile now. Every
-change that may need a reconciliation round (a registration, a shard report, a node lost
-or cordoned, an apply or delete) calls :attr:`ControlPlane.reconcile_soon`.
+It also holds the replica records the reconciler decided on (``server.reconcile_loop`` writes
+them through :meth:`ControlPlane.save_replicas`) and shows each one that is not RETIRED as a
+``Replica``: its state derived from its shards on their planned nodes (READY only when every
+shard is READY), its endpoint ``http://ADDRESS:PORT`` of the leader, and ``out_of_date``
+when its fingerprint differs from its deployment's profile now. Every change that may need
+a reconciliation round (a registration, a shard report, a node lost or cordoned, an apply
+or delete) calls :attr:`ControlPlane.reconcile_soon`.
 
 ``kv_blocks`` holds the KV cache blocks of each replica as its leader's agent reports them
-(``llmgw.server.state.kvblocks``); the plane drops a replica's blocks when it is RETIRED, when
-its leader stops, fails or starts afresh, and when its node's stream ends or it registers
-again. A node that only missed heartbeats keeps them: its stream, once it speaks again,
-carries every change since, in order, while nothing would ever send back blocks dropped
-then (bench/chaos.py found such replicas missing blocks for good).
+(``state.kvblocks``); the plane drops a replica's blocks when it is RETIRED, when its leader
+stops, fails or starts afresh, and when its node's stream ends or it registers again. A node
+that only missed heartbeats keeps them: its stream, once it speaks again, carries every
+change since, in order, while nothing would ever send back blocks dropped then
+(bench/chaos.py found such replicas missing blocks for good).
 
 Every agent is told the cluster id of the store (``Registered.cluster_id``). A registration
 whose ``cluster_id`` names another cluster and that reports shards is not adopted: its
 shards are kept apart on the node (``Node.unadopted_shards``), never in the inventory, so
 the reconciler neither stops them nor places anything on the node, which is NOT_READY
 saying why until its agent registers with this cluster's id (``llmgw.agent.cluster``). A
-stored row that cannot be read stops :meth:`ControlPlane.load`, naming it.
+stored row that cannot be read stops :meth:`ControlPlane.load`, naming it. ``kv_follow``
+holds each engine's KV event subscriber counters as its agent's heartbeats last reported
+them (``llmgw.server.state.kvfollow``), for the server's ``/metrics``.
 
-``kv_follow`` holds each engine's KV event subscriber counters as its agent's heartbeats
-last reported them (``llmgw.server.state.kvfollow``), for the server's ``/metrics``.
-
-While the state database cannot be written (a full or read-only disk:
-``llmgw.server.state.storehealth``), the plane keeps in memory what no caller waits for (heartbeat
-times, registrations, audit records) and :meth:`ControlPlane.flush` writes it once writes
-work again, trying with capped, jittered backoff (and, with nothing to write, a probe write,
-so that ``/healthz`` turns healthy by itself). What a caller waits for (an apply, a cordon,
-a round's replica records) is written first and shown after; a write that fails raises
-StoreUnwritable and changes nothing in memory.
+While the state database cannot be written (a full or read-only disk: ``state.storehealth``),
+the plane keeps in memory what no caller waits for (heartbeat times, registrations, audit
+records) and :meth:`ControlPlane.flush` writes it once writes work again, trying with capped,
+jittered backoff (and, with nothing to write, a probe write, so that ``/healthz`` turns
+healthy by itself). What a caller waits for (an apply, a cordon, a round's replica records)
+is written first and shown after; a write that fails raises StoreUnwritable and changes
+nothing in memory.
 """
 
 from __future__ import annotations
@@ -89,6 +88,7 @@ from llmgw.server.state.statefile import unreadable_row
 from llmgw.server.state.store import Store, now_ms
 from llmgw.server.state.storehealth import WriteRetry
 from llmgw.server.state.storeschema import AuditRecord, StoredNode
+from llmgw.server.state.tenantkeys import TenantKeyBook
 from llmgw.server.state.watch import WatchHub
 
 log = logging.getLogger(__name__)
@@ -112,6 +112,7 @@ class ControlPlane:
         self.statuses = DeploymentBoard(self.inventory, self.desired.fingerprint)
         self.desired.shown = self.statuses.shown
         self.history = History(store)  # state changes of shards and nodes (describe)
+        self.tenant_keys = TenantKeyBook(store)  # every live tenant key (the router feed's)
         self._seen: dict[str, int] = {}  # node id → last heartbeat ms not yet in the store
         self._unsaved_nodes: set[str] = set()  # registrations the store could not take yet
         self._unsaved_audit: list[AuditRecord] = []  # audit records it could not take yet
@@ -133,10 +134,10 @@ class ControlPlane:
         self._agents_back.set()  # none remembered until `load`
 
     async def load(self) -> None:
-        """Restore the desired state, the audit log's tail and every node the store
-        remembers (NOT_READY until their agents return)."""
+        """Restore desired state, tenant keys, the audit tail and every node remembered."""
         self.inventory.cluster_id = self.cluster_id
         await self.desired.load()
+        await self.tenant_keys.load()
         self.replicas.update((r.replica_id, r) for r in await self.store.load_replicas())
         self.statuses.track(self.replicas.values())
         self._recent.extend(_audit_event(r) for r in await self.store.recent_audit(RECENT_AUDIT))
@@ -496,8 +497,7 @@ class ControlPlane:
         )
 
     async def prune_never_ready(self) -> list[str]:
-        """Forget the nodes that registered, never sent a heartbeat, and are gone (see
-        ``Inventory.never_ready``); their ids."""
+        """Forget nodes that registered, never beat and are gone (``Inventory.never_ready``)."""
         after_ms = int(self.inventory.config.never_ready_prune_s * 1000)
         pruned = self.inventory.never_ready(now_ms(), after_ms)
         for node_id in pruned:

@@ -6,7 +6,8 @@ profiles and deployments, each as its serialized message; and the replicas the r
 decided on (``ReplicaRecord``, as JSON: ``llmgw.server.state.replicajson``; RETIRED ones
 are kept, so their shards stay fenced); and the operator requests still to carry out on
 replicas (``retire``: drained by an operator; ``replace``: moved off a drained node); and
-the tokens of ``llmgw.server.wire.auth`` (their SHA-256 only, never the tokens).
+the tokens of ``llmgw.server.wire.auth`` (their SHA-256 only, never the tokens); and the
+tenants' gateway keys (``tenant_keys``: their SHA-256 only; a revoke marks the row).
 
 Two backends behind one interface (``llmgw.server.state.storebackend``): ``--db PATH`` is
 an SQLite file (``llmgw.server.state.storesqlite``: its modes, WAL, the temporary file a
@@ -61,6 +62,7 @@ from llmgw.server.state.storehealth import WriteHealth
 from llmgw.server.state.storehistory import HistoryRows, put_revisions
 from llmgw.server.state.storepg import PgBackend, PgTimeouts
 from llmgw.server.state.storeschema import (
+    KEY_PRIORITIES,
     MIGRATIONS,
     REQUEST_KINDS,
     SCHEMA_VERSION,
@@ -69,6 +71,7 @@ from llmgw.server.state.storeschema import (
     StoredDeployment,
     StoredNode,
     StoredProfile,
+    StoredTenantKey,
     upsert,
 )
 from llmgw.server.state.storesqlite import SqliteBackend
@@ -121,6 +124,35 @@ def _writing(
             return await method(store, *args, **kwargs)
 
     return write
+
+
+_KEY_COLUMNS = (
+    "key_id", "tenant", "digest", "models", "rpm", "tpm", "max_concurrency", "priority",
+    "expires_ms", "created_ms", "note",
+)  # fmt: skip
+
+
+def _tenant_key(row: Sequence[object]) -> StoredTenantKey:
+    """A ``tenant_keys`` row (``_KEY_COLUMNS``) as a key; ValueError saying what is wrong."""
+    key_id, tenant, digest, models, rpm, tpm, concurrency, priority, expires, created, note = row
+    raw = bytes.fromhex(str(digest))
+    if len(raw) != 32:
+        raise ValueError(f"a digest of {len(raw)} bytes, not a SHA-256")
+    if priority not in KEY_PRIORITIES:
+        raise ValueError(f"unknown priority {str(priority)[:64]!r}")
+    return StoredTenantKey(
+        key_id=str(key_id),
+        tenant=str(tenant),
+        digest=raw,
+        models=tuple(filter(None, str(models).split(","))),
+        rpm=int(str(rpm)),
+        tpm=int(str(tpm)),
+        max_concurrency=int(str(concurrency)),
+        priority=str(priority),
+        expires_ms=int(str(expires)),
+        created_ms=int(str(created)),
+        note=str(note),
+    )
 
 
 class Store(HistoryRows):
@@ -344,6 +376,49 @@ class Store(HistoryRows):
     async def delete_token(self, token_id: int) -> bool:
         """Forget a token; False when there was none with that id."""
         return await self._db.execute("DELETE FROM tokens WHERE id = ?", (token_id,)) > 0
+
+    # --- tenants' gateway keys (llmgw.server.state.tenantkeys) -------------------------
+
+    @_write
+    async def add_tenant_key(self, key: StoredTenantKey) -> None:
+        """Store a new tenant key (its digest, never the key), live."""
+        if key.priority not in KEY_PRIORITIES:
+            raise ValueError(f"unknown key priority {key.priority!r}")
+        await self._db.execute(
+            f"INSERT INTO tenant_keys ({', '.join(_KEY_COLUMNS)})"
+            f" VALUES ({', '.join('?' * len(_KEY_COLUMNS))})",
+            (
+                key.key_id, key.tenant, key.digest.hex(), ",".join(key.models), key.rpm,
+                key.tpm, key.max_concurrency, key.priority, key.expires_ms, key.created_ms,
+                key.note,
+            ),
+        )  # fmt: skip
+
+    async def load_tenant_keys(self) -> list[StoredTenantKey]:
+        """Every live (not revoked) tenant key, by creation; a row that cannot be read is a
+        StoreError naming it (skipped, a key would stop working without a word)."""
+        query = (
+            f"SELECT {', '.join(_KEY_COLUMNS)} FROM tenant_keys"
+            " WHERE revoked_ms IS NULL ORDER BY id"
+        )
+        keys = []
+        for row in await self._db.fetch(query):
+            try:
+                keys.append(_tenant_key(row))
+            except ValueError as exc:
+                raise unreadable_row(self.path, "tenant_keys", str(row[0]), exc) from exc
+        return keys
+
+    @_write
+    async def revoke_tenant_key(self, key_id: str) -> bool:
+        """Mark a live key revoked (its row stays); False when no live key has that id."""
+        return (
+            await self._db.execute(
+                "UPDATE tenant_keys SET revoked_ms = ? WHERE key_id = ? AND revoked_ms IS NULL",
+                (now_ms(), key_id),
+            )
+            > 0
+        )
 
     # --- desired state ---------------------------------------------------------------
 

@@ -7,7 +7,9 @@ profiles and deployments tables; 3 adds the replicas table (each ``ReplicaRecord
 token is bound to and whether a node was ever READY; 7 the event history (``events``: state
 changes of shards and nodes, bounded, ``llmgw.server.state.history``), the profile revisions
 of deployments (``revisions``) and an index of the audit log by target (what Describe reads);
-8 the leader lease (``leases``: which server leads and its epoch, ``llmgw.server.state.lease``).
+8 the leader lease (``leases``: which server leads and its epoch, ``llmgw.server.state.lease``);
+9 the tenants' gateway keys (``tenant_keys``: their SHA-256 only, never a key; a revoked one
+keeps its row with ``revoked_ms`` set, ``llmgw.server.state.tenantkeys``).
 ``MIGRATIONS`` holds the script that
 brings a database from each version to the next, in SQLite's types (``storepg.postgres_ddl``
 gives PostgreSQL the same tables in its own), and ``COLUMNS_6`` the columns version 6 adds
@@ -15,7 +17,8 @@ gives PostgreSQL the same tables in its own), and ``COLUMNS_6`` the columns vers
 opens a database. ``upsert`` writes an insert-or-replace both backends run.
 
 The rows: ``StoredNode``, ``StoredProfile``, ``StoredDeployment`` and ``AuditRecord``, and
-the kinds of replica request (``REQUEST_KINDS``), ``EventRecord`` and ``RevisionRecord``.
+the kinds of replica request (``REQUEST_KINDS``), ``EventRecord``, ``RevisionRecord`` and
+``StoredTenantKey`` (with its priority bands, ``KEY_PRIORITIES``).
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from dataclasses import dataclass
 
 # --- schema, by version ---------------------------------------------------------------------
 
-SCHEMA_VERSION = 8
+SCHEMA_VERSION = 9
 
 _SCHEMA_1 = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -130,6 +133,24 @@ CREATE TABLE IF NOT EXISTS leases (
 );
 """
 
+_SCHEMA_9 = """
+CREATE TABLE IF NOT EXISTS tenant_keys (
+    id              INTEGER PRIMARY KEY AUTOINCREMENT,
+    key_id          TEXT NOT NULL UNIQUE,   -- public: k_ and 12 hex digits
+    tenant          TEXT NOT NULL,
+    digest          TEXT NOT NULL UNIQUE,   -- SHA-256 of the key, hex; never the key
+    models          TEXT NOT NULL DEFAULT '',  -- served model names, comma-separated; '': any
+    rpm             INTEGER NOT NULL DEFAULT 0,
+    tpm             INTEGER NOT NULL DEFAULT 0,
+    max_concurrency INTEGER NOT NULL DEFAULT 0,
+    priority        TEXT NOT NULL DEFAULT 'interactive',  -- KEY_PRIORITIES
+    expires_ms      INTEGER NOT NULL DEFAULT 0,  -- Unix ms; 0: never
+    created_ms      INTEGER NOT NULL,       -- Unix ms
+    note            TEXT NOT NULL DEFAULT '',
+    revoked_ms      INTEGER                 -- Unix ms; NULL: live
+);
+"""
+
 MIGRATIONS = {
     1: _SCHEMA_1,
     2: _SCHEMA_2,
@@ -139,6 +160,7 @@ MIGRATIONS = {
     6: _SCHEMA_6,
     7: _SCHEMA_7,
     8: _SCHEMA_8,
+    9: _SCHEMA_9,
 }
 
 
@@ -233,3 +255,24 @@ def audit_warning(action: str, result: str) -> bool:
     """Whether an audit record, read as an event, is a warning: a refusal, a failure, or a
     deployment that cannot be placed."""
     return action == "unplaceable" or result.startswith(("refused", "failed"))
+
+
+KEY_PRIORITIES = ("interactive", "batch")
+"""A tenant key's priority band as stored (``llmgw.v1.KeyPriority``, in the same order)."""
+
+
+@dataclass(frozen=True, slots=True)
+class StoredTenantKey:
+    """A live tenant key as the store keeps it: its SHA-256, never the key itself."""
+
+    key_id: str
+    tenant: str
+    digest: bytes  # SHA-256 of the key (32 bytes)
+    models: tuple[str, ...] = ()  # served model names it may use; empty: any
+    rpm: int = 0  # requests per minute; 0: no limit
+    tpm: int = 0  # tokens per minute; 0: no limit
+    max_concurrency: int = 0  # requests in flight at once; 0: no limit
+    priority: str = KEY_PRIORITIES[0]
+    expires_ms: int = 0  # Unix ms; 0: never
+    created_ms: int = 0  # Unix ms
+    note: str = ""

@@ -24,6 +24,9 @@ action, audited as ``scale``); ``RolloutHistory`` and ``RolloutUndo``
 (audited as ``rollout-undo``). Each call that changes desired state sets
 ``llmgw.server.state.history.ACTING`` (the caller, the action) for the revision it records.
 
+``CreateKey``, ``ListKeys`` and ``RevokeKey`` (tenants' gateway keys, admin only) are
+``llmgw.server.wire.tenantkeys``'s: checked, audited, only a key's SHA-256 stored.
+
 ``StreamLogs`` reads a shard's engine output from its node's agent
 (``llmgw.server.wire.logrelay``, given as ``logs``: the one the AgentService feeds).
 
@@ -54,6 +57,8 @@ from llmgw.api.llmgw.v1 import (
     ApplyDeploymentRequest,
     Cluster,
     ControlServiceBase,
+    CreateKeyRequest,
+    CreateKeyResponse,
     DeleteDeploymentRequest,
     DeleteNodeRequest,
     Deployment,
@@ -62,6 +67,8 @@ from llmgw.api.llmgw.v1 import (
     EngineProfile,
     GetClusterRequest,
     GetRouterStatsRequest,
+    ListKeysRequest,
+    ListKeysResponse,
     ListProfilesRequest,
     ListProfilesResponse,
     LogLines,
@@ -69,6 +76,7 @@ from llmgw.api.llmgw.v1 import (
     NodeRequest,
     ReplicaRequest,
     ReprofileReplicaRequest,
+    RevokeKeyRequest,
     RolloutHistoryRequest,
     RolloutHistoryResponse,
     RolloutUndoRequest,
@@ -98,6 +106,7 @@ from llmgw.server.wire.describe import describe
 from llmgw.server.wire.dryrun import counted, plan_message, plan_summary
 from llmgw.server.wire.logrelay import LogRelay, log_targets, merged
 from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
+from llmgw.server.wire.tenantkeys import TenantKeyCalls
 
 log = logging.getLogger(__name__)
 
@@ -126,6 +135,7 @@ class ControlService(ControlServiceBase):
         self.gateway: GatewayProvider = gateway if gateway is not None else lambda: None
         self.reports = reports if reports is not None else RouterReports()
         self._applying = asyncio.Lock()  # one apply at a time: each checks what the last stored
+        self._keys = TenantKeyCalls(plane)
 
     async def get_cluster(self, message: GetClusterRequest) -> Cluster:
         return self.plane.snapshot()
@@ -341,6 +351,15 @@ class ControlService(ControlServiceBase):
         if not sees_secrets():
             shown = [_redacted(p) for p in shown]
         return ListProfilesResponse(profiles=shown)
+
+    async def create_key(self, message: CreateKeyRequest) -> CreateKeyResponse:
+        return await self._keys.create(message)
+
+    async def list_keys(self, message: ListKeysRequest) -> ListKeysResponse:
+        return await self._keys.list(message)
+
+    async def revoke_key(self, message: RevokeKeyRequest) -> ActionResult:
+        return await self._keys.revoke(message)
 
     async def get_router_stats(self, message: GetRouterStatsRequest) -> RouterStats:
         gateway = self.gateway()

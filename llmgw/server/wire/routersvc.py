@@ -28,6 +28,13 @@ After each snapshot, and whenever a deployment changes so that they do, the feed
 autoscaler owns (mode "act"). A gateway holds a request for one while none of its replicas
 is READY (``llmgw.gateway.holding``), rather than answering 404 or 503.
 
+After each snapshot, and whenever a key is made or revoked, it sends **every tenant key**
+(``TenantKeys``, :func:`tenant_keys`: each live key with its SHA-256, expired ones too; the
+gateway refuses those by their expiry). Each subscriber compares the plane's key book's
+``generation`` with the one it last sent, at every hub event; the audit record that the
+operator API publishes right after a create or revoke (``llmgw.server.wire.tenantkeys``) is
+the event that wakes it, so a revoked key leaves every gateway's set at once.
+
 ``Report`` goes the other way: a separate ``llmgw gateway`` sends its
 routing figures every few seconds (the gateway role), kept in ``reports``
 (``llmgw.server.wire.routerreports``, shared with ``ControlService``, whose ``GetRouterStats``
@@ -60,6 +67,7 @@ from llmgw.api.llmgw.v1 import (
     RouterSnapshot,
     RouteTarget,
     ScalableModels,
+    TenantKeys,
     WatchEvent,
 )
 from llmgw.gateway import (
@@ -74,6 +82,7 @@ from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.state.kvblocks import KvWatcher
 from llmgw.server.state.plane import ControlPlane
 from llmgw.server.wire.routerreports import ReportRefused, RouterReports
+from llmgw.server.wire.tenantkeys import key_message
 
 log = logging.getLogger(__name__)
 
@@ -113,6 +122,12 @@ def scalable_models(plane: ControlPlane) -> list[str]:
     return sorted(models)
 
 
+def tenant_keys(plane: ControlPlane) -> TenantKeys:
+    """Every live tenant key, with its digest (for gateways only), oldest first."""
+    keys = [key_message(key, with_digest=True) for key in plane.tenant_keys.keys]
+    return TenantKeys(keys=keys)
+
+
 def route_targets(plane: ControlPlane) -> dict[str, RouteTarget]:
     """Every replica that is not RETIRED, by replica id."""
     return {
@@ -129,11 +144,24 @@ class _FeedView:
         self._plane = plane
         self._sent: dict[str, RouteTarget] = {}
         self._scalable: list[str] | None = None  # as last sent
+        self._keys_sent: int | None = None  # the key book's generation last sent
 
     def events(self, event: WatchEvent) -> list[RouterFeedEvent]:
-        """The feed events one watch event calls for (often none)."""
+        """The feed events one watch event calls for (often none): those of the event,
+        then the tenant keys when they changed since this subscriber was last told."""
+        out = self._event(event)
+        generation = self._plane.tenant_keys.generation
+        if generation != self._keys_sent:
+            self._keys_sent = generation
+            out.append(
+                RouterFeedEvent(revision=event.revision, tenant_keys=tenant_keys(self._plane))
+            )
+        return out
+
+    def _event(self, event: WatchEvent) -> list[RouterFeedEvent]:
         if event.snapshot is not None:
-            self._scalable = None  # sent again after every snapshot
+            self._scalable = None  # sent again after every snapshot, and so are the keys
+            self._keys_sent = None
             return [self._snapshot(event.revision), *self._scalable_changed(event.revision)]
         if event.deployment is not None or event.deployment_removed is not None:
             return self._scalable_changed(event.revision)
@@ -353,4 +381,5 @@ __all__ = [
     "route_targets",
     "scalable_models",
     "serve_gateway",
+    "tenant_keys",
 ]

@@ -79,9 +79,9 @@ async def test_schema_1_database_migrates_and_keeps_its_nodes(db: Path | str) ->
         assert await store.recent_audit() == [AuditRecord(5, "op", "cordon", "n1", "ok")]
         await store.save_desired([StoredProfile("p", b"", "fp", 1)], [])
         assert [p.name for p in await store.load_profiles()] == ["p"]
-        assert [t.token_id for t in await store.load_tokens()] == []  # tables of 2-8 are there
+        assert [t.token_id for t in await store.load_tokens()] == []  # tables of 2-9 are there
         await store.save_node(StoredNode("n2", b"", False, 30, 30, ever_ready=False))
-    assert await _version(db) == SCHEMA_VERSION == 8
+    assert await _version(db) == SCHEMA_VERSION == 9
     async with Store(db) as store:
         assert [n.ever_ready for n in await store.load_nodes()] == [True, False]  # column of 6
 

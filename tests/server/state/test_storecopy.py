@@ -41,6 +41,7 @@ from llmgw.server.state.storeschema import (
     StoredDeployment,
     StoredNode,
     StoredProfile,
+    StoredTenantKey,
 )
 from llmgw.server.state.tokens import Role
 
@@ -74,6 +75,10 @@ async def _populate(path: Path) -> str:
         assert second == 2
         events = [EventRecord(i, "chat-1.0", "n1", "Ready", f"m{i}", i % 2 == 0) for i in range(50)]
         await store.append_events(events, keep=40)  # ids 11..50 stay
+        for key_id in ("k_live", "k_gone"):
+            digest = hashlib.sha256(key_id.encode()).digest()
+            await store.add_tenant_key(StoredTenantKey(key_id, "t", digest, ("chat",), rpm=3))
+        await store.revoke_tenant_key("k_gone")  # its row is copied too
         return store.cluster_id
 
 
@@ -88,6 +93,7 @@ async def _contents(store: Store) -> dict[str, Any]:
         "audit": await store.recent_audit(1000),
         "revisions": await store.load_revisions(),
         "events": await store.events_of(["chat-1.0"], 1000),
+        "tenant_keys": await store.load_tenant_keys(),
     }
 
 
@@ -98,7 +104,7 @@ async def test_the_table_list_is_every_table_a_new_store_has(tmp_path: Path) -> 
         made = {r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type='table'")}
     conn.close()
     assert set(schema_tables()) == made - {META_TABLE, "sqlite_sequence"}
-    assert identity_tables() == {"audit": "id", "tokens": "id", "events": "id"}
+    assert identity_tables() == {"audit": "id", "tokens": "id", "events": "id", "tenant_keys": "id"}
 
 
 async def test_a_copy_loads_the_same_and_keeps_ids_and_the_cluster_id(
@@ -114,6 +120,7 @@ async def test_a_copy_loads_the_same_and_keeps_ids_and_the_cluster_id(
     counts = {t.table: t.rows for t in report.tables}
     assert counts["events"] == 40 and counts["tokens"] == 1 and counts["audit"] == 5
     assert counts["nodes"] == 2 and counts["replicas"] == 2 and counts["revisions"] == 1
+    assert counts["tenant_keys"] == 2  # the revoked key's row too
     assert report.cluster_id == cluster_id
     async with Store(pg_url) as copy:
         assert copy.cluster_id == cluster_id

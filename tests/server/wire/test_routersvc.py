@@ -91,11 +91,14 @@ async def _next(events: AsyncIterator[RouterFeedEvent]) -> RouterFeedEvent:
 
 
 async def _snapshot(events: AsyncIterator[RouterFeedEvent]) -> RouterFeedEvent:
-    """The snapshot, and the scalable models that always follow it (none here)."""
+    """The snapshot, and the scalable models and tenant keys that always follow it (none
+    here)."""
     snapshot = await _next(events)
     assert snapshot.snapshot is not None, snapshot
     scalable = await _next(events)
     assert scalable.scalable is not None and scalable.scalable.models == [], scalable
+    keys = await _next(events)
+    assert keys.tenant_keys is not None and keys.tenant_keys.keys == [], keys
     return snapshot
 
 
