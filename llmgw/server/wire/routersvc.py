@@ -360,6 +360,9 @@ async def serve_gateway(plane: ControlPlane, config: GatewayConfig) -> AsyncIter
     table = RoutingTable(targets_from_snapshot(snapshot))
     table.set_scalable(scalable_models(plane))
     gateway = Gateway(table, config)
+    # the tenants' keys too, before the first request: a table with targets and no keys
+    # yet would let a request in without one
+    apply_feed_event(table, RouterFeedEvent(tenant_keys=tenant_keys(plane)))
     feed = asyncio.create_task(feed_table(plane, table, gateway.kv_index), name="gateway-feed")
     try:
         host, port = await gateway.start()
