@@ -5,6 +5,7 @@ RoutingTable kept in step over grpclib on loopback, kept while the server is awa
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 from collections.abc import AsyncIterator, Callable
 from dataclasses import replace
@@ -44,6 +45,7 @@ from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
 from llmgw.server.state.kvblocks import decode_kv_delta
 from llmgw.server.state.plane import ControlPlane
 from llmgw.server.state.store import Store
+from llmgw.server.state.storeschema import StoredTenantKey
 from llmgw.server.state.watch import DEFAULT_QUEUE
 from llmgw.server.wire import routersvc
 from llmgw.server.wire.codec import CheckedProtoCodec, install_message_limit
@@ -475,3 +477,23 @@ async def test_a_stale_kv_wakeup_does_not_spin_the_feed() -> None:
     waiting.cancel()
     await asyncio.gather(waiting, return_exceptions=True)
     await sources.aclose()
+
+
+async def test_serve_gateway_knows_the_tenants_keys_from_the_first_request(
+    plane: ControlPlane, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def feed_not_yet(*_: object) -> None:  # the feed's first events not arrived yet
+        await asyncio.Event().wait()
+
+    monkeypatch.setattr(routersvc, "feed_table", feed_not_yet)
+    await _register(plane, "a1", "127.0.0.1")
+    await _save(plane, _record("chat-1", 9001))
+    _shard(plane, "chat-1", ShardState.READY)
+    digest = hashlib.sha256(b"llmgw_k_secret").digest()
+    await plane.tenant_keys.add(StoredTenantKey("k_1", "team-a", digest, created_ms=1))
+    async with serve_gateway(plane, GatewayConfig(port=0)) as served:
+        async with httpx.AsyncClient(base_url=f"http://{served.host}:{served.port}") as client:
+            # no wait for the feed: a table with targets and no keys would let this in
+            assert (await client.get("/v1/models")).status_code == 401
+            keyed = {"authorization": "Bearer llmgw_k_secret"}
+            assert (await client.get("/v1/models", headers=keyed)).status_code == 200
