@@ -117,10 +117,8 @@ def _writing(
         async with store.health.writing(db.changes), db.transaction():
             fence = store.fence if fenced else None
             if fence is not None and not await db.fetch(fence_sql(db), fence):
-                raise Deposed(
-                    f"{store.path_text}: this server no longer holds the leader lease at "
-                    f"epoch {fence[1]}: nothing written"
-                )
+                held = f"holds the leader lease at epoch {fence[1]}" if fence[1] >= 0 else "leads"
+                raise Deposed(f"{store.path_text}: this server no longer {held}: nothing written")
             return await method(store, *args, **kwargs)
 
     return write
