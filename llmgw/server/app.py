@@ -54,6 +54,7 @@ import asyncio
 import contextlib
 import logging
 import ssl
+import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -118,6 +119,9 @@ log = logging.getLogger(__name__)
 DEFAULT_GRPC_LISTEN = "127.0.0.1:50051"
 DEFAULT_HTTP_LISTEN = "127.0.0.1:8080"
 DEFAULT_GATEWAY_LISTEN = "127.0.0.1:8000"
+SWITCH_INTERVAL_S = 0.0005
+"""The server's GIL switch interval (``sys.setswitchinterval``): short, so the event loop
+answers while a worker thread parses (Python's default, 5 ms, stalls it per acquisition)."""
 
 
 def default_db_path() -> Path:
@@ -237,6 +241,9 @@ async def run_server(config: ServerConfig, stop: asyncio.Event | None = None) ->
     """Serve until SIGINT/SIGTERM (or ``stop`` is set): as the leader while this server
     holds the lease, as a follower while it does not (``llmgw.server.roles.take_turns``)."""
     stop = stop or asyncio.Event()
+    # a parse in a worker thread (a huge apply) holds the GIL for up to the switch interval
+    # each time the event loop wants it back: 5 ms by default, many times per request
+    sys.setswitchinterval(SWITCH_INTERVAL_S)
     tls = _PortTls.load(config.tls, config.peer_ca)  # before anything binds or opens
     install_message_limit()
     with _state_lock(config.db_path):  # before the database opens and any port binds

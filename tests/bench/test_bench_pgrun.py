@@ -63,14 +63,17 @@ async def test_cluster_cpu_counts_the_backends_work(pg_cluster: PrivateCluster) 
     try:
         assert len(cluster_pids(pg_cluster)) > 1  # the postmaster and its children
         await conn.execute("SELECT count(*) FROM generate_series(1, 3000000)")
+        alive = cluster_cpu_seconds(pg_cluster) - before  # the live backend's own counters
     finally:
         await conn.close()
-    # a closed backend's CPU counts once the postmaster has reaped it (cutime): soon after
-    for _ in range(50):
-        if cluster_cpu_seconds(pg_cluster) - before >= 0.05:
+    assert alive >= 0.05
+    # a closed backend's CPU counts once the postmaster has reaped it (cutime): soon after,
+    # later on a loaded machine
+    for _ in range(150):
+        if cluster_cpu_seconds(pg_cluster) - before >= alive - 0.02:
             break
         await asyncio.sleep(0.1)
-    assert cluster_cpu_seconds(pg_cluster) - before >= 0.05
+    assert cluster_cpu_seconds(pg_cluster) - before >= alive - 0.02
 
 
 async def test_timed_writes_records_each_save_replicas(db: Path | str) -> None:
