@@ -58,6 +58,7 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from llmgw.addresses import AddressError, bracketed, parse_host_port, state_home
 from llmgw.engineports import DEFAULT_ENGINE_PORTS, PortRange
@@ -317,23 +318,10 @@ async def _serve(
         plane, heartbeat_interval_ms=config.heartbeat_interval_ms, logs=logs, leadership=leadership
     )
     router = RouterService(plane, reports)  # API keys: native gRPC only, never gRPC-web
-    grpc = LimitedServer(
-        [agents, control, router],
-        codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
-        limits=config.grpc_limits,
-    )
-    install(grpc, auth)
-    install_store_health(grpc)
-    try:
-        await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
-    except OSError as exc:
-        raise _cannot_listen(config.grpc_listen, "--grpc-listen", "native gRPC", exc) from exc
+    grpc = await _native_port(config, [agents, control, router], auth, tls, store_health=True)
     web = _grpc_web_server(config, control, agents, auth, tls.http)
     try:
-        try:
-            await web.start(config.http_listen.host, config.http_listen.port, ssl=tls.http)
-        except OSError as exc:
-            raise _cannot_listen(config.http_listen, "--http-listen", "gRPC-web", exc) from exc
+        await _start_web(config, web, tls)
         async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
             slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
             rounds = {"tick": _ticker(plane, config.tick_s)}
@@ -349,7 +337,7 @@ async def _serve(
     finally:
         slot.gateway = None
         await web.stop()
-        agents.shutdown(_term_end(leadership))
+        agents.shutdown(leadership.term_end())
         router.shutdown()
         await asyncio.sleep(0)  # let the streams send their trailers
         grpc.close()
@@ -371,16 +359,8 @@ async def _follow(
     naming the leader (a balancer sends nothing here that only a leader serves) and
     ``/metrics`` says who leads."""
     relay = LeaderRelay(leadership, ssl=tls.peer)
-    grpc = LimitedServer(
-        [*follower_services(leadership), relay],
-        codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
-        limits=config.grpc_limits,
-    )
-    install(grpc, auth)
-    try:
-        await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
-    except OSError as exc:
-        raise _cannot_listen(config.grpc_listen, "--grpc-listen", "native gRPC", exc) from exc
+    services = [*follower_services(leadership), relay]
+    grpc = await _native_port(config, services, auth, tls, store_health=False)
     browsers = HttpGuard(config.browsers, config.http_listen.host, tls=tls.http is not None)
     app = GrpcWebApp(
         services=[relay],
@@ -394,10 +374,7 @@ async def _follow(
     limits = replace(config.http_limits, max_body_bytes=most_body_bytes(config.max_message_bytes))
     web = HttpServer(AsgiHandler(app, scheme=tls.scheme), limits, guard=browsers, cors=False)
     try:
-        try:
-            await web.start(config.http_listen.host, config.http_listen.port, ssl=tls.http)
-        except OSError as exc:
-            raise _cannot_listen(config.http_listen, "--http-listen", "gRPC-web", exc) from exc
+        await _start_web(config, web, tls)
         log.info("llmgw server %s follows: %s", leadership.server_id, leadership.refusal())
         await _follower_gateway(config, stop, tls, leadership, auth)
     finally:
@@ -421,29 +398,11 @@ async def _follower_gateway(
         return
     await follow_leader_gateway(
         _gateway_config(config, tls.http),
-        _own_address(config),
         stop,
         leadership,
         auth,
         feed_tls=tls.peer,
     )
-
-
-def _own_address(config: ServerConfig) -> tuple[str, int]:
-    """Where this server's own native port is dialled: ``--advertise`` (the name its
-    certificate holds), else ``--grpc-listen`` (loopback for a wildcard)."""
-    if config.advertise:
-        return parse_host_port(config.advertise, port_zero=False)
-    host = config.grpc_listen.host
-    return ("127.0.0.1" if host in ("0.0.0.0", "") else "::1" if host == "::" else host,
-            config.grpc_listen.port)  # fmt: skip
-
-
-def _term_end(leadership: Leadership) -> str:
-    """Why a leader's term ends, as its agents' streams are told."""
-    if leadership.leading():
-        return "the control server is shutting down"
-    return f"the control server no longer leads (its lease at epoch {leadership.epoch} ran out)"
 
 
 def _refusal(leadership: Leadership) -> Callable[[], Awaitable[str | None]]:
@@ -476,6 +435,39 @@ def unauthenticated_exposure(config: ServerConfig, *, auth_on: bool) -> str | No
 
 def _beyond_loopback(listen: Listen | None) -> bool:
     return listen is not None and not is_loopback_host(listen.host)
+
+
+async def _native_port(
+    config: ServerConfig,
+    services: list[Any],
+    auth: Authenticator,
+    tls: _PortTls,
+    *,
+    store_health: bool,
+) -> LimitedServer:
+    """The native gRPC port serving ``services`` behind ``auth`` (and, for the leader, the
+    store's health: ``store_health``), listening; a ConfigError when it cannot."""
+    grpc = LimitedServer(
+        services,
+        codec=CheckedProtoCodec(max_message_bytes=config.max_message_bytes),
+        limits=config.grpc_limits,
+    )
+    install(grpc, auth)
+    if store_health:
+        install_store_health(grpc)
+    try:
+        await grpc.start(config.grpc_listen.host, config.grpc_listen.port, ssl=tls.grpc)
+    except OSError as exc:
+        raise _cannot_listen(config.grpc_listen, "--grpc-listen", "native gRPC", exc) from exc
+    return grpc
+
+
+async def _start_web(config: ServerConfig, web: HttpServer, tls: _PortTls) -> None:
+    """The gRPC-web port listening; a ConfigError when it cannot."""
+    try:
+        await web.start(config.http_listen.host, config.http_listen.port, ssl=tls.http)
+    except OSError as exc:
+        raise _cannot_listen(config.http_listen, "--http-listen", "gRPC-web", exc) from exc
 
 
 def _cannot_listen(listen: Listen, flag: str, what: str, exc: OSError) -> ConfigError:

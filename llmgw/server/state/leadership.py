@@ -193,6 +193,12 @@ class Leadership:
         gone_ms = int((time.monotonic() - self._view_at) * 1000)
         return replace(self.view, remaining_ms=self.view.remaining_ms - gone_ms)
 
+    def term_end(self) -> str:
+        """Why a leader's term ends, as its agents' streams are told."""
+        if self.leading():
+            return "the control server is shutting down"
+        return f"the control server no longer leads (its lease at epoch {self.epoch} ran out)"
+
     def refusal(self) -> str:
         """Why this server does not act, naming the leader (a follower's UNAVAILABLE)."""
         view = self.not_leader()

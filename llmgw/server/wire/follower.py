@@ -38,6 +38,23 @@ _REDIRECTED = {
 }
 
 
+HandlerFunc = Callable[[grpclib.server.Stream[Any, Any]], Any]
+
+
+def handlers_of(
+    base: type[Any], serve: Callable[[str, grpclib.const.Handler], HandlerFunc]
+) -> dict[str, grpclib.const.Handler]:
+    """Every method of ``base`` (a generated service class: its paths, cardinalities and
+    message types), each served by ``serve(path, handler)`` instead of ``base``'s own."""
+    real = base.__mapping__(base())
+    return {
+        path: grpclib.const.Handler(
+            serve(path, handler), handler.cardinality, handler.request_type, handler.reply_type
+        )
+        for path, handler in real.items()
+    }
+
+
 class FollowerService:
     """One service's every method refused while this server follows; ``base`` is its
     generated class (for its method paths and message types)."""
@@ -47,16 +64,9 @@ class FollowerService:
         self._leadership = leadership
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
-        real = self._base.__mapping__(self._base())
-        return {
-            path: grpclib.const.Handler(
-                self._refuser(path), handler.cardinality, handler.request_type,
-                handler.reply_type,
-            )
-            for path, handler in real.items()
-        }  # fmt: skip
+        return handlers_of(self._base, lambda path, _: self._refuser(path))
 
-    def _refuser(self, path: str) -> Callable[[grpclib.server.Stream[Any, Any]], Any]:
+    def _refuser(self, path: str) -> HandlerFunc:
         first = _REDIRECTED.get(path)
 
         async def refuse(stream: grpclib.server.Stream[Any, Any]) -> None:

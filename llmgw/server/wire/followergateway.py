@@ -17,33 +17,39 @@ import logging
 import ssl
 from collections.abc import AsyncIterator
 
+from llmgw.addresses import parse_host_port
 from llmgw.gateway import GatewayConfig, run_gateway
 from llmgw.server.errors import StoreError
 from llmgw.server.state.leadership import Leadership
 from llmgw.server.state.tokens import Role
 from llmgw.server.wire.auth import Authenticator, hash_token, new_token
 
-__all__ = ["TURN_TOKEN_NOTE", "TURN_TOKEN_RETRY_S", "follow_leader_gateway", "turn_token"]
+__all__ = [
+    "TURN_TOKEN_NOTE",
+    "TURN_TOKEN_RETRY_S",
+    "follow_leader_gateway",
+    "own_address",
+    "turn_token",
+]
 
 log = logging.getLogger(__name__)
 
 
 async def follow_leader_gateway(
     config: GatewayConfig,
-    own: tuple[str, int],
     stop: asyncio.Event,
     leadership: Leadership,
     auth: Authenticator,
     *,
     feed_tls: ssl.SSLContext | None,
 ) -> None:
-    """Serve the gateway on ``config`` until ``stop``, its feed starting from ``own`` (this
-    server's native port) over ``feed_tls``, reporting as ``server ID``."""
+    """Serve the gateway on ``config`` until ``stop``, its feed starting from this server's
+    own native port (:func:`own_address`) over ``feed_tls``, reporting as ``server ID``."""
     async with turn_token(leadership, auth, stop) as token:
         if stop.is_set():
             return
         await run_gateway(
-            [own],
+            [own_address(leadership)],
             config,
             stop,
             token=token,
@@ -51,6 +57,13 @@ async def follow_leader_gateway(
             gateway_id=f"server {leadership.server_id}",
             embedded=True,
         )
+
+
+def own_address(leadership: Leadership) -> tuple[str, int]:
+    """Where this server's own native port is dialled: the address it advertises
+    (``--advertise``, else ``--grpc-listen``), a wildcard host as loopback."""
+    host, port = parse_host_port(leadership.address, port_zero=True)
+    return {"0.0.0.0": "127.0.0.1", "": "127.0.0.1", "::": "::1"}.get(host, host), port
 
 
 TURN_TOKEN_NOTE = "llmgw server {}: its own gateway's feed while it follows"

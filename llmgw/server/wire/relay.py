@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 import ssl
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Final
 
 import grpclib.client
@@ -36,6 +36,7 @@ from grpclib.exceptions import GRPCError, ProtocolError, StreamTerminatedError
 from llmgw.addresses import AddressError, parse_host_port
 from llmgw.api.llmgw.v1 import Cluster, ControlServiceBase, WatchEvent
 from llmgw.server.state.leadership import Leadership
+from llmgw.server.wire.follower import HandlerFunc, handlers_of
 
 __all__ = ["RELAYED_BY", "LeaderRelay"]
 
@@ -47,7 +48,11 @@ RELAYED_BY: Final = "llmgw-relayed-by"
 _FORWARDED: Final = ("authorization",)
 """The caller's metadata that goes with a relayed call (its credential)."""
 
-_AWAY: Final = (OSError, StreamTerminatedError, ProtocolError, ConnectionError)
+_AWAY: Final = (
+    OSError,
+    StreamTerminatedError,
+    ProtocolError,
+)  # ConnectionError, ssl's errors: OSError
 
 
 class LeaderRelay:
@@ -61,14 +66,7 @@ class LeaderRelay:
         self.relayed = 0  # calls passed to the leader (whatever it answered)
 
     def __mapping__(self) -> dict[str, grpclib.const.Handler]:
-        real = ControlServiceBase.__mapping__(ControlServiceBase())
-        return {
-            path: grpclib.const.Handler(
-                self._relayer(path, handler), handler.cardinality, handler.request_type,
-                handler.reply_type,
-            )
-            for path, handler in real.items()
-        }  # fmt: skip
+        return handlers_of(ControlServiceBase, self._relayer)
 
     def close(self) -> None:
         """Close the channel to the leader (the follower's turn ended)."""
@@ -77,9 +75,7 @@ class LeaderRelay:
             self._channel = None
             self._address = ""
 
-    def _relayer(
-        self, path: str, handler: grpclib.const.Handler
-    ) -> Callable[[grpclib.server.Stream[Any, Any]], Any]:
+    def _relayer(self, path: str, handler: grpclib.const.Handler) -> HandlerFunc:
         async def relay(stream: grpclib.server.Stream[Any, Any]) -> None:
             given: Mapping[str, str | bytes] = stream.metadata or {}
             if relayed_by := given.get(RELAYED_BY):
