@@ -123,6 +123,9 @@ def test_a_follower_relays_operators_calls_and_its_gateway_serves_the_leaders_re
     b.token = viewer
     refused = b.cli("scale", "chat", "2", check=False)
     assert refused.returncode != 0 and "operator" in refused.stderr  # roles hold on b too
+    b.token = "llmgw_forged"  # refused by b itself, before any relay
+    refused = b.cli("get", "nodes", check=False)
+    assert "UNAUTHENTICATED" in refused.stderr and "relayed" not in refused.stderr
     b.token = admin
 
     def answered() -> int:
