@@ -113,6 +113,7 @@ METHOD_ROLES: Mapping[str, Role] = {
     _CONTROL + "CreateKey": Role.ADMIN,  # tenants' gateway keys (issue #18)
     _CONTROL + "ListKeys": Role.ADMIN,
     _CONTROL + "RevokeKey": Role.ADMIN,
+    _CONTROL + "GetUsage": Role.ADMIN,
     "/llmgw.v1.AgentService/Connect": Role.AGENT,
     "/llmgw.v1.RouterService/Feed": Role.GATEWAY,
     "/llmgw.v1.RouterService/Report": Role.GATEWAY,

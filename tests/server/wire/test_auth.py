@@ -71,6 +71,7 @@ DESIRED = {
     "CreateKey",
     "ListKeys",
     "RevokeKey",
+    "GetUsage",  # what tenants spent: admin only, like their keys
 }  # admin only
 
 

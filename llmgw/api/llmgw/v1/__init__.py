@@ -42,7 +42,9 @@ __all__ = (
     "HistoryEvent",
     "HostFacts",
     "Imex",
+    "KeyAllowance",
     "KeyPriority",
+    "KeyWindow",
     "KvBlocks",
     "KvDelta",
     "KvFollowStats",
@@ -106,6 +108,9 @@ __all__ = (
     "TenantKey",
     "TenantKeys",
     "TenantUsage",
+    "UsageRequest",
+    "UsageResponse",
+    "UsageRow",
     "WatchEvent",
     "WatchRequest",
 )
@@ -1371,6 +1376,78 @@ default_message_pool.register_message("llmgw.v1", "Imex", Imex)
 
 
 @dataclass(eq=False, repr=False)
+class KeyAllowance(betterproto2.Message):
+    """
+    One gateway's part of a key's fleet-wide limits (RouterReportAck.allowances), enforced
+    until the next ack; a gateway cut off from the server keeps its last one. A key with no
+    limit of a kind has 0 there; a key the ack leaves out is enforced at its whole limits.
+    """
+
+    key_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    rpm: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    requests this gateway may hold in its sliding minute
+    """
+
+    tpm: "int" = betterproto2.field(3, betterproto2.TYPE_UINT32)
+    """
+    tokens it may hold in its sliding minute
+    """
+
+    max_concurrency: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+    """
+    requests it may have in flight at once
+    """
+
+    whole: "bool" = betterproto2.field(5, betterproto2.TYPE_BOOL)
+    """
+    Whether it is the whole fleet's budget for the kinds it names (the only gateway live);
+    false: a part, which the next rebalance may grow (a refusal says so in Retry-After).
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "KeyAllowance", KeyAllowance)
+
+
+@dataclass(eq=False, repr=False)
+class KeyWindow(betterproto2.Message):
+    """
+    A gateway's use of one key's limits now (RouterReport.windows), for the fleet-wide split:
+    what its sliding minute holds and, cumulative since the gateway started, what was asked.
+    """
+
+    key_id: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+
+    requests: "int" = betterproto2.field(2, betterproto2.TYPE_UINT32)
+    """
+    requests admitted in its sliding minute now
+    """
+
+    tokens: "int" = betterproto2.field(3, betterproto2.TYPE_UINT64)
+    """
+    tokens counted in its sliding minute now
+    """
+
+    in_flight: "int" = betterproto2.field(4, betterproto2.TYPE_UINT32)
+    """
+    requests in flight now
+    """
+
+    asked_requests: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+    """
+    Cumulative: requests that asked to be admitted (admitted, or refused by a limit) and
+    their tokens (the admission estimates). The server takes differences between reports:
+    the gateway's recent share of the key's demand.
+    """
+
+    asked_tokens: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+
+
+default_message_pool.register_message("llmgw.v1", "KeyWindow", KeyWindow)
+
+
+@dataclass(eq=False, repr=False)
 class KvBlocks(betterproto2.Message):
     """
     KV cache blocks one replica holds (issue #6), as llmgw block keys
@@ -2609,6 +2686,12 @@ class RouterReport(betterproto2.Message):
     added with issue #18: per tenant key and model
     """
 
+    windows: "list[KeyWindow]" = betterproto2.field(8, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    Added with issue #18: its use of each limited key's budget now, for the fleet-wide
+    split (RouterReportAck.allowances).
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "RouterReport", RouterReport)
 
@@ -2622,6 +2705,13 @@ class RouterReportAck(betterproto2.Message):
     at_unix_ms: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
     """
     the server's wall clock when the report was taken
+    """
+
+    allowances: "list[KeyAllowance]" = betterproto2.field(
+        2, betterproto2.TYPE_MESSAGE, repeated=True
+    )
+    """
+    Added with issue #18: this gateway's part of every limited key's fleet-wide limits.
     """
 
 
@@ -3054,6 +3144,81 @@ class TenantUsage(betterproto2.Message):
 
 
 default_message_pool.register_message("llmgw.v1", "TenantUsage", TenantUsage)
+
+
+@dataclass(eq=False, repr=False)
+class UsageRequest(betterproto2.Message):
+    """
+    Added with issue #18: durable usage, hourly totals in the state store (GetUsage).
+    """
+
+    tenant: "str" = betterproto2.field(1, betterproto2.TYPE_STRING)
+    """
+    only this tenant; "": every tenant
+    """
+
+    since_unix_ms: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+    """
+    hours that end after this; 0: every hour kept
+    """
+
+    until_unix_ms: "int" = betterproto2.field(3, betterproto2.TYPE_INT64)
+    """
+    hours that begin before this; 0: now
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "UsageRequest", UsageRequest)
+
+
+@dataclass(eq=False, repr=False)
+class UsageResponse(betterproto2.Message):
+    rows: "list[UsageRow]" = betterproto2.field(1, betterproto2.TYPE_MESSAGE, repeated=True)
+    """
+    by hour, tenant, key, model
+    """
+
+    as_of_unix_ms: "int" = betterproto2.field(2, betterproto2.TYPE_INT64)
+    """
+    The newest gateway report the rows include: what gateways counted since then (at most
+    one report interval each) is not in them yet. 0: no report stored.
+    """
+
+
+default_message_pool.register_message("llmgw.v1", "UsageResponse", UsageResponse)
+
+
+@dataclass(eq=False, repr=False)
+class UsageRow(betterproto2.Message):
+    """
+    One tenant key's use of one model in one hour (summed over every gateway).
+    """
+
+    hour_unix_ms: "int" = betterproto2.field(1, betterproto2.TYPE_INT64)
+    """
+    the hour's start (UTC)
+    """
+
+    tenant: "str" = betterproto2.field(2, betterproto2.TYPE_STRING)
+
+    key_id: "str" = betterproto2.field(3, betterproto2.TYPE_STRING)
+
+    model: "str" = betterproto2.field(4, betterproto2.TYPE_STRING)
+
+    requests: "int" = betterproto2.field(5, betterproto2.TYPE_UINT64)
+
+    refused: "int" = betterproto2.field(6, betterproto2.TYPE_UINT64)
+
+    prompt_tokens: "int" = betterproto2.field(7, betterproto2.TYPE_UINT64)
+
+    cached_prompt_tokens: "int" = betterproto2.field(8, betterproto2.TYPE_UINT64)
+
+    completion_tokens: "int" = betterproto2.field(9, betterproto2.TYPE_UINT64)
+
+    gpu_seconds: "float" = betterproto2.field(10, betterproto2.TYPE_DOUBLE)
+
+
+default_message_pool.register_message("llmgw.v1", "UsageRow", UsageRow)
 
 
 @dataclass(eq=False, repr=False)
@@ -3565,6 +3730,27 @@ class ControlServiceStub(betterproto2_grpclib.ServiceStub):
             metadata=metadata,
         )
 
+    async def get_usage(
+        self,
+        message: "UsageRequest",
+        *,
+        timeout: "float | None" = None,
+        deadline: "Deadline | None" = None,
+        metadata: "MetadataLike | None" = None,
+    ) -> "UsageResponse":
+        """
+        Hourly usage per tenant, key and model from the state store (the admin role).
+        """
+
+        return await self._unary_unary(
+            "/llmgw.v1.ControlService/GetUsage",
+            message,
+            UsageResponse,
+            timeout=timeout,
+            deadline=deadline,
+            metadata=metadata,
+        )
+
 
 class RouterServiceStub(betterproto2_grpclib.ServiceStub):
     async def feed(
@@ -3756,6 +3942,13 @@ class ControlServiceBase(betterproto2_grpclib.ServiceBase):
 
         raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
 
+    async def get_usage(self, message: "UsageRequest") -> "UsageResponse":
+        """
+        Hourly usage per tenant, key and model from the state store (the admin role).
+        """
+
+        raise grpclib.GRPCError(grpclib.const.Status.UNIMPLEMENTED)
+
     async def __rpc_get_cluster(
         self, stream: "grpclib.server.Stream[GetClusterRequest, Cluster]"
     ) -> None:
@@ -3928,6 +4121,14 @@ class ControlServiceBase(betterproto2_grpclib.ServiceBase):
         response = await self.revoke_key(request)
         await stream.send_message(response)
 
+    async def __rpc_get_usage(
+        self, stream: "grpclib.server.Stream[UsageRequest, UsageResponse]"
+    ) -> None:
+        request = await stream.recv_message()
+        assert request is not None
+        response = await self.get_usage(request)
+        await stream.send_message(response)
+
     def __mapping__(self) -> "dict[str, grpclib.const.Handler]":
         return {
             "/llmgw.v1.ControlService/GetCluster": grpclib.const.Handler(
@@ -4055,6 +4256,12 @@ class ControlServiceBase(betterproto2_grpclib.ServiceBase):
                 grpclib.const.Cardinality.UNARY_UNARY,
                 RevokeKeyRequest,
                 ActionResult,
+            ),
+            "/llmgw.v1.ControlService/GetUsage": grpclib.const.Handler(
+                self.__rpc_get_usage,
+                grpclib.const.Cardinality.UNARY_UNARY,
+                UsageRequest,
+                UsageResponse,
             ),
         }
 
