@@ -2872,6 +2872,13 @@ class RouteTarget(betterproto2.Message):
     tier keys its blocks with the adapter's extra key.
     """
 
+    max_in_flight: "int" = betterproto2.field(9, betterproto2.TYPE_UINT32)
+    """
+    Added with issue #18: how many requests the replica runs at once (its engine's batch
+    limit: vLLM's --max-num-seqs from the profile, else the engine's default); 0: unknown.
+    Past it a gateway queues requests by priority band and tenant (llmgw.gateway.flow).
+    """
+
 
 default_message_pool.register_message("llmgw.v1", "RouteTarget", RouteTarget)
 
