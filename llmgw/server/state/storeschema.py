@@ -9,7 +9,8 @@ changes of shards and nodes, bounded, ``llmgw.server.state.history``), the profi
 of deployments (``revisions``) and an index of the audit log by target (what Describe reads);
 8 the leader lease (``leases``: which server leads and its epoch, ``llmgw.server.state.lease``);
 9 the tenants' gateway keys (``tenant_keys``: their SHA-256 only, never a key; a revoked one
-keeps its row with ``revoked_ms`` set, ``llmgw.server.state.tenantkeys``).
+keeps its row with ``revoked_ms`` set, ``llmgw.server.state.tenantkeys``); 10 the metered
+usage (``tenant_usage_hourly``: per UTC hour, tenant, key and model, the counters added up).
 ``MIGRATIONS`` holds the script that
 brings a database from each version to the next, in SQLite's types (``storepg.postgres_ddl``
 gives PostgreSQL the same tables in its own), and ``COLUMNS_6`` the columns version 6 adds
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 
 # --- schema, by version ---------------------------------------------------------------------
 
-SCHEMA_VERSION = 9
+SCHEMA_VERSION = 10
 
 _SCHEMA_1 = """
 CREATE TABLE IF NOT EXISTS nodes (
@@ -151,6 +152,22 @@ CREATE TABLE IF NOT EXISTS tenant_keys (
 );
 """
 
+_SCHEMA_10 = """
+CREATE TABLE IF NOT EXISTS tenant_usage_hourly (
+    hour            INTEGER NOT NULL,       -- Unix ms of the UTC hour's start
+    tenant          TEXT NOT NULL,
+    key_id          TEXT NOT NULL,
+    model           TEXT NOT NULL,
+    requests        INTEGER NOT NULL DEFAULT 0,
+    refused         INTEGER NOT NULL DEFAULT 0,
+    prompt_tokens   INTEGER NOT NULL DEFAULT 0,
+    cached_tokens   INTEGER NOT NULL DEFAULT 0,
+    completion_tokens INTEGER NOT NULL DEFAULT 0,
+    gpu_ms          INTEGER NOT NULL DEFAULT 0,  -- GPU-milliseconds attributed
+    PRIMARY KEY (hour, tenant, key_id, model)
+);
+"""
+
 MIGRATIONS = {
     1: _SCHEMA_1,
     2: _SCHEMA_2,
@@ -161,6 +178,7 @@ MIGRATIONS = {
     7: _SCHEMA_7,
     8: _SCHEMA_8,
     9: _SCHEMA_9,
+    10: _SCHEMA_10,
 }
 
 

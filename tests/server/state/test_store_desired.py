@@ -81,7 +81,7 @@ async def test_schema_1_database_migrates_and_keeps_its_nodes(db: Path | str) ->
         assert [p.name for p in await store.load_profiles()] == ["p"]
         assert [t.token_id for t in await store.load_tokens()] == []  # tables of 2-9 are there
         await store.save_node(StoredNode("n2", b"", False, 30, 30, ever_ready=False))
-    assert await _version(db) == SCHEMA_VERSION == 9
+    assert await _version(db) == SCHEMA_VERSION == 10
     async with Store(db) as store:
         assert [n.ever_ready for n in await store.load_nodes()] == [True, False]  # column of 6
 

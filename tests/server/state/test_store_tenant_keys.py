@@ -106,4 +106,21 @@ async def test_a_schema_8_database_gets_the_table(db: Path | str) -> None:
         assert await store.load_tenant_keys() == []
         await store.add_tenant_key(_key("k_1"))
         assert [k.key_id for k in await store.load_tenant_keys()] == ["k_1"]
-    assert SCHEMA_VERSION == 9
+    assert SCHEMA_VERSION >= 9
+
+
+async def test_a_schema_9_database_gets_the_usage_table(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    with sqlite3.connect(db) as conn:
+        for version in range(1, 10):
+            conn.executescript(MIGRATIONS[version])
+        conn.execute("ALTER TABLE tokens ADD COLUMN nodes TEXT NOT NULL DEFAULT ''")
+        conn.execute("ALTER TABLE nodes ADD COLUMN ever_ready INTEGER NOT NULL DEFAULT 1")
+        conn.execute("PRAGMA user_version = 9")
+    conn.close()
+    async with Store(db) as store:
+        assert [k.key_id for k in await store.load_tenant_keys()] == []
+    with sqlite3.connect(db) as conn:
+        assert conn.execute("PRAGMA user_version").fetchone() == (SCHEMA_VERSION,)
+        assert conn.execute("SELECT count(*) FROM tenant_usage_hourly").fetchone() == (0,)
+    conn.close()
