@@ -8,6 +8,8 @@ are kept, so their shards stay fenced); and the operator requests still to carry
 replicas (``retire``: drained by an operator; ``replace``: moved off a drained node); and
 the tokens of ``llmgw.server.wire.auth`` (their SHA-256 only, never the tokens); and the
 tenants' gateway keys (``tenant_keys``: their SHA-256 only; a revoke marks the row).
+Metered usage: ``add_usage`` adds a batch of per-hour deltas (``tenant_usage_hourly``, fenced),
+``load_usage`` reads the hours from a time on.
 
 Two backends behind one interface (``llmgw.server.state.storebackend``): ``--db PATH`` is
 an SQLite file (``llmgw.server.state.storesqlite``: its modes, WAL, the temporary file a
@@ -47,7 +49,7 @@ from __future__ import annotations
 import functools
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import Concatenate, ParamSpec, TypeVar
@@ -76,6 +78,7 @@ from llmgw.server.state.storeschema import (
 )
 from llmgw.server.state.storesqlite import SqliteBackend
 from llmgw.server.state.tokens import Role, StoredToken
+from llmgw.server.state.usage import UsageCounts, UsageKey
 
 log = logging.getLogger(__name__)
 
@@ -123,6 +126,11 @@ def _writing(
 
     return write
 
+
+_USAGE_NAMES = (
+    "requests", "refused", "prompt_tokens", "cached_tokens", "completion_tokens", "gpu_ms",
+)  # fmt: skip
+_USAGE = ", ".join(_USAGE_NAMES)
 
 _KEY_COLUMNS = (
     "key_id", "tenant", "digest", "models", "rpm", "tpm", "max_concurrency", "priority",
@@ -417,6 +425,33 @@ class Store(HistoryRows):
             )
             > 0
         )
+
+    # --- metered usage (llmgw.server.state.usage) ---------------------------------------
+
+    @_write
+    async def add_usage(self, batch: Mapping[UsageKey, UsageCounts]) -> None:
+        """Add a batch of per-hour deltas into ``tenant_usage_hourly``, in one transaction."""
+        for key, c in batch.items():
+            await self._db.execute(
+                f"INSERT INTO tenant_usage_hourly (hour, tenant, key_id, model, {_USAGE})"
+                " VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"
+                " ON CONFLICT (hour, tenant, key_id, model) DO UPDATE SET "
+                + ", ".join(f"{n} = tenant_usage_hourly.{n} + excluded.{n}" for n in _USAGE_NAMES),
+                (*key, c.requests, c.refused, c.prompt_tokens, c.cached_tokens,
+                 c.completion_tokens, c.gpu_ms),
+            )  # fmt: skip
+
+    async def load_usage(self, since_ms: int = 0) -> dict[UsageKey, UsageCounts]:
+        """The stored rows of the hours from ``since_ms`` on."""
+        rows = await self._db.fetch(
+            f"SELECT hour, tenant, key_id, model, {_USAGE} FROM tenant_usage_hourly"
+            " WHERE hour >= ? ORDER BY hour, tenant, key_id, model",
+            (since_ms,),
+        )
+        return {
+            (int(r[0]), str(r[1]), str(r[2]), str(r[3])): UsageCounts(*(int(v) for v in r[4:]))
+            for r in rows
+        }
 
     # --- desired state ---------------------------------------------------------------
 

@@ -8,7 +8,8 @@ new value, as Prometheus' ``rate`` does. The differences are added into the curr
 row (hour, tenant, key_id, model); ``take`` hands out what is pending, for the store to write
 (in one batch, off the request path), and ``give_back`` returns a batch whose write failed.
 Rows per hour are capped (``MAX_ROWS_PER_HOUR``): past it a row's deltas are dropped and
-counted in ``dropped``. Not yet wired to the report path or the store (issue #18, part 4).
+counted in ``dropped``. ``Store.add_usage`` writes a batch; the ledger is not yet fed by the
+report path nor drained by a writer (issue #18, part 4).
 """
 
 from __future__ import annotations

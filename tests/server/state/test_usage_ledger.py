@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
+from llmgw.server.state.store import Store
 from llmgw.server.state.usage import HOUR_MS, UsageCounts, UsageLedger
 
 L = ("t", "k_1", "m")
@@ -26,3 +29,15 @@ def test_hour_boundary_and_give_back() -> None:
     assert ledger.pending == {}
     ledger.give_back(batch)
     assert ledger.pending == batch
+
+
+async def test_usage_batches_add_up_in_the_store_across_reopens(tmp_path: Path) -> None:
+    db = tmp_path / "s.db"
+    async with Store(db) as store:
+        await store.add_usage({(0, *L): UsageCounts(requests=1, cached_tokens=3)})
+        await store.add_usage({(0, *L): UsageCounts(requests=2, gpu_ms=7)})
+    async with Store(db) as store:
+        assert await store.load_usage() == {
+            (0, *L): UsageCounts(requests=3, cached_tokens=3, gpu_ms=7)
+        }
+        assert await store.load_usage(since_ms=HOUR_MS) == {}
