@@ -334,4 +334,4 @@ async def test_a_schema_2_file_gains_the_replicas_and_requests_tables(tmp_path: 
     with sqlite3.connect(db) as conn:
         (version,) = conn.execute("PRAGMA user_version").fetchone()
     conn.close()
-    assert version == SCHEMA_VERSION == 9
+    assert version == SCHEMA_VERSION == 10

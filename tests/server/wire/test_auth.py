@@ -174,7 +174,7 @@ async def test_a_version_4_file_migrates_to_tokens(tmp_path: Path) -> None:
         await add(store, Role.ADMIN)
         assert len(await store.load_tokens()) == 1
     with sqlite3.connect(path) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 9
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 10
 
 
 async def test_off_without_tokens_then_on(store: Store) -> None:
