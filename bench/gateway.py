@@ -9,7 +9,10 @@ then ``data: [DONE]``; keep-alive, TCP_NODELAY. In front of it, in the same run:
 
 * ``direct``: no proxy, the baseline;
 * ``llmgw``: our ``Gateway`` (``_gateway`` mode: a RoutingTable with one Target per upstream
-  port, no control server), with ``round_robin`` and with ``prefix`` (the default policy);
+  port, no control server), with ``round_robin`` and with ``prefix`` (the default policy),
+  and ``llmgw prefix keyed``: ``prefix`` again with a tenant key (issue #18) whose every limit
+  (rpm, tpm, concurrency) is checked and counted on every request, none reached: every
+  request carries ``Authorization: Bearer`` that key, which the other proxies ignore;
 * ``vllm-router`` 0.1.17 and ``sglang-router`` 0.3.2 (PyPI; ``scripts/setup-bench-routers``
   installs them) with ``round_robin`` and with ``cache_aware``, their approximate prefix tree.
   vllm-router's cache_aware tokenizes every request through vLLM's render endpoint on every
@@ -58,6 +61,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hashlib
 import os
 import signal
 import sys
@@ -65,7 +69,7 @@ import tempfile
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Final, TextIO
+from typing import TYPE_CHECKING, Final, TextIO
 
 import uvloop
 
@@ -73,6 +77,7 @@ from bench.gwbench.load import Cell, Meter, Work, make_work, run_cell, stickines
 from bench.gwbench.profile import Profile, profile_gateways
 from bench.gwbench.report import machine, render
 from bench.gwbench.settings import (
+    BENCH_KEY,
     KINDS,
     PEER_MODULES,
     PEERS,
@@ -100,6 +105,9 @@ from bench.kit import (
 )
 from llmgw.addresses import free_port
 
+if TYPE_CHECKING:
+    from llmgw.gateway.tenants import TenantRegistry
+
 START_TIMEOUT_S: Final = 60.0
 RETRY_PAUSE_S: Final = 2.0
 
@@ -121,13 +129,30 @@ async def run_gateway(args: argparse.Namespace) -> None:
         Target(replica_id=f"r{i}", model=MODEL, url=f"http://{HOST}:{port}")
         for i, port in enumerate(args.upstreams)
     )
-    gateway = Gateway(table, GatewayConfig(host=HOST, port=0, policy=args.policy))
+    tenants = keyed_registry() if args.keyed else None
+    gateway = Gateway(table, GatewayConfig(host=HOST, port=0, policy=args.policy), tenants=tenants)
     _, port = await gateway.start()
     try:
         print(f"PORT {port}", flush=True)
         await stop.wait()
     finally:
         await gateway.stop()
+
+
+def keyed_registry() -> TenantRegistry:
+    """A registry holding BENCH_KEY, a tenant's key with every limit set (far above what
+    the cells send, so none refuses: what is measured is checking and counting them)."""
+    from llmgw.api.llmgw.v1 import TenantKey
+    from llmgw.gateway.tenants import TenantRegistry
+
+    registry = TenantRegistry()
+    key = TenantKey(
+        key_id="bench", tenant="bench", models=[MODEL], rpm=4_000_000_000,
+        tpm=4_000_000_000, max_concurrency=100_000,
+        digest=hashlib.sha256(BENCH_KEY.encode()).digest(),
+    )  # fmt: skip
+    registry.replace([key])
+    return registry
 
 
 # ======================================================================================
@@ -152,7 +177,8 @@ def peer_argv(proxy: Proxy, port: int, metrics_port: int, upstreams: Sequence[in
 def start_proxy(proxy: Proxy, upstreams: Sequence[int], s: Settings, workdir: Path) -> Child:
     if proxy.kind == "llmgw":
         argv = [*module_command("bench.gateway"), "_gateway", "--policy", proxy.policy,
-                "--upstreams", ",".join(map(str, upstreams))]  # fmt: skip
+                "--upstreams", ",".join(map(str, upstreams)),
+                *(["--keyed"] if proxy.keyed else [])]  # fmt: skip
         child = spawn(proxy.name, argv, s.proxy_cpu, _log(workdir, proxy.name), announces=True)
         child.ports = announced_ports(child, "PORT", START_TIMEOUT_S)
         return child
@@ -375,6 +401,7 @@ def main(argv: Sequence[str]) -> int:
         p.add_argument("--token-ms", type=float, default=2.0)
         p.add_argument("--render", choices=RENDER, default="tokens")
         p.add_argument("--policy", default="prefix")
+        p.add_argument("--keyed", action="store_true")
         p.add_argument("--upstreams", type=lambda v: [int(x) for x in v.split(",")], default=[])
         args = p.parse_args(argv[1:])
         serve = run_upstream if argv[0] == "_upstream" else run_gateway

@@ -118,6 +118,7 @@ def table(summaries: Mapping[str, Summary], family: str, markdown: bool) -> str:
 
 TARGET_RR: Final = 1.5  # our CPU per request at most this × vllm-router's, round-robin
 TARGET_FIRST_DATA_US: Final = 1000.0  # first streamed byte at most this much after direct's
+TARGET_KEYED: Final = 1.10  # CPU per request with a keyed tenant at most this × without
 
 
 def verdicts(summaries: Mapping[str, Summary], s: Settings) -> list[str]:
@@ -148,6 +149,28 @@ def verdicts(summaries: Mapping[str, Summary], s: Settings) -> list[str]:
             f"{mark(a, a <= TARGET_FIRST_DATA_US)}: first streamed byte, {name}: {a:,.0f} µs after "
             f"direct's (target ≤ {TARGET_FIRST_DATA_US:,.0f} µs; vllm-router "
             f"{added.median(vr):,.0f} µs, sglang-router {added.median(sr):,.0f} µs)."
+        )
+    out += keyed_verdicts(summaries, s)
+    return out
+
+
+def keyed_verdicts(summaries: Mapping[str, Summary], s: Settings) -> list[str]:
+    """A tenant's key and limits checked on every request against the same gateway
+    without them (issue #18): CPU per request, at most TARGET_KEYED × (unmeasured without
+    the keyed proxy)."""
+    keyed = next((p.name for p in PROXIES if p.keyed), "")
+    plain, _, _ = family_names("prefix")
+    out = []
+    for label in (f"{s.conns} conns: proxy CPU µs/request", "stream: proxy CPU µs/request"):
+        summary = summaries[label]
+        r = summary.ratio(keyed, plain)
+        if math.isnan(r):
+            continue
+        mark = "MET" if r <= TARGET_KEYED else "MISSED"
+        out.append(
+            f"{mark}: {label} with a keyed tenant, its limits on: {summary.median(keyed):,.0f} "
+            f"µs against {summary.median(plain):,.0f} µs without, {r:.2f}× (target ≤ "
+            f"{TARGET_KEYED:.2f}×)."
         )
     return out
 

@@ -26,6 +26,7 @@ class Proxy:
     kind: str  # "direct" | "llmgw" | "vllm-router" | "sglang-router"
     policy: str  # as that proxy names it; "" for direct
     family: str  # "round_robin" | "prefix": the policies compared with each other
+    keyed: bool = False  # every request carries a tenant key with limits (issue #18)
 
 
 PROXIES: Final = (
@@ -36,7 +37,11 @@ PROXIES: Final = (
     Proxy("llmgw prefix", "llmgw", "prefix", "prefix"),
     Proxy("vllm-router cache_aware", "vllm-router", "cache_aware", "prefix"),
     Proxy("sglang-router cache_aware", "sglang-router", "cache_aware", "prefix"),
+    # "llmgw prefix" again with a tenant key and its limits checked on every request
+    Proxy("llmgw prefix keyed", "llmgw", "prefix", "keyed", keyed=True),
 )
+BENCH_KEY: Final = "llmgw-bench-tenant-key"
+"""The tenant key every request carries (the keyed gateway checks it; the others ignore it)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,5 +73,5 @@ class Settings:
 
 def family_names(family: str) -> tuple[str, str, str]:
     """The (llmgw, vllm-router, sglang-router) proxies of one family of policies."""
-    by_kind = {p.kind: p.name for p in PROXIES if p.family == family}
+    by_kind = {p.kind: p.name for p in PROXIES if p.family == family and not p.keyed}
     return by_kind["llmgw"], by_kind["vllm-router"], by_kind["sglang-router"]

@@ -8,6 +8,7 @@ import random
 from dataclasses import dataclass
 from typing import Final
 
+from bench.gwbench.settings import BENCH_KEY
 from bench.kit import HOST
 
 MODEL: Final = "bench-model"
@@ -78,7 +79,7 @@ def chat_request(port: int, prompt: Prompt, stream: bool) -> bytes:
     ).encode()
     head = (
         f"POST /v1/chat/completions HTTP/1.1\r\nHost: {HOST}:{port}\r\n"
-        "Content-Type: application/json\r\nAccept: */*\r\n"
+        f"Content-Type: application/json\r\nAccept: */*\r\nAuthorization: Bearer {BENCH_KEY}\r\n"
         f"Content-Length: {len(body)}\r\n\r\n"
     )
     return head.encode("ascii") + body

@@ -278,7 +278,10 @@ async def test_the_gateway_as_the_benchmark_starts_it_round_robins_and_streams(
     )
     upstream, children = bench_gateway.start_children(settings, tmp_path)
     try:
-        assert set(children) == {"llmgw round_robin", "llmgw prefix"} and len(upstream.ports) == 2
+        assert (
+            set(children) == {"llmgw round_robin", "llmgw prefix", "llmgw prefix keyed"}
+            and len(upstream.ports) == 2
+        )
         gateway = children["llmgw round_robin"]
         prompts = wl.make_prompts(2, 4, 300, 50)
         await bench_gateway.wait_ready(
