@@ -6,7 +6,9 @@ gateway (``llmgw.gateway.stats.router_stats``) and sends them in a unary
 ``RouterService.Report`` under its ``gateway_id`` (see :func:`instance_id`), so
 ``GetRouterStats`` answers for every gateway of the fleet; with them go its signals per
 model (``llmgw.gateway.modelsignals``), which the server's autoscaler reads, and its
-metering per tenant key and model (``RouterReport.usage``, cumulative: tenantmeter.py).
+metering per tenant key and model (``RouterReport.usage``, cumulative: tenantmeter.py) and
+its use of each limited key's budget (``windows``); the answer sets its part of those
+budgets (``RouterReportAck.allowances``: tenants.py).
 
 Reporting never disturbs routing: a failed report is logged and the next interval sends
 fresh figures (counters are cumulative, so nothing is lost by a missed report). A control
@@ -91,8 +93,10 @@ async def report_once(stub: RouterServiceStub, gateway: Gateway, config: ReportC
         models=model_signals(gateway),
         latency_bounds_ms=list(LATENCY_BOUNDS_MS),
         usage=tenant_usage(gateway),
+        windows=gateway.tenants.windows(),
     )
-    await stub.report(report, timeout=config.timeout_s)
+    ack = await stub.report(report, timeout=config.timeout_s)
+    gateway.tenants.apply_allowances(ack.allowances)  # its part of the fleet-wide limits
 
 
 async def _attempt(

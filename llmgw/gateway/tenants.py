@@ -15,9 +15,16 @@ dict (O(1)); an expired one (``expires_unix_ms`` passed, by the wall clock) is a
 saying it expired; an unknown one falls through to the flat keys, as today.
 
 Per key, then (:meth:`TenantRegistry.admit`, after the body is read): a model outside the
-key's ``models`` is answered 403 ``PermissionDeniedError`` naming it; then its limits, this
-gateway's share of them (``KeyState.share``: 1.0 for now; a fleet-wide split between
-gateways will set it; a limit that is not 0 is never shared below 1):
+key's ``models`` is answered 403 ``PermissionDeniedError`` naming it; then its limits as
+this gateway enforces them. They hold fleet-wide: each report this gateway sends carries
+its windows (:meth:`TenantRegistry.windows`) and the server answers its part of every
+limited key's budget (``KeyAllowance``; llmgw.server.core.tenantsplit says how it is split),
+which :meth:`TenantRegistry.apply_allowances` sets until the next answer; a gateway cut off
+from the server keeps enforcing its last part. Until its first answer a gateway enforces the
+key's whole limits (a gateway that starts while others are busy may admit up to a report
+interval's worth over the fleet's budget). A part of 0 refuses. A refusal by a part that is
+not the whole says Retry-After at most ``REBALANCE_WAIT_S``, as the next rebalance may move
+room here:
 
 - ``max_concurrency``: requests in flight at once;
 - ``rpm``: requests in a sliding minute (the 31st of a minute at rpm 30 is refused until the
@@ -31,7 +38,7 @@ gateways will set it; a limit that is not 0 is never shared below 1):
 Over a limit: 429 ``RateLimitError`` (code ``rate_limit_exceeded``) with ``Retry-After``
 (whole seconds, at least 1: when the window will have room) and OpenAI's ``x-ratelimit-*``
 headers, which every answer to a keyed request carries too: ``limit`` (this gateway's
-share), ``remaining`` (after this request) and ``reset`` (until the window is empty again,
+part), ``remaining`` (after this request) and ``reset`` (until the window is empty again,
 Go-duration style like OpenAI's: ``1.5s``, ``6m0s``), for ``requests`` when the key has an
 rpm and ``tokens`` when it has a tpm. Every check is O(1) amortized per request (a window
 drops what left it; only a refusal walks a window to say when it has room). Limits use an
@@ -51,7 +58,7 @@ from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from llmgw.api.llmgw.v1 import TenantKey
+from llmgw.api.llmgw.v1 import KeyAllowance, KeyWindow, TenantKey
 from llmgw.gateway.apikeys import UNAUTHORIZED_BODY, ApiKeys
 from llmgw.gateway.errors import PermissionDenied, RateLimited
 from llmgw.gateway.httprequest import Refusal
@@ -63,6 +70,9 @@ log = logging.getLogger(__name__)
 
 WINDOW_S = 60.0
 """The rate limits' sliding window: one minute."""
+REBALANCE_WAIT_S = 2.0
+"""The longest Retry-After of a refusal by a part of a fleet-wide limit (about the reports'
+interval, after which the server may have moved room here)."""
 CHARS_PER_TOKEN = 4
 """The admission estimate's characters per prompt token."""
 EXPIRED_BODY = error_body("Unauthorized: this API key has expired", "AuthenticationError", 401)
@@ -130,24 +140,56 @@ class Window:
 
 
 class KeyState:
-    """One live key: its feed record, this gateway's ``share`` of its limits, its windows."""
+    """One live key: its feed record, this gateway's allowance of its limits, its windows."""
 
-    __slots__ = ("in_flight", "key", "models", "requests", "share", "tokens")
+    __slots__ = (
+        "allowance", "asked_requests", "asked_tokens", "in_flight", "key", "models",
+        "requests", "tokens",
+    )  # fmt: skip
 
     def __init__(self, key: TenantKey) -> None:
         self.key = key
         self.models = frozenset(key.models)
-        self.share = 1.0  # this gateway's part of the fleet-wide limits (1.0 until split)
+        # this gateway's part of the fleet-wide limits (None: none received, the whole)
+        self.allowance: KeyAllowance | None = None
         self.in_flight = 0
         self.requests = Window()
         self.tokens = Window()
+        self.asked_requests = 0  # cumulative: admitted or refused by a limit
+        self.asked_tokens = 0
 
-    def limit(self, value: int) -> int:
-        """A limit as this gateway enforces it: 0 stays none, else at least 1."""
-        return 0 if value == 0 else max(1, int(value * self.share))
+    @property
+    def rpm(self) -> int:
+        """Requests this gateway admits in its sliding minute; 0: no limit."""
+        return _part(self.key.rpm, self.allowance, "rpm")
+
+    @property
+    def tpm(self) -> int:
+        return _part(self.key.tpm, self.allowance, "tpm")
+
+    @property
+    def max_concurrency(self) -> int:
+        return _part(self.key.max_concurrency, self.allowance, "max_concurrency")
+
+    @property
+    def partial(self) -> bool:
+        """Whether this gateway holds a part of the key's limits (the next rebalance may
+        grow it), not the whole."""
+        return self.allowance is not None and not self.allowance.whole
 
     def may_use(self, model: str) -> bool:
         return not self.models or model in self.models
+
+
+def _part(limit: int, allowance: KeyAllowance | None, kind: str) -> int:
+    """A limit as this gateway enforces it: 0 stays none; else its allowance, which may be
+    0 (nothing left here) but is then enforced as "refuse" (-1 stands for it)."""
+    if limit == 0:
+        return 0
+    if allowance is None:
+        return limit
+    part = int(getattr(allowance, kind))
+    return part if part > 0 else -1
 
 
 @dataclass(slots=True)
@@ -213,6 +255,37 @@ class TenantRegistry:
     def keys(self) -> tuple[TenantKey, ...]:
         return tuple(s.key for s in self._by_digest.values())
 
+    def windows(self) -> list[KeyWindow]:
+        """What this gateway holds now of each limited key's budget (``RouterReport.windows``)."""
+        now = self.clock()
+        out = []
+        for state in self._by_digest.values():
+            key = state.key
+            if not (key.rpm or key.tpm or key.max_concurrency):
+                continue
+            state.requests.expire(now)
+            state.tokens.expire(now)
+            out.append(
+                KeyWindow(
+                    key_id=key.key_id,
+                    requests=len(state.requests.entries),
+                    tokens=max(0, state.tokens.total),
+                    in_flight=state.in_flight,
+                    asked_requests=state.asked_requests,
+                    asked_tokens=state.asked_tokens,
+                )  # fmt: skip
+            )
+        return out
+
+    def apply_allowances(self, allowances: Iterable[KeyAllowance]) -> None:
+        """The server's split (``RouterReportAck.allowances``): each key named enforces its
+        part until the next; a key not named keeps what it had."""
+        by_id = {a.key_id: a for a in allowances}
+        for state in self._by_digest.values():
+            found = by_id.get(state.key.key_id)
+            if found is not None:
+                state.allowance = found
+
     def lookup(self, authorization: bytes | None) -> KeyState | None:
         """The live key an ``Authorization`` value carries (O(1)), or None."""
         if not self._by_digest:
@@ -236,6 +309,8 @@ class TenantRegistry:
         now = self.clock()
         state.requests.expire(now)
         state.tokens.expire(now)
+        state.asked_requests += 1
+        state.asked_tokens += estimate
         refusal = _over_limit(state, estimate, now)
         if refusal is not None:
             reason, message, wait = refusal
@@ -249,40 +324,59 @@ class TenantRegistry:
 
 
 def _over_limit(state: KeyState, estimate: int, now: float) -> tuple[str, str, float] | None:
-    """Which limit a request would go over: (reason, message, seconds until room)."""
-    key = state.key
-    concurrency = state.limit(key.max_concurrency)
-    if concurrency and state.in_flight >= concurrency:
-        return "concurrency", f"this API key has {concurrency} requests in flight at most", 1.0
-    rpm = state.limit(key.rpm)
+    """Which limit a request would go over: (reason, message, seconds until room). A part
+    of a fleet-wide limit (``state.partial``) may grow at the next rebalance, so its wait is
+    at most ``REBALANCE_WAIT_S``."""
+    wait_cap = REBALANCE_WAIT_S if state.partial else WINDOW_S
+    concurrency = state.max_concurrency
+    if concurrency and state.in_flight >= max(concurrency, 0):
+        return (
+            "concurrency",
+            f"this API key has {max(concurrency, 0)} requests in flight at most",
+            1.0,
+        )
+    rpm = state.rpm
     window = state.requests
-    if rpm and len(window.entries) >= rpm:
-        wait = window.wait_for(len(window.entries) - rpm + 1, now)
-        return "rpm", f"Rate limit reached for requests: {rpm} per minute", wait
-    tpm = state.limit(key.tpm)
+    if rpm and len(window.entries) >= max(rpm, 0):
+        wait = window.wait_for(len(window.entries) - max(rpm, 0) + 1, now)
+        return (
+            "rpm",
+            f"Rate limit reached for requests: {_shown(rpm)} per minute",
+            min(wait, wait_cap),
+        )
+    tpm = state.tpm
     tokens = state.tokens
-    if tpm and tokens.total + estimate > tpm:
-        if estimate > tpm:
-            message = f"the request's {estimate} tokens (estimated) exceed the {tpm} per minute"
+    if tpm and tokens.total + estimate > max(tpm, 0):
+        if estimate > state.key.tpm:
+            message = (
+                f"the request's {estimate} tokens (estimated) exceed the {state.key.tpm} per minute"
+            )
             return "tpm", message, WINDOW_S
-        wait = tokens.wait_for(tokens.total + estimate - tpm, now)
-        return "tpm", f"Rate limit reached for tokens: {tpm} per minute", wait
+        wait = tokens.wait_for(tokens.total + estimate - max(tpm, 0), now)
+        return (
+            "tpm",
+            f"Rate limit reached for tokens: {_shown(tpm)} per minute",
+            min(wait, wait_cap),
+        )
     return None
+
+
+def _shown(limit: int) -> int:
+    return max(limit, 0)
 
 
 def _headers(state: KeyState, now: float) -> bytes:
     """OpenAI's ``x-ratelimit-*`` lines for the key's limits (module docstring)."""
-    key = state.key
     parts: list[bytes] = []
-    rpm = state.limit(key.rpm)
-    if rpm:
+    rpm = _shown(state.rpm)
+    if state.rpm:
         left = max(0, rpm - len(state.requests.entries))
         parts.append(
             b"x-ratelimit-limit-requests: %d\r\nx-ratelimit-remaining-requests: %d\r\n"
             b"x-ratelimit-reset-requests: %s\r\n" % (rpm, left, duration(state.requests, now))
         )
-    tpm = state.limit(key.tpm)
-    if tpm:
+    tpm = _shown(state.tpm)
+    if state.tpm:
         left = max(0, tpm - state.tokens.total)
         parts.append(
             b"x-ratelimit-limit-tokens: %d\r\nx-ratelimit-remaining-tokens: %d\r\n"

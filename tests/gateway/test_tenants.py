@@ -18,8 +18,10 @@ import httpx
 import pytest
 
 from llmgw.api.llmgw.v1 import (
+    KeyAllowance,
     RouterFeedEvent,
     RouterReport,
+    RouterReportAck,
     RouterSnapshot,
     TenantKey,
     TenantKeys,
@@ -411,9 +413,10 @@ async def test_the_report_carries_the_usage_rows(upstream: Upstream) -> None:
         await gateway.stop()
     sent: list[RouterReport] = []
 
-    class Stub:
-        async def report(self, report: RouterReport, **_: object) -> None:
+    class Stub:  # a server answering this gateway its part: rpm 7 of the key's
+        async def report(self, report: RouterReport, **_: object) -> RouterReportAck:
             sent.append(report)
+            return RouterReportAck(allowances=[KeyAllowance(key_id="k1", rpm=7)])
 
     config = ReportConfig(gateway_id="g1", started_at_unix_ms=1)
     await report_once(Stub(), gateway, config)  # type: ignore[arg-type]
@@ -426,3 +429,7 @@ async def test_the_report_carries_the_usage_rows(upstream: Upstream) -> None:
         1,
     )
     assert (row.prompt_tokens, row.cached_prompt_tokens, row.completion_tokens) == (40, 32, 7)
+    [window] = sent[0].windows  # what it holds of the key's budget, for the split
+    assert (window.key_id, window.requests, window.asked_requests) == ("k1", 1, 2)
+    [state] = gateway.tenants._by_digest.values()
+    assert state.rpm == 7  # the ack's part is what it enforces now

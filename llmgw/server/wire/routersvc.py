@@ -51,7 +51,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import AsyncGenerator, AsyncIterator
+from collections.abc import AsyncGenerator, AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any, cast
 
@@ -79,13 +79,17 @@ from llmgw.gateway import (
     targets_from_snapshot,
 )
 from llmgw.server.core.reconcile_state import Lifecycle, ReplicaRecord
+from llmgw.server.core.tenantsplit import FleetSplit
 from llmgw.server.state.kvblocks import KvWatcher
 from llmgw.server.state.plane import ControlPlane
+from llmgw.server.wire.reportsignals import IN_SERVER_GATEWAY
 from llmgw.server.wire.routerreports import ReportRefused, RouterReports
 from llmgw.server.wire.tenantkeys import key_message
 
 log = logging.getLogger(__name__)
 
+SPLIT_INTERVAL_S = 2.0
+"""How often the in-server gateway's part of the tenant keys' budgets is computed again."""
 KV_KEYS_PER_TURN = 65_536
 """About how many block keys the feed sends before it looks at the watch hub again."""
 
@@ -285,6 +289,7 @@ class RouterService(RouterServiceBase):
     def __init__(self, plane: ControlPlane, reports: RouterReports | None = None) -> None:
         self.plane = plane
         self.reports = reports if reports is not None else RouterReports()
+        self.split = FleetSplit()  # tenant keys' limits between the gateways (tenantsplit.py)
         self._feeds: set[asyncio.Task[Any]] = set()
         self._closing = ""
 
@@ -306,12 +311,31 @@ class RouterService(RouterServiceBase):
             log.info("a gateway stopped following the router feed")
 
     async def report(self, message: RouterReport) -> RouterReportAck:
-        """Keep a separate gateway's figures for ``GetRouterStats``."""
+        """Keep a separate gateway's figures for ``GetRouterStats``; answer its part of every
+        limited tenant key's fleet-wide budget."""
         try:
             self.reports.take(message)
         except ReportRefused as exc:
             raise GRPCError(exc.status, exc.why) from exc
-        return RouterReportAck(at_unix_ms=int(time.time() * 1000))
+        interval_s = (message.interval_ms or 10_000) / 1000
+        keys = self.plane.tenant_keys.keys
+        allowances = self.split.take(message.gateway_id, message.windows, interval_s, keys)
+        return RouterReportAck(at_unix_ms=int(time.time() * 1000), allowances=allowances)
+
+    async def split_in_server(
+        self, gateway: Callable[[], Gateway | None], interval_s: float = SPLIT_INTERVAL_S
+    ) -> None:
+        """The in-server gateway's part of the tenant keys' budgets, as a separate gateway's
+        report would get it, every ``interval_s``, until cancelled."""
+        while True:
+            served = gateway()
+            if served is not None:
+                keys = self.plane.tenant_keys.keys
+                windows = served.tenants.windows()
+                served.tenants.apply_allowances(
+                    self.split.take(IN_SERVER_GATEWAY, windows, interval_s, keys)
+                )
+            await asyncio.sleep(interval_s)
 
     def shutdown(self) -> None:
         """End every feed with UNAVAILABLE, so gateways know at once (and keep routing
