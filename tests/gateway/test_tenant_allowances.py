@@ -18,11 +18,11 @@ class Clock:
     now = 100.0
 
 
-def registry(**limits: int) -> tuple[TenantRegistry, Clock]:
+def registry(rpm: int = 0, tpm: int = 0) -> tuple[TenantRegistry, Clock]:
     clock = Clock()
     reg = TenantRegistry(clock=lambda: clock.now)
     digest = hashlib.sha256(SECRET).digest()
-    reg.replace([TenantKey(key_id="k", tenant="t", digest=digest, **limits)])
+    reg.replace([TenantKey(key_id="k", tenant="t", digest=digest, rpm=rpm, tpm=tpm)])
     return reg, clock
 
 
