@@ -18,10 +18,13 @@ Demand is what each gateway was asked (admitted or refused by a limit: ``asked_r
 ``asked_tokens``, cumulative) over its last report interval. A gateway whose report is
 older than three of its intervals is no longer given a part, but what it admitted is
 counted as used for a minute after its last report (its requests are still in the fleet's
-minute). Gateways are answered one at a time, each from the latest windows of all: between
-two of its reports a gateway's part is what it was then, so parts computed at different
-times may sum a little over the limit while traffic moves; bench/tenants.py measures that
-overshoot.
+minute). Gateways are answered one at a time, each from the latest windows of all, and
+between two of its reports a gateway may use the part it was given; so a gateway's new part
+is at most what the others' parts, as given, leave (and at least what it already used):
+the parts never sum over the limit, and a part moves toward its share as each gateway
+reports. What a gateway admits before its first answer (the whole limit) is the exception;
+bench/tenants.py measures the overshoot. A gateway cut off keeps enforcing its last part,
+which is counted here for a minute after its last report only.
 
 Pure: no I/O, an injectable clock; memory bounded by ``max_gateways`` × the keys with limits.
 """
@@ -88,6 +91,7 @@ class _Gateway:
     # the asked_* counters of the report before, to take the demand as a difference
     previous: dict[str, tuple[int, int]] = field(default_factory=dict)
     demand: dict[str, tuple[float, float]] = field(default_factory=dict)  # per second
+    allowances: dict[str, KeyAllowance] = field(default_factory=dict)  # as last given
 
 
 class FleetSplit:
@@ -146,6 +150,8 @@ class FleetSplit:
     def _allowance(self, gateway_id: str, key: LimitedKey, now: float) -> KeyAllowance:
         live = [g for g, gw in self._gateways.items() if self._live(gw, now)]
         silent = [gw for gw in self._gateways.values() if not self._live(gw, now)]  # < 1 min
+        others = [gw for g, gw in self._gateways.items() if g != gateway_id]
+        gateway = self._gateways[gateway_id]
         index = live.index(gateway_id)
         kinds: dict[str, int] = {}
         for kind, limit in (
@@ -158,9 +164,22 @@ class FleetSplit:
                 continue
             used = [self._used(self._gateways[g], key.key_id, kind) for g in live]
             demand = [self._demand(self._gateways[g], key.key_id, kind) for g in live]
-            held = sum(self._used(gw, key.key_id, kind) for gw in silent)
-            kinds[kind] = split_budget(max(0, limit - held), used, demand, self.reserve)[index]
-        return KeyAllowance(key_id=key.key_id, whole=len(live) == 1 and not silent, **kinds)
+            held = sum(self._committed(gw, key.key_id, kind) for gw in silent)
+            target = split_budget(max(0, limit - held), used, demand, self.reserve)[index]
+            # never more than the others' parts, as they were given, leave: they may use
+            # them until their next report, so the parts never sum over the limit
+            left = limit - sum(self._committed(gw, key.key_id, kind) for gw in others)
+            kinds[kind] = max(used[index], min(target, left))
+        allowance = KeyAllowance(key_id=key.key_id, whole=len(live) == 1 and not silent, **kinds)
+        gateway.allowances[key.key_id] = allowance
+        return allowance
+
+    def _committed(self, gateway: _Gateway, key_id: str, kind: str) -> int:
+        """What ``gateway`` may hold of a key now: its part as last given (it may use it
+        until its next report), at least what its window held."""
+        used = self._used(gateway, key_id, kind)
+        given = gateway.allowances.get(key_id)
+        return max(used, int(getattr(given, kind))) if given is not None else used
 
     @staticmethod
     def _used(gateway: _Gateway, key_id: str, kind: str) -> int:

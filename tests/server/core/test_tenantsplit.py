@@ -52,22 +52,31 @@ def window(requests: int = 0, asked: int = 0, tokens: int = 0) -> KeyWindow:
 def test_two_gateways_split_and_the_busy_one_gets_more() -> None:
     clock = Clock()
     split = FleetSplit(clock=lambda: clock.now)
-    split.take("a", [window()], 2.0, [KEY])
+    [a0] = split.take("a", [window()], 2.0, [KEY])
+    assert a0.rpm == 60 and a0.whole  # alone
     [b0] = split.take("b", [window()], 2.0, [KEY])
-    assert b0.rpm == 30 and not b0.whole
+    assert b0.rpm == 0 and not b0.whole  # "a" may still use all 60 until its next report
+    clock.now = 1.0
+    [a0] = split.take("a", [window()], 2.0, [KEY])
+    [b0] = split.take("b", [window()], 2.0, [KEY])
+    assert (a0.rpm, b0.rpm) == (30, 30)  # each its share once both reported
     clock.now = 2.0
     [a1] = split.take("a", [window(requests=20, asked=40)], 2.0, [KEY])
+    assert a1.rpm == 30  # its share is more, but "b" may still use its 30
     [b1] = split.take("b", [window()], 2.0, [KEY])
-    assert a1.rpm + b1.rpm <= 60 and a1.rpm > 40 and b1.rpm >= 1
+    assert 1 <= b1.rpm < 10  # "b" gives its room back to the busy one...
+    clock.now = 3.0
+    [a2] = split.take("a", [window(requests=20, asked=41)], 2.0, [KEY])
+    assert a2.rpm > 40 and a2.rpm + b1.rpm <= 60  # ...which takes it at its next report
 
 
-def test_a_silent_gateway_loses_its_part_but_what_it_admitted_still_counts() -> None:
+def test_a_silent_gateway_keeps_its_part_for_a_minute_then_it_is_forgotten() -> None:
     clock = Clock()
     split = FleetSplit(clock=lambda: clock.now)
     split.take("a", [window(requests=40, asked=40)], 1.0, [KEY])
     clock.now = 10.0  # "a" silent for 10 intervals
     [b] = split.take("b", [window()], 1.0, [KEY])
-    assert b.rpm == 20 and not b.whole
+    assert b.rpm == 0 and not b.whole  # cut off, "a" may still admit its whole 60
     clock.now = 80.0  # a minute on: its requests left the window
     [b] = split.take("b", [window()], 1.0, [KEY])
     assert b.rpm == 60 and b.whole
