@@ -32,6 +32,7 @@ from llmgw.cli import (
     simengine,
     tenantkeys,
     token,
+    usage,
 )
 from llmgw.cli.errors import CliError
 from llmgw.cli.rpc import use_client_flags
@@ -53,6 +54,7 @@ COMMANDS: tuple[Callable[[argparse._SubParsersAction[argparse.ArgumentParser]], 
     console.register,  # console
     token.register,  # token create|list|revoke
     tenantkeys.register,  # key create|list|revoke
+    usage.register,  # usage (what tenants used)
     db.register,  # db migrate
 )
 """Each command module's ``register``, in the order ``llmgw --help`` lists the commands."""

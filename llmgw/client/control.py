@@ -35,6 +35,8 @@ from llmgw.api.llmgw.v1 import (
     RouterStats,
     ScaleRequest,
     TenantKey,
+    UsageRequest,
+    UsageResponse,
     WatchEvent,
     WatchRequest,
 )
@@ -108,6 +110,15 @@ class ControlClient:
         path = _SERVICE + "ListKeys"
         reply = await self._channel.unary(path, ListKeysRequest(tenant=tenant), ListKeysResponse)
         return list(reply.keys)
+
+    async def get_usage(
+        self, tenant: str = "", since_unix_ms: int = 0, until_unix_ms: int = 0
+    ) -> UsageResponse:
+        """Hourly usage per tenant, key and model (stored and pending); admin only."""
+        request = UsageRequest(
+            tenant=tenant, since_unix_ms=since_unix_ms, until_unix_ms=until_unix_ms
+        )
+        return await self._channel.unary(_SERVICE + "GetUsage", request, UsageResponse)
 
     # --- writes ----------------------------------------------------------------------------
 

@@ -324,7 +324,10 @@ async def _serve(
         await _start_web(config, web, tls)
         async with _gateway(config, plane, tls.http) as served, asyncio.TaskGroup() as tasks:
             slot.gateway = served.gateway if isinstance(served, ServedGateway) else None
-            rounds = {"tick": _ticker(plane, config.tick_s), "split": router.split_in_server(slot)}
+            rounds = {
+                "tick": _ticker(plane, config.tick_s),
+                "split": router.tenants_in_server(slot),
+            }
             loop = _reconcile_loop(config, plane, agents, control.in_flight)
             if loop is not None:  # the autoscaler's counts need a reconciler to act on
                 rounds["reconcile"] = loop.run(config.reconcile_every_s)

@@ -40,6 +40,7 @@ MIG = "MIG-0e6f6b07-1d5c-5a8e-a3f4-6b6d3c7e9a21"
 TP8 = ("--tensor-parallel-size", "8", "--pipeline-parallel-size", "1")
 TP1 = ("--tensor-parallel-size", "1", "--pipeline-parallel-size", "1")
 LISTEN = ("--host", "127.0.0.1", "--port", "8001")
+VLLM_LISTEN = (*LISTEN, "--enable-prompt-tokens-details")  # vLLM's: cached tokens in usage
 KV_JSON = (
     '{"enable_kv_cache_events":true,"publisher":"zmq",'
     '"endpoint":"ipc:///srv/llmgw/agent/kv/r1-s0.pub",'
@@ -100,7 +101,7 @@ def two_nodes(rank: int, **fields: Any) -> ShardSpec:
 
 def test_vllm_tp8_on_eight_gpus() -> None:
     out = launch(shard(profile()))
-    assert out.argv == (*("vllm", "serve", MODEL, *LISTEN, "--served-model-name", NAME), *TP8)
+    assert out.argv == (*("vllm", "serve", MODEL, *VLLM_LISTEN, "--served-model-name", NAME), *TP8)
     assert out.env == {"CUDA_VISIBLE_DEVICES": GPUS_CSV, **VLLM_KEY}
     assert (out.engine, out.port, out.api_key) == ("vllm", 8001, "sk-r1")
     assert out.secret_env == {"VLLM_API_KEY"}
@@ -127,7 +128,7 @@ FABRIC_ENV = {
 def test_vllm_two_nodes_tp8_pp2_rank0_is_the_leader() -> None:
     out = launch(two_nodes(0))
     assert out.argv == (
-        *("vllm", "serve", MODEL, *LISTEN, "--served-model-name", NAME),
+        *("vllm", "serve", MODEL, *VLLM_LISTEN, "--served-model-name", NAME),
         *MULTINODE_TAIL,
         "0",
         *MASTER,
@@ -161,7 +162,7 @@ def test_vllm_lora_adapters() -> None:
     loras = [LoraAdapter(name="sql", path="/loras/sql"), LoraAdapter(name="chat", path="/l/c")]
     out = launch(shard(profile(tp=1, adapters=loras), gpu_uuids=GPUS[:1]))
     assert out.argv == (
-        *("vllm", "serve", MODEL, *LISTEN, "--served-model-name", NAME, *TP1),
+        *("vllm", "serve", MODEL, *VLLM_LISTEN, "--served-model-name", NAME, *TP1),
         *("--enable-lora", "--lora-modules", "sql=/loras/sql", "chat=/l/c", "--max-loras", "2"),
     )
     assert out.env == {"CUDA_VISIBLE_DEVICES": GPUS[0], **VLLM_KEY}
@@ -177,7 +178,7 @@ def test_vllm_kv_events_with_profile_args_and_env() -> None:
     )
     out = launch(shard(prof, gpu_uuids=(MIG,)))
     assert out.argv == (
-        *("vllm", "serve", MODEL, *LISTEN, "--served-model-name", "llama", *TP1),
+        *("vllm", "serve", MODEL, *VLLM_LISTEN, "--served-model-name", "llama", *TP1),
         *("--kv-events-config", KV_JSON, "--enable-prefix-caching"),
         *("--prefix-caching-hash-algo", "sha256_cbor", "--max-model-len", "8192"),
     )
@@ -210,7 +211,7 @@ def test_vllm_api_server_module_takes_model_flag_on_cpu() -> None:
     out = launch(shard(prof, gpu_uuids=()), {"vllm": API_SERVER})
     assert out.argv == (
         *API_SERVER,
-        *("--model", MODEL, *LISTEN, "--served-model-name", NAME, *TP1),
+        *("--model", MODEL, *VLLM_LISTEN, "--served-model-name", NAME, *TP1),
     )
     assert out.env == {
         "VLLM_CPU_OMP_THREADS_BIND": "nobind",  # OpenMP then takes OMP_NUM_THREADS threads
@@ -222,7 +223,7 @@ def test_vllm_api_server_module_takes_model_flag_on_cpu() -> None:
 
 def test_vllm_cpu_without_threads_or_key_adds_nothing() -> None:
     out = launch(shard(profile(tp=1, gpu_class="cpu"), gpu_uuids=(), api_key=""))
-    assert out.argv == ("vllm", "serve", MODEL, *LISTEN, "--served-model-name", NAME, *TP1)
+    assert out.argv == ("vllm", "serve", MODEL, *VLLM_LISTEN, "--served-model-name", NAME, *TP1)
     assert out.env == {}
 
 

@@ -4,6 +4,8 @@ The command line, in order::
 
     BIN serve MODEL                                   (or BIN --model MODEL, see below)
         --host 127.0.0.1 --port PORT                  (not on headless ranks)
+        --enable-prompt-tokens-details                (not on headless ranks: the
+                                                      cached tokens in every usage)
         --served-model-name NAME
         --tensor-parallel-size TP --pipeline-parallel-size PP
         --enable-lora --lora-modules N=PATH … --max-loras COUNT        (LoRA adapters)
@@ -127,10 +129,17 @@ class VllmAdapter:
         )
 
 
+PROMPT_DETAILS = "--enable-prompt-tokens-details"
+"""Makes vLLM say ``usage.prompt_tokens_details.cached_tokens``, which the gateways meter."""
+
+
 def _server_args(spec: ShardSpec, layout: Layout) -> tuple[str, ...]:
     listen = () if layout.headless else ("--host", LOOPBACK, "--port", str(check_port(spec)))
+    # every answer's usage says its cached prompt tokens: the gateways meter them per tenant
+    details = () if layout.headless else (PROMPT_DETAILS,)
     return (
         *listen,
+        *details,
         *("--served-model-name", served_model_name(spec)),
         *("--tensor-parallel-size", str(layout.tp), "--pipeline-parallel-size", str(layout.pp)),
     )

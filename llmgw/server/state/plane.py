@@ -89,6 +89,7 @@ from llmgw.server.state.store import Store, now_ms
 from llmgw.server.state.storehealth import WriteRetry
 from llmgw.server.state.storeschema import AuditRecord, StoredNode
 from llmgw.server.state.tenantkeys import TenantKeyBook
+from llmgw.server.state.usage import UsageLedger
 from llmgw.server.state.watch import WatchHub
 
 log = logging.getLogger(__name__)
@@ -113,6 +114,7 @@ class ControlPlane:
         self.desired.shown = self.statuses.shown
         self.history = History(store)  # state changes of shards and nodes (describe)
         self.tenant_keys = TenantKeyBook(store)  # every live tenant key (the router feed's)
+        self.usage = UsageLedger()  # metered usage not yet stored (llmgw.server.wire.usage)
         self._seen: dict[str, int] = {}  # node id → last heartbeat ms not yet in the store
         self._unsaved_nodes: set[str] = set()  # registrations the store could not take yet
         self._unsaved_audit: list[AuditRecord] = []  # audit records it could not take yet

@@ -82,6 +82,8 @@ from llmgw.api.llmgw.v1 import (
     RolloutUndoRequest,
     RouterStats,
     ScaleRequest,
+    UsageRequest,
+    UsageResponse,
     WatchEvent,
     WatchRequest,
 )
@@ -107,6 +109,7 @@ from llmgw.server.wire.dryrun import counted, plan_message, plan_summary
 from llmgw.server.wire.logrelay import LogRelay, log_targets, merged
 from llmgw.server.wire.routerreports import RouterReports, StatsPart, combine
 from llmgw.server.wire.tenantkeys import TenantKeyCalls
+from llmgw.server.wire.usage import usage_response
 
 log = logging.getLogger(__name__)
 
@@ -360,6 +363,9 @@ class ControlService(ControlServiceBase):
 
     async def revoke_key(self, message: RevokeKeyRequest) -> ActionResult:
         return await self._keys.revoke(message)
+
+    async def get_usage(self, message: UsageRequest) -> UsageResponse:
+        return await usage_response(self.plane, message)
 
     async def get_router_stats(self, message: GetRouterStatsRequest) -> RouterStats:
         gateway = self.gateway()

@@ -85,6 +85,7 @@ from llmgw.server.state.plane import ControlPlane
 from llmgw.server.wire.reportsignals import IN_SERVER_GATEWAY
 from llmgw.server.wire.routerreports import ReportRefused, RouterReports
 from llmgw.server.wire.tenantkeys import key_message
+from llmgw.server.wire.usage import FLUSH_S, flush, take_usage
 
 log = logging.getLogger(__name__)
 
@@ -317,25 +318,36 @@ class RouterService(RouterServiceBase):
             self.reports.take(message)
         except ReportRefused as exc:
             raise GRPCError(exc.status, exc.why) from exc
+        take_usage(self.plane.usage, message.gateway_id, message.started_at_unix_ms, message.usage)
         interval_s = (message.interval_ms or 10_000) / 1000
         keys = self.plane.tenant_keys.keys
         allowances = self.split.take(message.gateway_id, message.windows, interval_s, keys)
         return RouterReportAck(at_unix_ms=int(time.time() * 1000), allowances=allowances)
 
-    async def split_in_server(
+    async def tenants_in_server(
         self, gateway: Callable[[], Gateway | None], interval_s: float = SPLIT_INTERVAL_S
     ) -> None:
-        """The in-server gateway's part of the tenant keys' budgets, as a separate gateway's
-        report would get it, every ``interval_s``, until cancelled."""
-        while True:
-            served = gateway()
-            if served is not None:
-                keys = self.plane.tenant_keys.keys
-                windows = served.tenants.windows()
-                served.tenants.apply_allowances(
-                    self.split.take(IN_SERVER_GATEWAY, windows, interval_s, keys)
-                )
-            await asyncio.sleep(interval_s)
+        """Every ``interval_s`` until cancelled: the in-server gateway's part of the tenant
+        keys' budgets and its usage, as a separate gateway's report would give them, and
+        every ``usage.FLUSH_S`` the pending usage into the store (llmgw.server.wire.usage)."""
+        started_at_ms = int(time.time() * 1000)
+        flushed = time.monotonic()
+        try:
+            while True:
+                served = gateway()
+                if served is not None:
+                    keys = self.plane.tenant_keys.keys
+                    windows = served.tenants.windows()
+                    parts = self.split.take(IN_SERVER_GATEWAY, windows, interval_s, keys)
+                    served.tenants.apply_allowances(parts)
+                    usage = served.tenants.meter.usage()
+                    take_usage(self.plane.usage, IN_SERVER_GATEWAY, started_at_ms, usage)
+                if time.monotonic() - flushed >= FLUSH_S:
+                    flushed = time.monotonic()
+                    await flush(self.plane)
+                await asyncio.sleep(interval_s)
+        finally:
+            await asyncio.shield(flush(self.plane))  # the term ends: what is counted is kept
 
     def shutdown(self) -> None:
         """End every feed with UNAVAILABLE, so gateways know at once (and keep routing

@@ -11,7 +11,7 @@ L = ("t", "k_1", "m")
 
 
 def test_deltas_restart_and_reset() -> None:
-    ledger = UsageLedger()
+    ledger = UsageLedger(since_ms=0)
     ledger.report("g", 1, {L: UsageCounts(requests=2, prompt_tokens=10)}, 5)
     ledger.report("g", 1, {L: UsageCounts(requests=3, prompt_tokens=15)}, 6)
     assert ledger.pending[(0, *L)] == UsageCounts(requests=3, prompt_tokens=15)
@@ -20,8 +20,18 @@ def test_deltas_restart_and_reset() -> None:
     assert ledger.pending[(0, *L)] == UsageCounts(requests=4, prompt_tokens=22)
 
 
+def test_a_gateway_older_than_the_ledger_gives_a_baseline_not_a_count() -> None:
+    # a new leader: what the gateway counted before may be stored already
+    ledger = UsageLedger(since_ms=1000)
+    ledger.report("old", 500, {L: UsageCounts(requests=50)}, 2000)
+    assert ledger.pending == {}
+    ledger.report("old", 500, {L: UsageCounts(requests=52)}, 3000)
+    ledger.report("new", 1500, {L: UsageCounts(requests=1)}, 3000)  # started after: whole
+    assert ledger.pending[(0, *L)] == UsageCounts(requests=3)
+
+
 def test_hour_boundary_and_give_back() -> None:
-    ledger = UsageLedger()
+    ledger = UsageLedger(since_ms=0)
     ledger.report("g", 1, {L: UsageCounts(requests=1)}, HOUR_MS - 1)
     ledger.report("g", 1, {L: UsageCounts(requests=3)}, HOUR_MS)
     batch = ledger.take()
