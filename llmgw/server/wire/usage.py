@@ -16,6 +16,7 @@ figures kept).
 from __future__ import annotations
 
 import logging
+import math
 import time
 
 from llmgw.api.llmgw.v1 import TenantUsage, UsageRequest, UsageResponse, UsageRow
@@ -26,18 +27,23 @@ log = logging.getLogger(__name__)
 
 FLUSH_S = 5.0
 """How often pending usage is written to the store."""
+MAX_COUNT = 2**48
+"""The largest cumulative counter taken from a report (sums of them stay within int64)."""
 MAX_USAGE_ROWS = 4096
 """Usage rows one report may carry (tenant × key × model)."""
 
 
 def counts_of(usage: TenantUsage) -> UsageCounts:
+    """A reported row's counters, each clamped to ``[0, MAX_COUNT]`` (a lying gateway's
+    huge or non-finite figures must not make every later write of the store fail)."""
+    gpu_ms = usage.gpu_seconds * 1000 if math.isfinite(usage.gpu_seconds) else 0.0
     return UsageCounts(
-        requests=usage.requests,
-        refused=usage.refused,
-        prompt_tokens=usage.prompt_tokens,
-        cached_tokens=usage.cached_prompt_tokens,
-        completion_tokens=usage.completion_tokens,
-        gpu_ms=round(usage.gpu_seconds * 1000),
+        requests=min(usage.requests, MAX_COUNT),
+        refused=min(usage.refused, MAX_COUNT),
+        prompt_tokens=min(usage.prompt_tokens, MAX_COUNT),
+        cached_tokens=min(usage.cached_prompt_tokens, usage.prompt_tokens, MAX_COUNT),
+        completion_tokens=min(usage.completion_tokens, MAX_COUNT),
+        gpu_ms=round(min(max(gpu_ms, 0.0), MAX_COUNT)),
     )
 
 
@@ -96,4 +102,12 @@ async def usage_response(plane: ControlPlane, request: UsageRequest) -> UsageRes
     return UsageResponse(rows=out, as_of_unix_ms=plane.usage.reported_at_ms)
 
 
-__all__ = ["FLUSH_S", "MAX_USAGE_ROWS", "counts_of", "flush", "take_usage", "usage_response"]
+__all__ = [
+    "FLUSH_S",
+    "MAX_COUNT",
+    "MAX_USAGE_ROWS",
+    "counts_of",
+    "flush",
+    "take_usage",
+    "usage_response",
+]
