@@ -1,33 +1,32 @@
 """The control plane's state and its effects: inventory + store + watch fan-out.
 
 The services call this; it keeps the inventory, the desired state (``desired``: profiles and
-deployments) and the tenants' gateway keys (``tenant_keys``: ``state.tenantkeys``), writes
-what must survive a kill to the store before answering, and publishes every change to
-watchers. Snapshots carry the deployments and the audit log's most recent records. A
-periodic ``tick`` marks silent nodes NOT_READY and flushes heartbeat times to the store in
-one batch. Time the server itself did not run (stopped, starved: a tick at least ``STALL_S``
-later than the shortest gap between ticks seen) does not count toward a heartbeat's age:
-the heartbeats of that time sit unread in its sockets, they are not missing.
+deployments), the tenants' gateway keys (``tenant_keys``: ``state.tenantkeys``) and their
+usage not yet stored (``usage``: ``state.usage``), writes what must survive a kill to the
+store before answering, and publishes every change to watchers. Snapshots carry the
+deployments and the audit log's most recent records. A periodic ``tick`` marks silent nodes
+NOT_READY and flushes heartbeat times to the store in one batch. Time the server did not run
+(stopped, starved: a tick at least ``STALL_S`` later than the shortest gap between ticks
+seen) does not count toward a heartbeat's age: its heartbeats sit unread in its sockets.
 
 After a start, :meth:`ControlPlane.agents_back` waits (at most ``WARMUP_S``) until every
 node the store remembers has registered again: until then the replicas on the others look
 not READY although their engines serve, and a router feed's first snapshot waits for it
-(bench/chaos.py saw gateways answer 503 for a model whose agents were not back yet).
+(bench/chaos.py saw gateways answer 503 for a model whose agents were not back).
 
-It also holds the replica records the reconciler decided on (``server.reconcile_loop`` writes
-them through :meth:`ControlPlane.save_replicas`) and shows each one that is not RETIRED as a
-``Replica``: its state derived from its shards on their planned nodes (READY only when every
-shard is READY), its endpoint ``http://ADDRESS:PORT`` of the leader, and ``out_of_date``
-when its fingerprint differs from its deployment's profile now. Every change that may need
+It holds the replica records the reconciler decided on (``server.reconcile_loop`` writes them
+through :meth:`ControlPlane.save_replicas`), each one not RETIRED shown as a ``Replica``: its
+state from its shards on their planned nodes (READY only when every shard is), its endpoint
+``http://ADDRESS:PORT`` of the leader, ``out_of_date`` when its fingerprint is not its
+deployment's profile's now. Every change that may need
 a reconciliation round (a registration, a shard report, a node lost or cordoned, an apply
 or delete) calls :attr:`ControlPlane.reconcile_soon`.
 
 ``kv_blocks`` holds the KV cache blocks of each replica as its leader's agent reports them
 (``state.kvblocks``); the plane drops a replica's blocks when it is RETIRED, when its leader
 stops, fails or starts afresh, and when its node's stream ends or it registers again. A node
-that only missed heartbeats keeps them: its stream, once it speaks again, carries every
-change since, in order, while nothing would ever send back blocks dropped then
-(bench/chaos.py found such replicas missing blocks for good).
+that only missed heartbeats keeps them: once it speaks again its stream carries every change
+since, in order, while nothing would send back blocks dropped then (bench/chaos.py).
 
 Every agent is told the cluster id of the store (``Registered.cluster_id``). A registration
 whose ``cluster_id`` names another cluster and that reports shards is not adopted: its
@@ -43,8 +42,7 @@ the plane keeps in memory what no caller waits for (heartbeat times, registratio
 records) and :meth:`ControlPlane.flush` writes it once writes work again, trying with capped,
 jittered backoff (and, with nothing to write, a probe write, so that ``/healthz`` turns
 healthy by itself). What a caller waits for (an apply, a cordon, a round's replica records)
-is written first and shown after; a write that fails raises StoreUnwritable and changes
-nothing in memory.
+is written first and shown after; a failed write raises StoreUnwritable, changing nothing.
 """
 
 from __future__ import annotations
@@ -114,7 +112,7 @@ class ControlPlane:
         self.desired.shown = self.statuses.shown
         self.history = History(store)  # state changes of shards and nodes (describe)
         self.tenant_keys = TenantKeyBook(store)  # every live tenant key (the router feed's)
-        self.usage = UsageLedger()  # metered usage not yet stored (llmgw.server.wire.usage)
+        self.usage = UsageLedger()
         self._seen: dict[str, int] = {}  # node id → last heartbeat ms not yet in the store
         self._unsaved_nodes: set[str] = set()  # registrations the store could not take yet
         self._unsaved_audit: list[AuditRecord] = []  # audit records it could not take yet
