@@ -106,7 +106,7 @@ def test_every_request_type_is_covered() -> None:
         "AgentMessage", "ApplyDeploymentRequest", "NodeRequest", "RouterFeedRequest",
         "ReprofileReplicaRequest", "WatchRequest",
     }  # fmt: skip
-    assert len(HANDLERS) == 24  # with issue #18's CreateKey, ListKeys, RevokeKey
+    assert len(HANDLERS) == 25  # with issue #18's CreateKey, ListKeys, RevokeKey, GetUsage
 
 
 @examples(300)
